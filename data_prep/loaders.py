@@ -1,0 +1,147 @@
+"""Load Dolly, Alpaca, Wizard (Hub or local json/jsonl/parquet) into :class:`Example`.
+
+Field layouts:
+
+=========  ==========================================================
+dolly      instruction, context, response, category   (databricks/databricks-dolly-15k)
+alpaca     instruction, input, output                 (tatsu-lab/alpaca)
+wizard     instruction, output                        (WizardLMTeam/WizardLM_evol_instruct_70k)
+fedllm     instruction, input, response, category     (this project's own schema)
+=========  ==========================================================
+
+``format="auto"`` picks the layout from the fields of the first record. Every
+record is checked: a missing or empty required field is reported with the
+file, the line (jsonl) or row (json, parquet) and the field name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from data_prep.schema import DataError, Example
+
+HUB_IDS = {
+    "dolly": "databricks/databricks-dolly-15k",
+    "alpaca": "tatsu-lab/alpaca",
+    "wizard": "WizardLMTeam/WizardLM_evol_instruct_70k",
+}
+# format -> (instruction, input, response, category); None: absent from the layout
+LAYOUTS: dict[str, tuple[str, str | None, str, str | None]] = {
+    "dolly": ("instruction", "context", "response", "category"),
+    "alpaca": ("instruction", "input", "output", None),
+    "wizard": ("instruction", None, "output", None),
+    "fedllm": ("instruction", "input", "response", "category"),
+}
+
+
+def detect_format(record: dict, where: str) -> str:
+    keys = set(record)
+    if {"instruction", "context", "response"} <= keys:
+        return "dolly"
+    if {"instruction", "response"} <= keys:
+        return "fedllm"
+    if {"instruction", "input", "output"} <= keys:
+        return "alpaca"
+    if {"instruction", "output"} <= keys:
+        return "wizard"
+    raise DataError(
+        f"{where}: cannot tell the dataset format from fields {sorted(keys)}; expected dolly "
+        "(instruction, context, response), alpaca (instruction, input, output) or wizard (instruction, output)"
+    )
+
+
+def to_example(record: dict, fmt: str, where: str) -> Example:
+    """Map one record to the schema; ``where`` is 'file, line N' for messages."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    inst_f, input_f, resp_f, cat_f = LAYOUTS[fmt]
+    for f in (inst_f, resp_f):
+        value = record.get(f)
+        if f not in record:
+            raise DataError(f"{where}: missing required field '{f}' ({fmt} format)")
+        if not isinstance(value, str) or not value.strip():
+            raise DataError(f"{where}: field '{f}' must be a non-empty string, got {value!r}")
+    extra = record.get(input_f) if input_f else ""
+    if extra is not None and not isinstance(extra, str):
+        raise DataError(f"{where}: field '{input_f}' must be a string, got {type(extra).__name__}")
+    category = record.get(cat_f) if cat_f else None
+    return Example(record[inst_f], extra or "", record[resp_f], str(category) if category else None)
+
+
+def _records_from_file(path: Path) -> Iterable[tuple[dict, str]]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line), f"{path}, line {i + 1}"
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
+    elif suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(data, list):
+            raise DataError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+        for i, rec in enumerate(data):
+            yield rec, f"{path}, record {i}"
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        for i, rec in enumerate(table.to_pylist()):
+            yield rec, f"{path}, row {i}"
+    else:
+        raise DataError(f"{path}: unsupported file type '{suffix}'; expected .json, .jsonl or .parquet")
+
+
+def _records_from_hub(hub_id: str) -> Iterable[tuple[dict, str]]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(hub_id, split="train")
+    except Exception as e:  # datasets raises many types for offline / missing
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = "; offline mode is on: download it first or pass a local .json/.jsonl/.parquet file" if offline else ""
+        raise DataError(f"data.dataset: cannot load {hub_id!r} from the Hub{hint} ({type(e).__name__})") from None
+    for i, rec in enumerate(ds):
+        yield rec, f"{hub_id}, row {i}"
+
+
+def load_examples(dataset: str, fmt: str = "auto", max_examples: int = 0, builtin_per_skill: int = 400,
+                  seed: int = 0) -> list[Example]:
+    """Examples of ``dataset``: 'builtin', a short name, a Hub id or a local file."""
+    if dataset == "builtin":
+        from data_prep import builtin
+
+        exclude = builtin.benchmark_prompts(builtin.benchmark())
+        examples = builtin.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
+        return examples[:max_examples] if max_examples else examples
+    path = Path(dataset).expanduser()
+    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or os.sep in dataset and not dataset.count("/") == 1:
+        if not path.is_file():
+            raise DataError(f"data.dataset: file {path} does not exist")
+        records = _records_from_file(path)
+    else:
+        records = _records_from_hub(HUB_IDS.get(dataset, dataset))
+        if fmt == "auto" and dataset in HUB_IDS:
+            fmt = dataset
+    out = []
+    for rec, where in records:
+        layout = detect_format(rec, where) if fmt == "auto" else fmt
+        fmt = layout
+        out.append(to_example(rec, layout, where))
+        if max_examples and len(out) >= max_examples:
+            break
+    if not out:
+        raise DataError(f"data.dataset: {dataset} holds no records")
+    return out

@@ -1,0 +1,1 @@
+"""MMLU evaluation: prompts as the reference harness builds them, log-likelihood scoring, aggregation."""

@@ -1,0 +1,165 @@
+"""Loading MMLU-format data: the Hub, local copies in the usual layouts, the built-in set.
+
+Layouts understood for a local folder:
+
+* the original release: ``data/dev/{subject}_dev.csv`` and ``data/test/{subject}_test.csv``
+  (also without the ``data/`` level), rows ``question, A, B, C, D, answer-letter``;
+* the Hub's parquet files: ``{config}/{split}-*.parquet`` (``all/`` or per subject);
+* jsonl: ``{split}.jsonl`` or ``{subject}_{split}.jsonl`` with question, subject, choices, answer.
+
+Every row is checked (4 choices, answer 0-3) and a bad one is reported with
+its file and row number.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+LETTERS = ("A", "B", "C", "D")
+
+
+class MMLUDataError(ValueError):
+    """Malformed or missing MMLU data; the message names the file and row."""
+
+
+@dataclass(frozen=True)
+class Question:
+    subject: str
+    index: int
+    question: str
+    choices: tuple[str, str, str, str]
+    answer: int
+
+
+def _check(rec: dict, where: str, subject: str | None, index: int) -> Question:
+    for key in ("question", "choices", "answer"):
+        if key not in rec:
+            raise MMLUDataError(f"{where}: missing field '{key}'")
+    choices = rec["choices"]
+    if not isinstance(choices, list | tuple) or len(choices) != 4:
+        n = len(choices) if isinstance(choices, list | tuple) else type(choices).__name__
+        raise MMLUDataError(f"{where}: expected 4 choices, got {n}")
+    answer = rec["answer"]
+    if isinstance(answer, str) and answer.strip().upper() in LETTERS:
+        answer = LETTERS.index(answer.strip().upper())
+    elif isinstance(answer, str) and answer.strip().isdigit():
+        answer = int(answer)
+    if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer <= 3:
+        raise MMLUDataError(f"{where}: answer {rec['answer']!r} is outside 0-3 (or A-D)")
+    subj = rec.get("subject") or subject
+    if not subj:
+        raise MMLUDataError(f"{where}: no subject given")
+    return Question(str(subj), index, str(rec["question"]), tuple(str(c) for c in choices), answer)
+
+
+def _read_csv(path: Path, subject: str) -> list[Question]:
+    out = []
+    with path.open(newline="", encoding="utf-8") as fh:
+        for i, row in enumerate(csv.reader(fh)):
+            where = f"{path}, row {i + 1}"
+            if len(row) != 6:
+                raise MMLUDataError(f"{where}: expected question, 4 choices and an answer (6 columns), got {len(row)}")
+            out.append(_check({"question": row[0], "choices": row[1:5], "answer": row[5]}, where, subject, i))
+    return out
+
+
+def _read_jsonl(path: Path) -> list[Question]:
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MMLUDataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
+            out.append(_check(rec, f"{path}, line {i + 1}", None, i))
+    return out
+
+
+def _from_records(records, where: str) -> list[Question]:
+    return [_check(dict(r), f"{where}, row {i}", None, i) for i, r in enumerate(records)]
+
+
+def _reindex(questions: list[Question]) -> list[Question]:
+    """Index questions 0.. within each subject, in file order."""
+    seen: dict[str, int] = {}
+    out = []
+    for q in questions:
+        i = seen.get(q.subject, 0)
+        seen[q.subject] = i + 1
+        out.append(Question(q.subject, i, q.question, q.choices, q.answer))
+    return out
+
+
+def _local(root: Path, split: str) -> list[Question]:
+    for base in (root / "data" / split, root / split):
+        files = sorted(base.glob(f"*_{split}.csv"))
+        if files:
+            return [q for f in files for q in _read_csv(f, f.name[: -len(f"_{split}.csv")])]
+    parquet = sorted(root.glob(f"all/{split}-*.parquet")) or sorted(root.glob(f"*/{split}-*.parquet"))
+    if parquet:
+        import pyarrow.parquet as pq
+
+        return [q for f in parquet for q in _from_records(pq.read_table(f).to_pylist(), str(f))]
+    jsonl = sorted(root.glob(f"{split}.jsonl")) or sorted(root.glob(f"*_{split}.jsonl"))
+    if jsonl:
+        return [q for f in jsonl for q in _read_jsonl(f)]
+    raise MMLUDataError(
+        f"{root}: no '{split}' split found (looked for data/{split}/*_{split}.csv, {split}/*_{split}.csv, "
+        f"all/{split}-*.parquet, */{split}-*.parquet, {split}.jsonl)"
+    )
+
+
+def load_questions(source: str, split: str = "test", subjects: list[str] | None = None,
+                   limit: int = 0) -> list[Question]:
+    """Questions of ``split`` from 'builtin', a local file/folder, or a Hub id.
+
+    ``limit`` keeps the first N questions of each subject (deterministic).
+    A requested subject that is absent is an error, not a silent zero.
+    """
+    if source == "builtin":
+        from data_prep import builtin
+
+        qs = _from_records(builtin.benchmark(split=split), f"builtin:{split}")
+    elif Path(source).expanduser().is_dir():
+        qs = _local(Path(source).expanduser(), split)
+    elif Path(source).expanduser().is_file():
+        qs = _read_jsonl(Path(source).expanduser())
+    else:
+        qs = _hub(source, split)
+    qs = _reindex(qs)
+    if subjects:
+        present = {q.subject for q in qs}
+        missing = [s for s in subjects if s not in present]
+        if missing:
+            raise MMLUDataError(f"{source} ({split}): subject(s) {missing} not found; present: {sorted(present)[:8]}...")
+        qs = [q for q in qs if q.subject in set(subjects)]
+    if limit:
+        qs = [q for q in qs if q.index < limit]
+    return qs
+
+
+def _hub(source: str, split: str) -> list[Question]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(source, "all", split=split)
+    except Exception as e:  # datasets raises many types for offline / missing
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (offline: download it first or pass a local copy)" if offline else ""
+        raise MMLUDataError(f"eval data {source!r} split {split!r} could not be loaded{hint}: {e}") from None
+    return _from_records(ds, f"{source}:{split}")
+
+
+def subject_category_map(source: str) -> dict[str, str]:
+    """Categories of non-MMLU subjects (the built-in benchmark's skills)."""
+    if source == "builtin":
+        from data_prep.builtin import SKILL_CATEGORY
+
+        return dict(SKILL_CATEGORY)
+    return {}

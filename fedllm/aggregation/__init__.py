@@ -1,0 +1,24 @@
+"""Server aggregation strategies, one per file, registered by name."""
+
+from fedllm.aggregation import fedit, flexlora, flora, florist  # noqa: F401  (registers the strategies)
+from fedllm.aggregation.base import (
+    STRATEGIES,
+    ClientStart,
+    ClientUpdate,
+    GlobalState,
+    RoundResult,
+    Strategy,
+    example_weights,
+    strategy_from_config,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "ClientStart",
+    "ClientUpdate",
+    "GlobalState",
+    "RoundResult",
+    "Strategy",
+    "example_weights",
+    "strategy_from_config",
+]

@@ -1,0 +1,74 @@
+"""Shared linear algebra of the strategies, on plain tensors.
+
+The key identity: for stacked factors ``B = [B_1 .. B_K]`` (out x R) and
+``A = [p_1 A_1; ..; p_K A_K]`` (R x in), ``B @ A = sum_k p_k B_k A_k``. Its SVD
+is computed without ever forming the out x in matrix: thin QR of ``B`` and
+``A^T``, then an SVD of the small R x R core ``R_B @ R_A^T``. That is what
+makes FlexLoRA and FLoRIST cheap on the server.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fedllm.factors import LoraFactors
+
+
+def pad_rank(f: LoraFactors, rank: int) -> LoraFactors:
+    """Zero-pad (folded) factors to ``rank``; the product is unchanged."""
+    if f.rank > rank:
+        raise ValueError(f"cannot pad rank {f.rank} down to {rank}")
+    extra = rank - f.rank
+    A = torch.cat([f.A, f.A.new_zeros(extra, f.A.shape[1])])
+    B = torch.cat([f.B, f.B.new_zeros(f.B.shape[0], extra)], dim=1)
+    return LoraFactors(A, B, f.scale)
+
+
+def truncate_rank(f: LoraFactors, rank: int) -> LoraFactors:
+    """The leading ``rank`` rows of A and columns of B."""
+    return LoraFactors(f.A[:rank], f.B[:, :rank], f.scale)
+
+
+def stack(factors: list[LoraFactors], weights: list[float]) -> LoraFactors:
+    """Stacked factors whose product is ``sum_k w_k scale_k B_k A_k`` exactly."""
+    A = torch.cat([w * f.A for f, w in zip(factors, weights, strict=True)])
+    B = torch.cat([f.B * f.scale for f in factors], dim=1)
+    return LoraFactors(A, B, 1.0)
+
+
+def low_rank_svd(f: LoraFactors) -> tuple[Tensor, Tensor, Tensor]:
+    """``U, S, Vh`` of ``scale * B @ A`` from QR of the factors and an R x R core SVD.
+
+    The core SVD runs in float64: it is tiny and its accuracy bounds the result.
+    """
+    qb, rb = torch.linalg.qr(f.B * f.scale)
+    qa, ra = torch.linalg.qr(f.A.T)
+    core = (rb.double() @ ra.double().T)
+    uc, s, vch = torch.linalg.svd(core, full_matrices=False)
+    dtype = f.B.dtype
+    return qb @ uc.to(dtype), s.to(dtype), vch.to(dtype) @ qa.T
+
+
+def svd_factors(u: Tensor, s: Tensor, vh: Tensor, rank: int) -> LoraFactors:
+    """Rank-``rank`` factors ``B = U sqrt(S)``, ``A = sqrt(S) Vh`` (scale 1)."""
+    root = s[:rank].clamp_min(0).sqrt()
+    return LoraFactors(root[:, None] * vh[:rank], u[:, :rank] * root[None, :], 1.0)
+
+
+def energy_rank(s: Tensor, tau: float) -> int:
+    """Smallest p with ``sum_{i<p} s_i^2 / sum_i s_i^2 >= tau`` (at least 1)."""
+    energy = s.double() ** 2
+    total = energy.sum()
+    if total <= 0:
+        return 1
+    frac = torch.cumsum(energy, 0) / total
+    p = int(torch.searchsorted(frac, torch.tensor(tau, dtype=frac.dtype) - 1e-12).item()) + 1
+    return min(max(p, 1), s.numel())
+
+
+def weighted_mean(tensors: list[Tensor], weights: list[float]) -> Tensor:
+    out = torch.zeros_like(tensors[0])
+    for t, w in zip(tensors, weights, strict=True):
+        out.add_(t, alpha=w)
+    return out

@@ -1,0 +1,153 @@
+"""The strategy protocol and its registry.
+
+A strategy sees plain tensors only (no peft, no transformers). Each round the
+loop calls :meth:`Strategy.aggregate` with the valid client updates and the
+current :class:`GlobalState`, and :meth:`Strategy.client_start` to learn what
+each client of the next round starts from. It never branches on a name.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from fedllm.aggregation._linalg import weighted_mean
+from fedllm.factors import Adapter, adapter_numel
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+@dataclass
+class ClientUpdate:
+    """What one client uploads: its adapter, example count and extras.
+
+    ``extras`` holds algorithm- or strategy-specific tensors that travel with
+    the update (SCAFFOLD's control-variate delta, FLoRAL's router
+    probabilities); they are counted in the communication ledger.
+    """
+
+    client_id: int
+    num_examples: int
+    factors: Adapter
+    dense: dict[str, Tensor] = field(default_factory=dict)
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def numel(self) -> int:
+        return adapter_numel(self.factors) + sum(t.numel() for t in self.dense.values()) + sum(
+            t.numel() for t in self.extras.values()
+        )
+
+
+@dataclass
+class GlobalState:
+    """The server's state after a round.
+
+    ``factors``: the global adapter (scale folded; empty when the strategy
+    merges into the base). ``residual``: everything merged into the base so
+    far, kept as factors so that a run can be resumed and exported exactly.
+    ``dense``: averaged fully trained modules. ``extras``: strategy state.
+    """
+
+    factors: Adapter = field(default_factory=dict)
+    residual: Adapter = field(default_factory=dict)
+    dense: dict[str, Tensor] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClientStart:
+    """What a client downloads: factors to load (None: fresh LoRA) and an update to merge."""
+
+    factors: Adapter | None
+    merge: Adapter = field(default_factory=dict)
+
+    def numel(self) -> int:
+        return (adapter_numel(self.factors) if self.factors else 0) + adapter_numel(self.merge)
+
+
+@dataclass
+class RoundResult:
+    """``state``: the new global state; ``merged``: the update merged into the base this round."""
+
+    state: GlobalState
+    merged: Adapter = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def example_weights(updates: list[ClientUpdate]) -> list[float]:
+    """p_k = n_k / sum of n over the round's clients."""
+    total = sum(u.num_examples for u in updates)
+    if total <= 0:
+        raise ValueError("client updates carry no examples; cannot weight them")
+    return [u.num_examples / total for u in updates]
+
+
+class Strategy(abc.ABC):
+    """Base class: registry, weights, dense averaging, default client start.
+
+    Subclasses implement :meth:`aggregate_factors`; strategies that merge into
+    the base return the merged update in :class:`RoundResult` and let clients
+    start from fresh adapters.
+    """
+
+    name: ClassVar[str] = ""
+    merges_into_base: ClassVar[bool] = False
+    averages_parameters: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.name or not cls.name.isidentifier():
+            raise TypeError(f"strategy {cls.__name__} needs a lower-case identifier as name, got {cls.name!r}")
+        if cls.name in STRATEGIES:
+            raise TypeError(f"strategy name {cls.name!r} is registered twice")
+        STRATEGIES[cls.name] = cls
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @classmethod
+    def from_config(cls, agg) -> Strategy:
+        return cls()
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse configs this strategy cannot run, before any work starts."""
+
+    def aggregate(self, updates: list[ClientUpdate], state: GlobalState) -> RoundResult:
+        if not updates:
+            raise ValueError("aggregate() needs at least one client update")
+        weights = example_weights(updates)
+        result = self.aggregate_factors(updates, weights, state)
+        names = updates[0].dense.keys()
+        result.state.dense = {k: weighted_mean([u.dense[k] for u in updates], weights) for k in names}
+        if not result.state.dense:
+            result.state.dense = dict(state.dense)
+        return result
+
+    @abc.abstractmethod
+    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+        """Combine the round's adapters (``weights`` are the p_k) into a new state."""
+
+    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+        """Default: start from fresh factors and merge what the server merged."""
+        return ClientStart(None, merged)
+
+    def global_adapter(self, state: GlobalState) -> Adapter:
+        """The adapter evaluated and exported as 'the global model' (on top of the residual)."""
+        return state.factors
+
+
+def new_residual(state: GlobalState, merged: Adapter) -> Adapter:
+    """The cumulative residual after merging ``merged`` into the base."""
+    from fedllm.factors import concat
+
+    return concat(state.residual, merged) if state.residual else {k: f.folded() for k, f in merged.items()}
+
+
+def strategy_from_config(agg) -> Strategy:
+    return STRATEGIES[agg.name].from_config(agg)

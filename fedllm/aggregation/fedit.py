@@ -1,0 +1,44 @@
+"""FedIT: federated instruction tuning by averaging LoRA factors.
+
+Zhang et al., "Towards Building the Federated GPT: Federated Instruction
+Tuning" (ICASSP 2024). A and B are averaged *separately*, so the global
+product ``mean(B) @ mean(A)`` differs from ``mean(B @ A)`` (the cross-term
+error is part of the method). With heterogeneous ranks every client's
+(scale-folded) factors are zero-padded to the largest rank before averaging.
+"""
+
+from __future__ import annotations
+
+from fedllm.aggregation._linalg import pad_rank, truncate_rank, weighted_mean
+from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.factors import Adapter, LoraFactors
+
+
+class FedIT(Strategy):
+    """Average A and B separately, weighted by example counts.
+
+    Client: loads the leading ``r_k`` rows of A and columns of B of the global
+    adapter (re-scaled to its own ``alpha / r_k``) and trains them.
+    """
+
+    name = "fedit"
+
+    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+        out: Adapter = {}
+        for key in updates[0].factors:
+            folded = [u.factors[key].folded() for u in updates]
+            rmax = max(f.rank for f in folded)
+            padded = [pad_rank(f, rmax) for f in folded]
+            out[key] = LoraFactors(
+                weighted_mean([f.A for f in padded], weights), weighted_mean([f.B for f in padded], weights), 1.0
+            )
+        return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
+
+    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+        if not state.factors:
+            return ClientStart(None, merged)
+        start = {}
+        for key, f in state.factors.items():
+            g = pad_rank(f, rank) if f.rank < rank else truncate_rank(f, rank)
+            start[key] = g.with_scale(scale)
+        return ClientStart(start, merged)

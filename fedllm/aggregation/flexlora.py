@@ -1,0 +1,44 @@
+"""FlexLoRA: heterogeneous ranks through an SVD of the aggregated update.
+
+Bai et al., "Federated Fine-tuning of Large Language Models under
+Heterogeneous Tasks and Client Resources" (NeurIPS 2024). The server forms
+``W = sum_k p_k s_k B_k A_k`` and gives each client the rank-``r_k`` truncated
+SVD of it. Here ``W`` is never formed: the SVD comes from a QR of the stacked
+factors and an SVD of a small R x R core (R = sum of ranks), which is exact.
+"""
+
+from __future__ import annotations
+
+from fedllm.aggregation._linalg import low_rank_svd, pad_rank, stack, svd_factors, truncate_rank
+from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.factors import Adapter
+
+
+class FlexLoRA(Strategy):
+    """Global update = exact weighted sum, kept in SVD form (singular values sorted).
+
+    Client: loads the leading ``r_k`` SVD components (its truncated SVD, split
+    as ``B = U sqrt(S)``, ``A = sqrt(S) Vh`` and re-scaled to its own scale).
+    """
+
+    name = "flexlora"
+    averages_parameters = False
+
+    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+        out: Adapter = {}
+        for key in updates[0].factors:
+            stacked = stack([u.factors[key] for u in updates], weights)
+            u, s, vh = low_rank_svd(stacked)
+            out[key] = svd_factors(u, s, vh, s.numel())
+        return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
+
+    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+        if not state.factors:
+            return ClientStart(None, merged)
+        start = {}
+        for key, f in state.factors.items():
+            # A global rank below the client's (a layer smaller than the rank) is
+            # zero-padded; the round loop re-initializes such empty directions.
+            g = truncate_rank(f, rank) if f.rank >= rank else pad_rank(f, rank)
+            start[key] = g.with_scale(scale)
+        return ClientStart(start, merged)

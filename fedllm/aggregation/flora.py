@@ -1,0 +1,30 @@
+"""FLoRA: stacking-based heterogeneous LoRA aggregation.
+
+Wang et al., "FLoRA: Federated Fine-Tuning Large Language Models with
+Heterogeneous Low-Rank Adaptations" (NeurIPS 2024). Stacking
+``B = [B_1 .. B_K]`` and ``A = [p_1 A_1; ..; p_K A_K]`` gives
+``B @ A = sum_k p_k s_k B_k A_k`` exactly: no cross-term error, any mix of
+ranks. The stacked update is merged into the base; the download grows with
+the sum of the round's ranks.
+"""
+
+from __future__ import annotations
+
+from fedllm.aggregation._linalg import stack
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, new_residual
+
+
+class FLoRA(Strategy):
+    """Stack the clients' factors and merge the exact weighted sum into the base.
+
+    Client: merges the broadcast stacked update into its base weights, then
+    trains a freshly initialized LoRA of its own rank.
+    """
+
+    name = "flora"
+    merges_into_base = True
+    averages_parameters = False
+
+    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+        merged = {key: stack([u.factors[key] for u in updates], weights) for key in updates[0].factors}
+        return RoundResult(GlobalState({}, new_residual(state, merged), extras=dict(state.extras)), merged)

@@ -1,0 +1,52 @@
+"""FLoRIST: singular value thresholding of the stacked update.
+
+Ramesh et al., "FLoRIST: Singular Value Thresholding for Efficient and
+Accurate Federated Fine-Tuning of Large Language Models" (2025). Like FlexLoRA
+the server takes the SVD of ``sum_k p_k s_k B_k A_k`` from the stacked factors
+(no dense matrix), then keeps only the top ``p`` singular values that hold a
+fraction ``tau`` of the energy (``sum s_i^2``); ``tau = 0.9`` is the paper's
+robust default. One rank-``p`` global adapter is broadcast and merged into the
+base, so the download grows with ``p`` instead of the sum of ranks.
+"""
+
+from __future__ import annotations
+
+from fedllm.aggregation._linalg import energy_rank, low_rank_svd, stack, svd_factors
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, new_residual
+from fedllm.config import ConfigError
+from fedllm.factors import Adapter
+
+
+class FLoRIST(Strategy):
+    """Threshold the singular values by energy (or keep a fixed rank) and merge.
+
+    Client: merges the broadcast rank-``p`` update into its base weights and
+    trains a fresh LoRA of its own rank.
+    """
+
+    name = "florist"
+    merges_into_base = True
+    averages_parameters = False
+
+    def __init__(self, tau: float = 0.9, fixed_rank: int = 0) -> None:
+        if not 0 < tau <= 1:
+            raise ConfigError(f"aggregation.tau = {tau} is invalid: expected a value in (0, 1]")
+        if fixed_rank < 0:
+            raise ConfigError(f"aggregation.fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
+        super().__init__(tau=tau, fixed_rank=fixed_rank)
+        self.tau, self.fixed_rank = tau, fixed_rank
+
+    @classmethod
+    def from_config(cls, agg) -> FLoRIST:
+        return cls(tau=agg.tau, fixed_rank=agg.fixed_rank)
+
+    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+        merged: Adapter = {}
+        kept: dict[str, int] = {}
+        for key in updates[0].factors:
+            u, s, vh = low_rank_svd(stack([u.factors[key] for u in updates], weights))
+            p = min(self.fixed_rank, s.numel()) if self.fixed_rank else energy_rank(s, self.tau)
+            merged[key] = svd_factors(u, s, vh, p)
+            kept[key] = p
+        info = {"kept_rank_mean": sum(kept.values()) / len(kept), "kept_rank_max": max(kept.values())}
+        return RoundResult(GlobalState({}, new_residual(state, merged), extras=dict(state.extras)), merged, info)

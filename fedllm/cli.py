@@ -1,0 +1,169 @@
+"""``fedllm`` command line: run, eval, export, report.
+
+Parses arguments, builds the pieces and calls them; any expected failure
+(bad config, bad data, unreachable model) is printed as one clear line with a
+non-zero exit instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger("fedllm")
+
+EXIT_BAD_INPUT = 2
+
+
+@contextlib.contextmanager
+def friendly_errors() -> Iterator[None]:
+    """Turn the project's input errors into one line on stderr and exit code 2."""
+    from data_prep.schema import DataError
+    from eval.data import MMLUDataError
+    from fedllm.checkpoint import CheckpointError
+    from fedllm.config import ConfigError
+    from fedllm.export import ExportError
+    from fedllm.modeling import ModelError
+
+    try:
+        yield
+    except (ConfigError, DataError, MMLUDataError, ModelError, CheckpointError, ExportError, ValueError) as e:
+        print(f"fedllm: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "filelock", "accelerate", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedllm.config import help_text, load_config
+
+    if args.help_config:
+        print(help_text())
+        return 0
+    from fedllm.federation import Federation
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").exists():
+            print(f"fedllm: error: --resume {run_dir}: no config.yaml there (not a run directory)", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        cfg = load_config(run_dir / "config.yaml", args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.output_dir or cfg.output.dir or f"runs/{cfg.aggregation.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        cfg.output.dir = str(run_dir)
+    fed = Federation(cfg, run_dir)
+    fed.setup()
+    summary = fed.run(resume=bool(args.resume))
+    if fed.acc.is_main_process:
+        print_summary(summary)
+    return 0
+
+
+def print_summary(s: dict) -> None:
+    def f(x):
+        return "n/a" if x is None else f"{x:.4f}"
+
+    c = s["communication"]
+    print("\n=== fedllm run summary ===")
+    print(f"run dir            {s['run_dir']}")
+    print(f"strategy / client  {s['strategy']} / {s['algorithm']}, ranks {s['ranks']}")
+    print(f"held-out loss      {f(s.get('loss_before'))} -> {f(s.get('loss_after'))}")
+    print(f"accuracy           {f(s.get('accuracy_before'))} -> {f(s.get('accuracy_after'))}"
+          f" (best {f(s.get('accuracy_best'))})")
+    print(f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
+          f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)")
+    print(f"failed client calls {s['failed_client_calls']}, skipped rounds {s['skipped_rounds']}")
+    print(f"wall time          {s['wall_s']:.1f} s")
+    if s.get("note"):
+        print(f"note               {s['note']}")
+    print(f"global adapter     {Path(s['run_dir']) / 'global_adapter'}")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from eval.mmlu import run
+
+    run(args)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from fedllm.export import export_run, push_to_hub
+
+    out = Path(args.output or Path(args.run_dir) / ("export-merged" if args.merge else "export"))
+    export_run(Path(args.run_dir), out, args.round, args.merge, args.client)
+    print(f"exported to {out}")
+    if args.push_to_hub:
+        push_to_hub(out, args.push_to_hub, args.private)
+        print(f"pushed to https://huggingface.co/{args.push_to_hub}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedllm.report import report
+
+    print(report([Path(r) for r in args.run_dirs], Path(args.output) if args.output else None))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedllm", description="Federated LoRA fine-tuning of causal LMs")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a federated fine-tuning")
+    r.add_argument("--config", help="experiment YAML (default: the built-in offline default)")
+    r.add_argument("--output-dir", help="run directory (default: runs/<strategy>-<time>)")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round")
+    r.add_argument("--help-config", action="store_true", help="list every config key with its help")
+    r.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. federation.rounds=3")
+    r.set_defaults(func=cmd_run)
+
+    e = sub.add_parser("eval", help="MMLU evaluation of a model, adapter or run")
+    from eval.mmlu import add_arguments
+
+    add_arguments(e)
+    e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="export a run's adapter or merged model, optionally to the Hub")
+    x.add_argument("run_dir")
+    x.add_argument("--round", type=int, help="round to export (default: the last)")
+    x.add_argument("--client", type=int, help="a client's personalized adapter")
+    x.add_argument("--merge", action="store_true", help="write a full merged model instead of an adapter")
+    x.add_argument("--output", help="output folder (default: RUN_DIR/export)")
+    x.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the export (token from HF_TOKEN or login)")
+    x.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    x.set_defaults(func=cmd_export)
+
+    rep = sub.add_parser("report", help="compare runs: table and PNG plots")
+    rep.add_argument("run_dirs", nargs="+")
+    rep.add_argument("--output", help="folder for the plots (default: the first run dir)")
+    rep.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with friendly_errors():
+        return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["main"]

@@ -1,0 +1,150 @@
+"""The local-training protocol shared by every client algorithm.
+
+A client is only its data, its adapter factors and its optimizer state: the
+base model is shared by all clients of a process and never copied. The round
+loop loads the client's starting factors into the adapter of the client's
+rank, then calls :meth:`ClientAlgorithm.train`. Algorithms differ in how one
+local step is taken (:meth:`ClientAlgorithm.local_step`) and in what they
+upload besides the adapter; the loop around the steps is written once here.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from data_prep.prompts import TokenizedExample, collate
+
+ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
+
+
+@dataclass
+class LocalPlan:
+    """Everything one client needs to know about its local work this round."""
+
+    round: int
+    client_id: int
+    steps: int
+    seed: int
+    lr: float
+    batch_size: int
+    grad_accum: int = 1
+    scheduler: str = "cosine"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class LocalResult:
+    """Loss curve of the local steps and algorithm-specific uploads."""
+
+    losses: list[float]
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.losses) / max(1, len(self.losses))
+
+
+def batch_stream(data: list[TokenizedExample], batch_size: int, pad_id: int, seed: int) -> Iterator[dict[str, Tensor]]:
+    """Endless seeded shuffled batches (reshuffled every epoch)."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        for i in range(0, len(order), batch_size):
+            chunk = order[i:i + batch_size]
+            if len(chunk) < batch_size and len(order) >= batch_size:
+                chunk = chunk + order[: batch_size - len(chunk)]
+            yield collate([data[j] for j in chunk], pad_id)
+
+
+class ClientAlgorithm(abc.ABC):
+    """One local-training algorithm; subclasses register by ``name``."""
+
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.name or not cls.name.isidentifier():
+            raise TypeError(f"client algorithm {cls.__name__} needs an identifier as name, got {cls.name!r}")
+        if cls.name in ALGORITHMS:
+            raise TypeError(f"client algorithm {cls.name!r} is registered twice")
+        ALGORITHMS[cls.name] = cls
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @classmethod
+    def from_config(cls, client_cfg) -> ClientAlgorithm:
+        return cls()
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse combinations this algorithm cannot run, before any work starts."""
+
+    def make_optimizer(self, params: list[torch.nn.Parameter], plan: LocalPlan) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=plan.lr, weight_decay=plan.weight_decay)
+
+    def begin(self, params: list[torch.nn.Parameter], state: dict[str, Any]) -> None:
+        """Hook before the first local step (e.g. remember the starting point)."""
+
+    def finish(self, params: list[torch.nn.Parameter], plan: LocalPlan, state: dict[str, Any]) -> dict[str, Tensor]:
+        """Hook after the last local step; returns extra tensors to upload."""
+        return {}
+
+    @abc.abstractmethod
+    def local_step(self, model, params: list[torch.nn.Parameter], batches: Iterator[dict[str, Tensor]],
+                   plan: LocalPlan, accelerator) -> float:
+        """Accumulate gradients for one optimizer step into ``params``; return the loss."""
+
+    def train(self, model, params: list[torch.nn.Parameter], data: list[TokenizedExample], plan: LocalPlan,
+              accelerator, pad_id: int, state: dict[str, Any] | None = None) -> LocalResult:
+        """Run ``plan.steps`` optimizer steps on ``params`` (the client's trainable tensors)."""
+        from transformers import get_scheduler
+
+        state = state if state is not None else {}
+        torch.manual_seed(plan.seed)  # LoRA dropout and any sampling inside the step
+        optimizer = self.make_optimizer(params, plan)
+        warmup = int(plan.warmup_ratio * plan.steps)
+        sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
+        scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
+        batches = batch_stream(data, plan.batch_size, pad_id, plan.seed)
+        self.begin(params, state)
+        model.train()
+        losses = []
+        for _ in range(plan.steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = self.local_step(model, params, batches, plan, accelerator)
+            if plan.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss)
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        return LocalResult(losses, self.finish(params, plan, state))
+
+
+def lm_loss(model, batch: dict[str, Tensor], accelerator) -> Tensor:
+    """Causal-LM loss on response tokens (prompt labels are -100)."""
+    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+    with accelerator.autocast():
+        return model(**batch).loss
+
+
+def accumulate(model, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, accelerator) -> float:
+    """Backward over ``grad_accum`` micro-batches; returns their mean loss."""
+    total = 0.0
+    for _ in range(plan.grad_accum):
+        loss = lm_loss(model, next(batches), accelerator) / plan.grad_accum
+        accelerator.backward(loss)
+        total += loss.item()
+    return total

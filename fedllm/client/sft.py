@@ -1,0 +1,18 @@
+"""Plain supervised fine-tuning: the local step of FedAvg / FedIT.
+
+McMahan et al., "Communication-Efficient Learning of Deep Networks from
+Decentralized Data" (AISTATS 2017), with the alpaca-style instruction loss.
+"""
+
+from __future__ import annotations
+
+from fedllm.client.base import ClientAlgorithm, accumulate
+
+
+class SFT(ClientAlgorithm):
+    """Minimize the response-token loss on the client's data with AdamW."""
+
+    name = "sft"
+
+    def local_step(self, model, params, batches, plan, accelerator) -> float:
+        return accumulate(model, batches, plan, accelerator)

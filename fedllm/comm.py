@@ -1,0 +1,60 @@
+"""The communication ledger: parameters and bytes up and down, per client and round.
+
+Counted from the tensors that actually cross the boundary (the factors a
+client loads or merges, its upload, extras such as control variates), so a
+strategy's cost is measured rather than assumed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Ledger:
+    bytes_per_param: int = 4
+    up_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    down_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    round_up: int = 0
+    round_down: int = 0
+
+    def start_round(self) -> None:
+        self.round_up = self.round_down = 0
+
+    def download(self, client: int, params: int) -> None:
+        self.down_params[client] += params
+        self.round_down += params
+
+    def upload(self, client: int, params: int) -> None:
+        self.up_params[client] += params
+        self.round_up += params
+
+    def round_summary(self) -> dict:
+        b = self.bytes_per_param
+        return {
+            "up_params": self.round_up, "down_params": self.round_down,
+            "up_bytes": self.round_up * b, "down_bytes": self.round_down * b,
+        }
+
+    def totals(self) -> dict:
+        b = self.bytes_per_param
+        up, down = sum(self.up_params.values()), sum(self.down_params.values())
+        return {
+            "total_up_params": up, "total_down_params": down,
+            "total_up_bytes": up * b, "total_down_bytes": down * b,
+            "per_client": {
+                str(c): {"up_params": self.up_params.get(c, 0), "down_params": self.down_params.get(c, 0)}
+                for c in sorted(set(self.up_params) | set(self.down_params))
+            },
+        }
+
+    def state(self) -> dict:
+        return {"up": dict(self.up_params), "down": dict(self.down_params), "bytes_per_param": self.bytes_per_param}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Ledger:
+        led = cls(bytes_per_param=state.get("bytes_per_param", 4))
+        led.up_params.update({int(k): v for k, v in state["up"].items()})
+        led.down_params.update({int(k): v for k, v in state["down"].items()})
+        return led

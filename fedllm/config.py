@@ -1,0 +1,353 @@
+"""Typed run configuration: YAML + dotted ``key=value`` overrides, validated once.
+
+Configs are parsed into dataclasses here and nowhere else; algorithm code
+takes plain arguments. Every field carries help text (``fedllm run --help-config``
+prints it) and a range check, so a bad value fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the field and what was expected."""
+
+
+def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = None, expect: str = "") -> Any:
+    """A config field with help text and an optional range check."""
+    meta = {"help": help, "check": check, "expect": expect}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _positive(x: Any) -> bool:
+    return x > 0
+
+
+def _fraction(x: Any) -> bool:
+    return 0 < x <= 1
+
+
+def _nonneg(x: Any) -> bool:
+    return x >= 0
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("builtin", "base model: 'builtin' (tiny offline Llama), a Hub id or a local path")
+    dtype: str = opt("float32", "weights dtype", lambda x: x in ("float32", "bfloat16", "float16", "auto"),
+                     "one of float32, bfloat16, float16, auto")
+    trust_remote_code: bool = opt(False, "allow custom modeling code from the Hub (off: it runs remote code)")
+    quantization: str = opt("none", "bitsandbytes quantization of the frozen base",
+                            lambda x: x in ("none", "4bit", "8bit"), "one of none, 4bit, 8bit")
+    gradient_checkpointing: bool = opt(False, "trade compute for memory in the base model")
+    builtin_pretrain_steps: int = opt(2000, "pretraining steps of the built-in base (cached per value)", _positive,
+                                      "an integer >= 1")
+
+
+@dataclass
+class LoraConfig:
+    ranks: list[int] = opt([4, 8, 16, 32], "rank of each client's LoRA, cycled over clients when shorter")
+    rank_distribution: dict[int, float] = opt({}, "if set, ranks are drawn per client from {rank: probability}")
+    alpha_ratio: float = opt(2.0, "lora_alpha = alpha_ratio * rank for every client", _positive, "> 0")
+    target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                    "linear modules that get a LoRA")
+    dropout: float = opt(0.0, "LoRA dropout", lambda x: 0 <= x < 1, "in [0, 1)")
+    use_rslora: bool = opt(False, "rank-stabilized scale alpha / sqrt(r) instead of alpha / r")
+    trainable_modules: list[str] = opt([], "base modules trained in full and averaged (e.g. embed_tokens, lm_head); "
+                                       "costly for real LLMs")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt("builtin", "'builtin', dolly, alpaca, wizard, a Hub id, or a .json/.jsonl/.parquet file")
+    format: str = opt("auto", "field layout of the dataset", lambda x: x in ("auto", "dolly", "alpaca", "wizard", "fedllm"),
+                      "one of auto, dolly, alpaca, wizard, fedllm")
+    template: str = opt("auto", "prompt template (auto: plain for the built-in data, alpaca otherwise)",
+                        lambda x: x in ("auto", "alpaca", "plain"), "one of auto, alpaca, plain")
+    max_seq_len: int = opt(0, "maximum tokens per example, prompt + response (0: min(512, model context))",
+                           lambda x: x == 0 or x >= 8, "0 or an integer >= 8")
+    max_examples: int = opt(0, "use at most this many examples (0: all)", _nonneg, ">= 0")
+    partition: str = opt("dirichlet", "how examples are split over clients",
+                         lambda x: x in ("iid", "dirichlet", "shards"), "one of iid, dirichlet, shards")
+    dirichlet_alpha: float = opt(0.5, "Dirichlet concentration over categories (smaller: more skew)", _positive, "> 0")
+    shards_per_client: int = opt(2, "categories per client with partition=shards", _positive, "an integer >= 1")
+    min_examples_per_client: int = opt(8, "every client gets at least this many examples", _positive, "an integer >= 1")
+    eval_size: int = opt(200, "held-out examples for the global evaluation loss", _nonneg, ">= 0")
+    client_test_fraction: float = opt(0.1, "share of each client's data kept for personalized evaluation",
+                                      lambda x: 0 <= x < 1, "in [0, 1)")
+    builtin_examples_per_skill: int = opt(400, "built-in dataset size per skill", _positive, "an integer >= 1")
+
+
+@dataclass
+class FederationConfig:
+    num_clients: int = opt(4, "number of clients the data is partitioned into", _positive, "an integer >= 1")
+    clients_per_round: int = opt(0, "clients sampled each round (0: use client_fraction)", _nonneg, ">= 0")
+    client_fraction: float = opt(1.0, "fraction of clients sampled each round", _fraction, "in (0, 1]")
+    rounds: int = opt(5, "communication rounds", _positive, "an integer >= 1")
+    seed: int = opt(0, "seed for partitioning, sampling, initialization and training")
+    min_clients: int = opt(1, "a round with fewer valid updates is skipped", _positive, "an integer >= 1")
+    client_timeout_s: float = opt(0.0, "a client running longer is dropped from the round (0: no limit)", _nonneg,
+                                  ">= 0")
+    dropout: float = opt(0.0, "fraction of sampled clients that never report (system heterogeneity)",
+                         lambda x: 0 <= x < 1, "in [0, 1)")
+
+
+@dataclass
+class ClientConfig:
+    algorithm: str = opt("sft", "local training algorithm: sft, fedprox, scaffold, perfedavg")
+    lr: float = opt(3e-3, "adaptor learning rate", _positive, "> 0")
+    batch_size: int = opt(8, "micro-batch size", _positive, "an integer >= 1")
+    grad_accum: int = opt(1, "micro-batches per optimizer step", _positive, "an integer >= 1")
+    local_steps: int = opt(50, "optimizer steps per round (0: use local_epochs)", _nonneg, ">= 0")
+    local_steps_per_client: list[int] = opt([], "per-client local steps, cycled (system heterogeneity)")
+    local_epochs: float = opt(1.0, "epochs per round when local_steps = 0", _positive, "> 0")
+    scheduler: str = opt("cosine", "learning-rate schedule within a round",
+                         lambda x: x in ("constant", "linear", "cosine"), "one of constant, linear, cosine")
+    warmup_ratio: float = opt(0.0, "share of local steps spent warming up", lambda x: 0 <= x < 1, "in [0, 1)")
+    weight_decay: float = opt(0.0, "AdamW weight decay", _nonneg, ">= 0")
+    max_grad_norm: float = opt(1.0, "gradient clipping (0: off)", _nonneg, ">= 0")
+    mu: float = opt(0.01, "FedProx proximal coefficient", _nonneg, ">= 0")
+    perfedavg_variant: str = opt("fo", "Per-FedAvg variant", lambda x: x in ("fo", "hf"), "one of fo, hf")
+    perfedavg_alpha: float = opt(1e-3, "Per-FedAvg inner step size", _positive, "> 0")
+    personalize_steps: int = opt(1, "local steps for personalized evaluation (Per-FedAvg)", _nonneg, ">= 0")
+
+
+@dataclass
+class AggregationConfig:
+    name: str = opt("fedit", "server strategy: fedit, flora, flexlora, florist, floral")
+    tau: float = opt(0.9, "FLoRIST: energy fraction of singular values kept", _fraction, "in (0, 1]")
+    fixed_rank: int = opt(0, "FLoRIST: keep exactly this rank instead of using tau (0: use tau)", _nonneg,
+                          "an integer >= 1, or 0 to use tau")
+    num_adaptors: int = opt(2, "FLoRAL: adaptors C per target module", _positive, "an integer >= 1")
+    router_temperature: float = opt(1.0, "FLoRAL: softmax temperature of the router", _positive, "> 0")
+    router_lr: float = opt(1e-2, "FLoRAL: learning rate of the router logits", _positive, "> 0")
+    router_noise: float = opt(0.0, "FLoRAL: std of Gaussian noise on router logits while training", _nonneg, ">= 0")
+    router_per_layer: bool = opt(False, "FLoRAL: one router per layer instead of one per client")
+    stateful_routers: bool = opt(True, "FLoRAL: keep routers across rounds (else re-learn each round)")
+    precondition_eps: float = opt(0.0, "FLoRAL: LoRA preconditioning epsilon (0: off)", _nonneg, ">= 0")
+    clip_norm_ratio: float = opt(0.0, "clip each update's norm to this multiple of the round median (0: off)",
+                                 _nonneg, ">= 0")
+
+
+@dataclass
+class EvalConfig:
+    benchmark: str = opt("builtin", "'builtin', 'none', cais/mmlu, or a local MMLU copy")
+    every: int = opt(1, "evaluate every N rounds (and always before round 1 and after the last)", _positive,
+                     "an integer >= 1")
+    shots: int = opt(0, "few-shot examples from the dev split", _nonneg, ">= 0")
+    limit: int = opt(0, "questions per subject (0: all)", _nonneg, ">= 0")
+    batch_size: int = opt(16, "questions per forward pass", _positive, "an integer >= 1")
+    subjects: list[str] = opt([], "subject subset (empty: all)")
+    personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")
+
+
+@dataclass
+class OutputConfig:
+    dir: str = opt("", "run directory (empty: runs/<strategy>-<time>)")
+    log_with: list[str] = opt([], "accelerate trackers, e.g. tensorboard, wandb, mlflow")
+    save_every_round: bool = opt(True, "write a checkpoint after every round (needed for --resume)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def valid_keys() -> list[str]:
+    """Every dotted key a config may set."""
+    return [f"{s}.{f.name}" for s, cls in _section_classes().items() for f in dataclasses.fields(cls)]
+
+
+def help_text() -> str:
+    """One line per option: key, default and help."""
+    lines = []
+    for section, cls in _section_classes().items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"{section}.{f.name} (default {default!r}): {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; run `fedllm run --help-config` for the list"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotated type, converting int -> float."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arm)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {tp}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+    elif origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str | int) and not isinstance(value, bool):
+            value = [value]
+        if isinstance(value, list | tuple):
+            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    elif origin is dict:
+        kt, vt = typing.get_args(tp)
+        if isinstance(value, dict):
+            return {_coerce(f"{key} key", k, kt): _coerce(f"{key}[{k}]", v, vt) for k, v in value.items()}
+    elif value is None and tp is type(None):
+        return None
+    raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise _unknown(key)
+    section = getattr(cfg, parts[0])
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if parts[1] not in fields:
+        raise _unknown(key)
+    hints = typing.get_type_hints(type(section))
+    setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
+
+
+def _flatten(data: dict, prefix: str = "", where: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if not prefix and isinstance(v, dict):
+            out.update(_flatten(v, f"{key}.", where))
+        elif not prefix:
+            raise ConfigError(f"{where}'{key}' must be a section (mapping), got {v!r}")
+        else:
+            out[key] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=value`` with the value read as YAML (numbers, lists, booleans)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a validated :class:`Config` from an optional YAML file and overrides."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        for key, value in _flatten(data, where=f"{path}: ").items():
+            _set(cfg, key, value)
+    for text in overrides or []:
+        _set(cfg, *parse_override(text))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Range checks of every field, then checks that span fields."""
+    for section, cls in _section_classes().items():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            check = f.metadata.get("check")
+            value = getattr(obj, f.name)
+            if check is not None and not check(value):
+                raise ConfigError(f"{section}.{f.name} = {value!r} is invalid: expected {f.metadata['expect']}")
+    if not cfg.lora.ranks and not cfg.lora.rank_distribution:
+        raise ConfigError("lora.ranks is empty: give at least one rank (an integer >= 1)")
+    for r in list(cfg.lora.ranks) + list(cfg.lora.rank_distribution):
+        if r < 1:
+            raise ConfigError(f"lora.ranks: rank {r} is invalid: every rank must be an integer >= 1")
+    if cfg.lora.rank_distribution:
+        probs = list(cfg.lora.rank_distribution.values())
+        if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+            raise ConfigError(f"lora.rank_distribution: probabilities {probs} must be >= 0 and sum to 1")
+    if not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty: name at least one linear module, e.g. q_proj")
+    for i, s in enumerate(cfg.client.local_steps_per_client):
+        if s < 1:
+            raise ConfigError(f"client.local_steps_per_client[{i}] = {s} is invalid: expected an integer >= 1")
+    if cfg.federation.clients_per_round > cfg.federation.num_clients:
+        raise ConfigError(
+            f"federation.clients_per_round = {cfg.federation.clients_per_round} exceeds "
+            f"federation.num_clients = {cfg.federation.num_clients}"
+        )
+    if cfg.federation.min_clients > cfg.federation.num_clients:
+        raise ConfigError(
+            f"federation.min_clients = {cfg.federation.min_clients} exceeds "
+            f"federation.num_clients = {cfg.federation.num_clients}"
+        )
+    from fedllm.aggregation import STRATEGIES
+    from fedllm.client import ALGORITHMS
+
+    if cfg.aggregation.name not in STRATEGIES:
+        raise ConfigError(
+            f"aggregation.name = {cfg.aggregation.name!r} is unknown; valid choices: {', '.join(sorted(STRATEGIES))}"
+        )
+    if cfg.client.algorithm not in ALGORITHMS:
+        raise ConfigError(
+            f"client.algorithm = {cfg.client.algorithm!r} is unknown; valid choices: {', '.join(sorted(ALGORITHMS))}"
+        )
+    STRATEGIES[cfg.aggregation.name].check_config(cfg)
+    ALGORITHMS[cfg.client.algorithm].check_config(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (atomically, via the checkpoint helper)."""
+    from fedllm.checkpoint import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,167 @@
+"""LoRA factors: the one representation that crosses the client/server boundary.
+
+An adapter is ``{module name: LoraFactors(A, B, scale)}`` with ``A: r x in``,
+``B: out x r`` and ``delta W = scale * B @ A`` (peft's ``lora_A`` /
+``lora_B`` weights and ``scaling``). The scale is kept explicit because
+heterogeneous ranks with ``alpha / r`` scaling are the classic source of
+silent aggregation bugs; strategies call :meth:`LoraFactors.folded` before any
+arithmetic and :meth:`LoraFactors.with_scale` to hand factors back to a client.
+
+Reading always copies: peft's state dicts share memory with live parameters,
+and an aggregated update must not change when a client trains on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoraFactors:
+    """``delta W = scale * B @ A``; ``A: r x in``, ``B: out x r``."""
+
+    A: Tensor
+    B: Tensor
+    scale: float = 1.0
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+    def delta(self) -> Tensor:
+        """The dense update (for tests and small reference computations only)."""
+        return self.scale * (self.B @ self.A)
+
+    def folded(self) -> LoraFactors:
+        """The same update with the scale folded into B (scale 1)."""
+        return LoraFactors(self.A, self.B * self.scale, 1.0)
+
+    def with_scale(self, scale: float) -> LoraFactors:
+        """The same update expressed for a layer whose scale is ``scale``."""
+        return LoraFactors(self.A, self.B * (self.scale / scale), scale)
+
+    def numel(self) -> int:
+        return self.A.numel() + self.B.numel()
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> LoraFactors:
+        return LoraFactors(self.A.to(device=device, dtype=dtype), self.B.to(device=device, dtype=dtype), self.scale)
+
+
+Adapter = dict[str, LoraFactors]
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """peft's scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def module_key(peft_name: str) -> str:
+    """peft's module name without its wrapper prefix, i.e. the base model's name."""
+    return peft_name[len(PEFT_PREFIX):] if peft_name.startswith(PEFT_PREFIX) else peft_name
+
+
+def lora_modules(model, adapter: str) -> dict[str, torch.nn.Module]:
+    """``{base module name: peft LoRA layer}`` for the layers that hold ``adapter``."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and adapter in getattr(module, "lora_A", {}):
+            out[module_key(name)] = module
+    return out
+
+
+def read_factors(model, adapter: str) -> Adapter:
+    """Copy ``adapter``'s factors out of a peft model (float32, on CPU)."""
+    out = {}
+    for name, module in lora_modules(model, adapter).items():
+        out[name] = LoraFactors(
+            module.lora_A[adapter].weight.detach().to("cpu", torch.float32).clone(),
+            module.lora_B[adapter].weight.detach().to("cpu", torch.float32).clone(),
+            float(module.scaling[adapter]),
+        )
+    return out
+
+
+def write_factors(model, adapter: str, factors: Adapter) -> None:
+    """Copy ``factors`` into ``adapter``, re-expressed at each layer's own scale.
+
+    Every LoRA layer of the adapter must be covered and ranks must match, so a
+    partial or mis-shaped write fails loudly instead of training from garbage.
+    """
+    modules = lora_modules(model, adapter)
+    missing = sorted(set(modules) - set(factors))
+    if missing:
+        raise KeyError(f"no factors for {len(missing)} LoRA module(s) of adapter {adapter!r}, e.g. {missing[0]}")
+    with torch.no_grad():
+        for name, module in modules.items():
+            f = factors[name].with_scale(float(module.scaling[adapter]))
+            wa, wb = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+            if f.A.shape != wa.shape or f.B.shape != wb.shape:
+                raise ValueError(
+                    f"{name}: factors A{tuple(f.A.shape)} B{tuple(f.B.shape)} do not fit adapter {adapter!r} "
+                    f"(A{tuple(wa.shape)} B{tuple(wb.shape)})"
+                )
+            wa.copy_(f.A)
+            wb.copy_(f.B)
+
+
+def fresh_factors(model, adapter: str, generator: torch.Generator) -> Adapter:
+    """A new LoRA initialization (A Kaiming-uniform as peft does, B zero), seeded.
+
+    Drawing from an explicit generator makes a client's start independent of
+    which process trains it, so 1 and N processes give the same run.
+    """
+    out = {}
+    for name, module in lora_modules(model, adapter).items():
+        wa, wb = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        bound = 1.0 / math.sqrt(wa.shape[1])  # kaiming_uniform_(a=sqrt(5)) on an (r, in) weight
+        A = (torch.rand(wa.shape, generator=generator) * 2 - 1) * bound
+        out[name] = LoraFactors(A, torch.zeros(wb.shape), float(module.scaling[adapter]))
+    return out
+
+
+def read_dense(model, names: list[str]) -> dict[str, Tensor]:
+    """Copies of fully trained base parameters (e.g. embeddings), by parameter name."""
+    params = dict(model.named_parameters())
+    return {module_key(k): v.detach().to("cpu", torch.float32).clone() for k, v in params.items() if module_key(k) in names}
+
+
+def write_dense(model, dense: dict[str, Tensor]) -> None:
+    params = {module_key(k): v for k, v in model.named_parameters()}
+    with torch.no_grad():
+        for k, v in dense.items():
+            params[k].copy_(v)
+
+
+def dense_param_names(model, modules: list[str]) -> list[str]:
+    """Parameter names of the base modules listed in ``lora.trainable_modules``."""
+    names = []
+    for k, _ in model.named_parameters():
+        key = module_key(k)
+        if "lora_" in key:
+            continue
+        if any(key == f"{m}.weight" or key.endswith(f".{m}.weight") for m in modules):
+            names.append(key)
+    return names
+
+
+def concat(*adapters: Adapter) -> Adapter:
+    """The exact sum of several adapters as one adapter (scales folded, ranks added)."""
+    out: Adapter = {}
+    for adapter in adapters:
+        for name, f in adapter.items():
+            g = f.folded()
+            if name in out:
+                out[name] = LoraFactors(torch.cat([out[name].A, g.A]), torch.cat([out[name].B, g.B], dim=1), 1.0)
+            else:
+                out[name] = g
+    return out
+
+
+def adapter_numel(adapter: Adapter) -> int:
+    return sum(f.numel() for f in adapter.values())

@@ -1,0 +1,483 @@
+"""The round loop: sample, broadcast, train, aggregate, evaluate, checkpoint.
+
+One base model per process. Each round the sampled clients are split over the
+processes (client-parallel); every update is gathered to the main process,
+which aggregates and broadcasts the new global state. All randomness of a
+client's work derives from ``(seed, round, client)``, so the result does not
+depend on how many processes ran it, and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from data_prep.loaders import load_examples
+from data_prep.partition import client_stats, partition
+from data_prep.prompts import TokenizedExample, collate, tokenize_examples
+from fedllm import checkpoint as ckpt
+from fedllm.aggregation import ClientUpdate, GlobalState, strategy_from_config
+from fedllm.client import ALGORITHMS, LocalPlan
+from fedllm.comm import Ledger
+from fedllm.config import Config, save_config
+from fedllm.factors import (
+    Adapter,
+    LoraFactors,
+    dense_param_names,
+    fresh_factors,
+    lora_scale,
+    read_dense,
+    read_factors,
+    write_dense,
+    write_factors,
+)
+from fedllm.modeling import (
+    activate,
+    adapter_name,
+    adapter_params,
+    attach_lora,
+    context_length,
+    install_adapter,
+    load_base,
+    merge_into_base,
+)
+
+log = logging.getLogger(__name__)
+
+ClientHook = Callable[[int, int, ClientUpdate], ClientUpdate]
+
+
+class ClientFailure(RuntimeError):
+    """A client's update is unusable (raised, timed out, non-finite, mis-shaped)."""
+
+
+@dataclass
+class ClientData:
+    client_id: int
+    rank: int
+    scale: float
+    train: list[TokenizedExample]
+    test: list[TokenizedExample]
+    num_examples: int
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def derive_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (independent of process layout)."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def assign_ranks(cfg: Config) -> list[int]:
+    """Client ranks: the configured list cycled, or draws from ``rank_distribution``."""
+    n = cfg.federation.num_clients
+    if cfg.lora.rank_distribution:
+        rng = random.Random(derive_seed(cfg.federation.seed, 17))
+        ranks, probs = zip(*sorted(cfg.lora.rank_distribution.items()), strict=True)
+        return [rng.choices(ranks, probs)[0] for _ in range(n)]
+    return [cfg.lora.ranks[k % len(cfg.lora.ranks)] for k in range(n)]
+
+
+def sample_clients(cfg: Config, round_idx: int) -> list[int]:
+    fed = cfg.federation
+    m = fed.clients_per_round or max(1, round(fed.client_fraction * fed.num_clients))
+    rng = random.Random(derive_seed(fed.seed, round_idx, 1))
+    return sorted(rng.sample(range(fed.num_clients), m))
+
+
+def validate_update(update: ClientUpdate, expected: Adapter) -> None:
+    """Reject non-finite or mis-shaped factors before they reach the server math."""
+    if set(update.factors) != set(expected):
+        raise ClientFailure("update covers other modules than the adapter")
+    for key, f in update.factors.items():
+        ref = expected[key]
+        if f.A.shape != ref.A.shape or f.B.shape != ref.B.shape:
+            raise ClientFailure(f"wrong shape at {key}: A{tuple(f.A.shape)} B{tuple(f.B.shape)}, "
+                                f"expected A{tuple(ref.A.shape)} B{tuple(ref.B.shape)}")
+        if not (torch.isfinite(f.A).all() and torch.isfinite(f.B).all()):
+            raise ClientFailure(f"non-finite values at {key}")
+    for key, t in list(update.dense.items()) + list(update.extras.items()):
+        if not torch.isfinite(t).all():
+            raise ClientFailure(f"non-finite values in {key}")
+
+
+def revive_empty_directions(start: Adapter, fresh: Adapter) -> Adapter:
+    """Give zero rank directions (zero A row and B column) a fresh A row.
+
+    Zero-padding leaves directions whose gradients are zero forever; a fresh
+    A row with the zero B column keeps the product unchanged and lets them learn.
+    """
+    out = {}
+    for key, f in start.items():
+        dead = (f.A.abs().sum(1) == 0) & (f.B.abs().sum(0) == 0)
+        if dead.any():
+            A = f.A.clone()
+            A[dead] = fresh[key].A[dead]
+            f = LoraFactors(A, f.B, f.scale)
+        out[key] = f
+    return out
+
+
+class Federation:
+    """A federated fine-tuning run (see module docstring)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, accelerator=None, client_hook: ClientHook | None = None):
+        from accelerate import Accelerator
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(),
+                                              log_with=cfg.output.log_with or None, project_dir=str(run_dir))
+        self.client_hook = client_hook
+        self.strategy = strategy_from_config(cfg.aggregation)
+        self.algorithm = ALGORITHMS[cfg.client.algorithm].from_config(cfg.client)
+        self.ledger = Ledger()
+        self.state = GlobalState()
+        self.last_merged: Adapter = {}
+        self.start_round = 1
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        """Load data and model, partition, attach adapters; fails fast on bad input."""
+        cfg = self.cfg
+        examples = load_examples(cfg.data.dataset, cfg.data.format, cfg.data.max_examples,
+                                 cfg.data.builtin_examples_per_skill, cfg.federation.seed)
+        rng = random.Random(derive_seed(cfg.federation.seed, 3))
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        n_eval = min(cfg.data.eval_size, len(examples) // 5)
+        eval_examples = [examples[i] for i in order[:n_eval]]
+        pool = [examples[i] for i in order[n_eval:]]
+        parts = partition(pool, cfg.data.partition, cfg.federation.num_clients, cfg.federation.seed,
+                          cfg.data.dirichlet_alpha, cfg.data.shards_per_client, cfg.data.min_examples_per_client)
+        self.partition_stats = client_stats(pool, parts)
+
+        self.model, self.tokenizer = load_base(cfg.model, self.acc.device)
+        max_ctx = context_length(self.model)
+        max_len = cfg.data.max_seq_len or min(512, max_ctx or 512)
+        if max_ctx is not None and max_len > max_ctx:
+            raise ValueError(f"data.max_seq_len = {max_len} exceeds the model's context length "
+                             f"{max_ctx}: lower data.max_seq_len")
+        template = cfg.data.template if cfg.data.template != "auto" else (
+            "plain" if cfg.data.dataset == "builtin" else "alpaca")
+        ranks = assign_ranks(cfg)
+        self.model = attach_lora(self.model, ranks, cfg.lora)
+        self.dense_names = dense_param_names(self.model, cfg.lora.trainable_modules)
+        self.state.dense = read_dense(self.model, self.dense_names)
+
+        def tok(exs):
+            return tokenize_examples(exs, self.tokenizer, template, max_len)
+
+        self.eval_data = tok(eval_examples)
+        self.clients: list[ClientData] = []
+        for k, idx in enumerate(parts):
+            crng = random.Random(derive_seed(cfg.federation.seed, 5, k))
+            idx = list(idx)
+            crng.shuffle(idx)
+            n_test = int(len(idx) * cfg.data.client_test_fraction)
+            train, test = tok([pool[i] for i in idx[n_test:]]), tok([pool[i] for i in idx[:n_test]])
+            if not train:
+                raise ValueError(f"client {k}: no training example survives data.max_seq_len = {max_len}")
+            alpha = cfg.lora.alpha_ratio * ranks[k]
+            self.clients.append(ClientData(k, ranks[k], lora_scale(alpha, ranks[k], cfg.lora.use_rslora),
+                                           train, test, len(train)))
+        for stat, c in zip(self.partition_stats, self.clients, strict=True):
+            stat.update({"rank": c.rank, "train": len(c.train), "test": len(c.test)})
+
+    def write_run_files(self) -> None:
+        if not self.acc.is_main_process:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        ckpt.atomic_write_text(self.run_dir / "partition.json", json.dumps(self.partition_stats, indent=1))
+        for s in self.partition_stats:
+            log.info("client %d: rank %d, %d train / %d test examples, categories %s",
+                     s["client"], s["rank"], s["train"], s["test"], s["categories"])
+
+    # ------------------------------------------------------------- training
+    def local_steps(self, client: ClientData) -> int:
+        c = self.cfg.client
+        if c.local_steps_per_client:
+            return c.local_steps_per_client[client.client_id % len(c.local_steps_per_client)]
+        if c.local_steps:
+            return c.local_steps
+        return max(1, math.ceil(c.local_epochs * len(client.train) / (c.batch_size * c.grad_accum)))
+
+    def train_client(self, client: ClientData, round_idx: int) -> ClientUpdate:
+        """Load the client's start, run its algorithm, read back its update."""
+        cfg = self.cfg
+        name = adapter_name(client.rank)
+        activate(self.model, name)
+        from fedllm.modeling import set_trainable_modules
+
+        set_trainable_modules(self.model, cfg.lora.trainable_modules)
+        start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged)
+        self.ledger.download(client.client_id, start.numel() + sum(t.numel() for t in self.state.dense.values()))
+        gen = torch.Generator().manual_seed(derive_seed(cfg.federation.seed, round_idx, client.client_id, 7))
+        fresh = fresh_factors(self.model, name, gen)
+        factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
+        write_factors(self.model, name, factors)
+        write_dense(self.model, self.state.dense)
+        params = adapter_params(self.model, name) + [
+            p for k, p in self.model.named_parameters() if p.requires_grad and "lora_" not in k
+        ]
+        plan = LocalPlan(
+            round=round_idx, client_id=client.client_id, steps=self.local_steps(client),
+            seed=derive_seed(cfg.federation.seed, round_idx, client.client_id, 11), lr=cfg.client.lr,
+            batch_size=cfg.client.batch_size, grad_accum=cfg.client.grad_accum, scheduler=cfg.client.scheduler,
+            warmup_ratio=cfg.client.warmup_ratio, weight_decay=cfg.client.weight_decay,
+            max_grad_norm=cfg.client.max_grad_norm,
+        )
+        t0 = time.perf_counter()
+        result = self.algorithm.train(self.model, params, client.train, plan, self.acc, self.tokenizer.pad_token_id,
+                                      client.state)
+        update = ClientUpdate(
+            client.client_id, client.num_examples, read_factors(self.model, name),
+            read_dense(self.model, self.dense_names), result.extras,
+            {"loss_first": result.losses[0], "loss_last": result.losses[-1], "loss_mean": result.mean_loss,
+             "train_s": time.perf_counter() - t0, "steps": plan.steps},
+        )
+        if self.client_hook is not None:
+            update = self.client_hook(round_idx, client.client_id, update)
+        timeout = cfg.federation.client_timeout_s
+        if timeout and update.metrics["train_s"] > timeout:
+            raise ClientFailure(f"ran {update.metrics['train_s']:.1f}s, past federation.client_timeout_s={timeout}")
+        validate_update(update, fresh)
+        return update
+
+    def run_round(self, round_idx: int) -> dict:
+        cfg = self.cfg
+        self.ledger.start_round()
+        sampled = sample_clients(cfg, round_idx)
+        drop_rng = random.Random(derive_seed(cfg.federation.seed, round_idx, 2))
+        n_drop = int(round(cfg.federation.dropout * len(sampled)))
+        dropped = sorted(drop_rng.sample(sampled, n_drop)) if n_drop else []
+        active = [k for k in sampled if k not in dropped]
+        mine = active[self.acc.process_index:: self.acc.num_processes]
+        t0 = time.perf_counter()
+        results: list[tuple[int, ClientUpdate | None, str]] = []
+        for k in tqdm(mine, desc=f"round {round_idx} clients", leave=False, disable=not self.acc.is_main_process):
+            try:
+                results.append((k, self.train_client(self.clients[k], round_idx), ""))
+            except Exception as e:  # a faulty client must not take the round down
+                log.warning("round %d: client %d left out: %s", round_idx, k, e)
+                results.append((k, None, f"{type(e).__name__}: {e}"))
+        results = self._gather(results)
+        train_s = time.perf_counter() - t0
+        updates = [u for _, u, _ in results if u is not None]
+        failures = {str(k): why for k, u, why in results if u is None}
+        for u in updates:
+            self.ledger.upload(u.client_id, u.numel())
+            self.clients[u.client_id].state = u.extras.pop("_client_state", self.clients[u.client_id].state)
+        t1 = time.perf_counter()
+        info: dict[str, Any] = {}
+        skipped = len(updates) < cfg.federation.min_clients
+        if skipped:
+            log.warning("round %d skipped: %d valid update(s) < federation.min_clients = %d",
+                        round_idx, len(updates), cfg.federation.min_clients)
+            self.last_merged = {}
+        else:
+            result = self.strategy.aggregate(sorted(updates, key=lambda u: u.client_id), self.state)
+            self.state, self.last_merged, info = result.state, result.merged, result.info
+            if self.last_merged:
+                merge_into_base(self.model, self.last_merged)
+        agg_s = time.perf_counter() - t1
+        losses = [u.metrics["loss_mean"] for u in updates]
+        return {
+            "round": round_idx, "sampled": sampled, "dropped": dropped, "failed": failures,
+            "n_updates": len(updates), "skipped": skipped,
+            "train_loss": sum(losses) / len(losses) if losses else None,
+            "client_loss": {str(u.client_id): [u.metrics["loss_first"], u.metrics["loss_last"]] for u in updates},
+            **{f"agg_{k}": v for k, v in info.items()},
+            **self.ledger.round_summary(),
+            "time_train_s": train_s, "time_aggregate_s": agg_s,
+        }
+
+    def _gather(self, results):
+        if self.acc.num_processes == 1:
+            return results
+        from accelerate.utils import gather_object
+
+        merged = gather_object([results])
+        flat = [r for part in merged for r in part]
+        return sorted(flat, key=lambda r: r[0])
+
+    # ----------------------------------------------------------- evaluation
+    def install_global(self) -> bool:
+        """Make the global model active for evaluation; False when it is the (merged) base."""
+        write_dense(self.model, self.state.dense)
+        adapter = self.strategy.global_adapter(self.state)
+        if not adapter:
+            return False
+        install_adapter(self.model, "global", adapter, self.cfg.lora)
+        self.model.set_adapter("global")
+        return True
+
+    @torch.no_grad()
+    def heldout_loss(self, data: list[TokenizedExample]) -> float | None:
+        if not data:
+            return None
+        total, tokens = 0.0, 0
+        bs = self.cfg.eval.batch_size
+        for i in range(0, len(data), bs):
+            batch = {k: v.to(self.acc.device) for k, v in collate(data[i:i + bs], self.tokenizer.pad_token_id).items()}
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += self.model(**batch).loss.item() * n
+            tokens += n
+        return total / tokens
+
+    def evaluate(self) -> dict:
+        from eval.mmlu import evaluate as mmlu_evaluate
+
+        t0 = time.perf_counter()
+        has_adapter = self.install_global()
+        ctx = torch.no_grad() if has_adapter else self.model.disable_adapter()
+        out: dict[str, Any] = {}
+        with ctx:
+            out["eval_loss"] = self.heldout_loss(self.eval_data)
+            if self.cfg.eval.benchmark != "none":
+                e = self.cfg.eval
+                result, _ = mmlu_evaluate(self.model, self.tokenizer, e.benchmark, e.shots, e.subjects or None,
+                                          e.limit, e.batch_size, self.acc)
+                out["accuracy"] = result["accuracy"]
+                out["accuracy_categories"] = result["categories"]
+        out["time_eval_s"] = time.perf_counter() - t0
+        return out
+
+    # -------------------------------------------------------- checkpointing
+    def checkpoint(self, round_idx: int) -> None:
+        if not self.acc.is_main_process or not self.cfg.output.save_every_round:
+            return
+        tensors, scales = ckpt.adapter_tensors(self.state.factors, "global.")
+        t2, s2 = ckpt.adapter_tensors(self.state.residual, "residual.")
+        t3, s3 = ckpt.adapter_tensors(self.last_merged, "merged.")
+        tensors.update(t2)
+        tensors.update(t3)
+        scales.update(s2)
+        scales.update(s3)
+        tensors.update({f"dense.{k}": v for k, v in self.state.dense.items()})
+        tensors.update({f"extra.{k}": v for k, v in self.state.extras.items() if isinstance(v, torch.Tensor)})
+        for c in self.clients:
+            tensors.update({f"client.{c.client_id}.{k}": v for k, v in c.state.items()})
+        meta = {"round": round_idx, "scales": scales, "ledger": self.ledger.state(), "strategy": self.strategy.name,
+                "seed": self.cfg.federation.seed, "rng": "derived from (seed, round, client)"}
+        ckpt.save_checkpoint(self.run_dir, round_idx, tensors, meta)
+        ckpt.prune_checkpoints(self.run_dir, keep=2)
+
+    def restore(self) -> None:
+        """Continue after the last complete checkpoint of ``run_dir``."""
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            log.info("no checkpoint in %s: starting from round 1", self.run_dir)
+            return
+        tensors, meta = ckpt.load_checkpoint(path)
+        if meta["strategy"] != self.strategy.name:
+            raise ckpt.CheckpointError(f"{path}: written by strategy {meta['strategy']!r}, "
+                                       f"config says {self.strategy.name!r}")
+        self.state = GlobalState(
+            ckpt.adapter_from_tensors(tensors, meta["scales"], "global."),
+            ckpt.adapter_from_tensors(tensors, meta["scales"], "residual."),
+            {k[len("dense."):]: v for k, v in tensors.items() if k.startswith("dense.")} or self.state.dense,
+            {k[len("extra."):]: v for k, v in tensors.items() if k.startswith("extra.")},
+        )
+        self.last_merged = ckpt.adapter_from_tensors(tensors, meta["scales"], "merged.")
+        for c in self.clients:
+            prefix = f"client.{c.client_id}."
+            c.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if self.state.residual:
+            merge_into_base(self.model, self.state.residual)
+        self.ledger = Ledger.from_state(meta["ledger"])
+        self.start_round = meta["round"] + 1
+        log.info("resuming %s after round %d", self.run_dir, meta["round"])
+
+    # ------------------------------------------------------------------ run
+    def log_metrics(self, row: dict) -> None:
+        if self.acc.is_main_process:
+            ckpt.append_line(self.metrics_path, json.dumps(row))
+            scalars = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            if self.cfg.output.log_with:
+                self.acc.log(scalars, step=row["round"])
+
+    def run(self, resume: bool = False) -> dict:
+        cfg = self.cfg
+        if cfg.output.log_with:
+            self.acc.init_trackers("fedllm", config=_flat_config(cfg))
+        if resume:
+            self.restore()
+            rows = [r for r in ckpt.read_jsonl(self.metrics_path) if r["round"] < self.start_round]
+            if self.acc.is_main_process:
+                ckpt.atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            self.write_run_files()
+        if self.start_round == 1:
+            row = {"round": 0, **self.evaluate()}
+            self.log_metrics(row)
+            log.info("before round 1: eval loss %s, accuracy %s", _fmt(row.get("eval_loss")),
+                     _fmt(row.get("accuracy")))
+        t_start = time.perf_counter()
+        for r in tqdm(range(self.start_round, cfg.federation.rounds + 1), desc="rounds",
+                      disable=not self.acc.is_main_process):
+            row = self.run_round(r)
+            if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
+                row.update(self.evaluate())
+            row["cumulative"] = {k: v for k, v in self.ledger.totals().items() if k != "per_client"}
+            self.log_metrics(row)
+            self.checkpoint(r)
+            log.info("round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params",
+                     r, _fmt(row["train_loss"]), _fmt(row.get("eval_loss")), _fmt(row.get("accuracy")),
+                     row["up_params"], row["down_params"])
+        summary = self.finish(time.perf_counter() - t_start)
+        if cfg.output.log_with:
+            self.acc.end_training()
+        return summary
+
+    def finish(self, wall_s: float) -> dict:
+        from fedllm.export import save_global_adapter
+
+        rows = ckpt.read_jsonl(self.metrics_path) if self.acc.is_main_process else []
+        summary: dict[str, Any] = {"run_dir": str(self.run_dir), "strategy": self.strategy.name,
+                                   "algorithm": self.algorithm.name, "rounds": self.cfg.federation.rounds,
+                                   "ranks": [c.rank for c in self.clients], "wall_s": wall_s}
+        evals = [r for r in rows if "accuracy" in r or "eval_loss" in r]
+        if evals:
+            summary.update({
+                "loss_before": evals[0].get("eval_loss"), "loss_after": evals[-1].get("eval_loss"),
+                "accuracy_before": evals[0].get("accuracy"), "accuracy_after": evals[-1].get("accuracy"),
+                "accuracy_best": max((r.get("accuracy") or 0) for r in evals),
+            })
+        summary["communication"] = self.ledger.totals()
+        summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
+        summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]
+        if self.strategy.merges_into_base:
+            summary["note"] = "the global update is merged into the base; the exported adapter holds the residual"
+        if self.acc.is_main_process:
+            save_global_adapter(self, self.run_dir / "global_adapter")
+            ckpt.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+        self.acc.wait_for_everyone()
+        return summary
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def _flat_config(cfg: Config) -> dict:
+    flat = {}
+    for section, values in dataclasses.asdict(cfg).items():
+        for k, v in values.items():
+            flat[f"{section}.{k}"] = v if isinstance(v, int | float | str | bool) else str(v)
+    return flat

@@ -1,0 +1,206 @@
+"""Base model and tokenizer loading, and LoRA attachment per client rank.
+
+One base model lives per process. Every distinct client rank gets one peft
+adapter named ``r{rank}``; a client is switched in by writing its factors into
+the adapter of its rank, never by loading another model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from fedllm.factors import Adapter, LoraFactors, lora_modules, module_key, write_factors
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+class ModelError(RuntimeError):
+    """The base model or tokenizer cannot be loaded or used; says what to do."""
+
+
+def resolve_model_path(name: str, pretrain_steps: int) -> str:
+    """'builtin' -> the cached built-in base (built on first use); else ``name`` unchanged."""
+    if name == "builtin":
+        from fedllm.builtin_model import ensure_builtin_base
+
+        return str(ensure_builtin_base(pretrain_steps))
+    return name
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def check_model_reference(name: str) -> None:
+    """Fail fast on a model that cannot be reached (offline Hub id, missing local path)."""
+    if name == "builtin":
+        return
+    looks_local = name.startswith((".", "/", "~")) or os.sep in name and Path(name).expanduser().parent.exists()
+    if Path(name).expanduser().exists():
+        if not (Path(name).expanduser() / "config.json").exists():
+            raise ModelError(f"model.name: local folder {name} has no config.json (expected a saved model folder)")
+        return
+    if looks_local:
+        raise ModelError(f"model.name: local path {name} does not exist")
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise ModelError(
+                f"model.name: {name!r} is a Hub id but HF_HUB_OFFLINE=1 and it is not in the local cache; "
+                f"download it first (huggingface-cli download {name}) or pass a local path"
+            )
+
+
+def quantization_config(mode: str, compute_dtype: torch.dtype):
+    """bitsandbytes config: NF4 with double quantization for 4bit, LLM.int8 for 8bit."""
+    if mode == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if mode == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def load_base(model_cfg, device: torch.device | str = "cpu"):
+    """Load the frozen base and its tokenizer through ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_model_reference(model_cfg.name)
+    path = resolve_model_path(model_cfg.name, model_cfg.builtin_pretrain_steps)
+    dtype = DTYPES[model_cfg.dtype]
+    compute = dtype if isinstance(dtype, torch.dtype) and dtype != torch.float32 else torch.float32
+    qconfig = quantization_config(model_cfg.quantization, compute)
+    kwargs = {"dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    if qconfig is not None:
+        kwargs["quantization_config"] = qconfig
+        kwargs["device_map"] = {"": device}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        hint = " (HF_HUB_OFFLINE=1: download it first or pass a local path)" if _offline() else ""
+        raise ModelError(f"model.name: cannot load {model_cfg.name!r}{hint}: {e}") from None
+    if qconfig is None:
+        model.to(device)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ModelError(f"tokenizer of {model_cfg.name!r} has neither a pad nor an eos token; add a pad token")
+        tokenizer.pad_token = tokenizer.eos_token
+        log.info("tokenizer has no pad token: using eos (%r) for padding", tokenizer.eos_token)
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    return model, tokenizer
+
+
+def context_length(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def adapter_name(rank: int) -> str:
+    return f"r{rank}"
+
+
+def peft_lora_config(rank: int, lora_cfg, alpha: float | None = None):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=lora_cfg.alpha_ratio * rank if alpha is None else alpha,
+        target_modules=list(lora_cfg.target_modules),
+        lora_dropout=lora_cfg.dropout,
+        use_rslora=lora_cfg.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(model, ranks: list[int], lora_cfg):
+    """Wrap ``model`` in peft with one adapter per distinct rank; freeze the base.
+
+    Modules in ``lora.trainable_modules`` are made trainable in place (shared
+    by all adapters); their values are swapped per client like the factors.
+    """
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    distinct = sorted(set(ranks))
+    try:
+        peft_model = get_peft_model(model, peft_lora_config(distinct[0], lora_cfg), adapter_name=adapter_name(distinct[0]))
+    except ValueError as e:
+        raise ModelError(f"lora.target_modules {lora_cfg.target_modules}: {e}") from None
+    for r in distinct[1:]:
+        peft_model.add_adapter(adapter_name(r), peft_lora_config(r, lora_cfg))
+    set_trainable_modules(peft_model, lora_cfg.trainable_modules)
+    return peft_model
+
+
+def set_trainable_modules(peft_model, modules: list[str]) -> list[str]:
+    """Unfreeze the named base modules; returns the parameter names."""
+    from fedllm.factors import dense_param_names
+
+    names = dense_param_names(peft_model, modules)
+    if modules and not names:
+        raise ModelError(f"lora.trainable_modules {modules}: no such modules in the base model")
+    for k, p in peft_model.named_parameters():
+        if module_key(k) in names:
+            p.requires_grad_(True)
+    return names
+
+
+def activate(peft_model, name: str) -> list[torch.nn.Parameter]:
+    """Make ``name`` the active (and only trainable) adapter; return the trainable params."""
+    peft_model.set_adapter(name)
+    return [p for p in peft_model.parameters() if p.requires_grad]
+
+
+def adapter_params(peft_model, name: str) -> list[torch.nn.Parameter]:
+    params = []
+    for module in lora_modules(peft_model, name).values():
+        params += [module.lora_A[name].weight, module.lora_B[name].weight]
+    return params
+
+
+def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg) -> None:
+    """(Re)create adapter ``name`` with the rank of ``factors`` (zero-padded) and load them.
+
+    Used for the global model and personalized models, whose rank is not a
+    client rank (FlexLoRA's global update has the sum of ranks).
+    """
+    from fedllm.aggregation._linalg import pad_rank
+
+    if name in peft_model.peft_config:
+        peft_model.delete_adapter(name)
+    rank = max(f.rank for f in factors.values())
+    peft_model.add_adapter(name, peft_lora_config(rank, lora_cfg, alpha=rank))
+    write_factors(peft_model, name, {k: pad_rank(f.folded(), rank) for k, f in factors.items()})
+
+
+def merge_into_base(peft_model, merged: Adapter) -> None:
+    """Add ``scale * B @ A`` of ``merged`` to the frozen base weights (non-quantized bases)."""
+    modules = lora_modules(peft_model, next(iter(peft_model.peft_config)))
+    with torch.no_grad():
+        for key, f in merged.items():
+            weight = modules[key].get_base_layer().weight
+            delta = (f.B.to(torch.float32) * f.scale) @ f.A.to(torch.float32)
+            weight.add_(delta.to(weight.device, weight.dtype))
+
+
+def zero_like_adapter(peft_model, name: str) -> Adapter:
+    out = {}
+    for key, module in lora_modules(peft_model, name).items():
+        wa, wb = module.lora_A[name].weight, module.lora_B[name].weight
+        out[key] = LoraFactors(torch.zeros(wa.shape), torch.zeros(wb.shape), float(module.scaling[name]))
+    return out

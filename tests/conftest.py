@@ -1,0 +1,59 @@
+"""Shared fixtures: offline Hub, a fast built-in base cached once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fedllm.factors import LoraFactors  # noqa: E402
+
+# Tests use a briefly pretrained base: learning is tested end to end elsewhere
+# (the README's default run); here only mechanics and math are.
+TEST_PRETRAIN_STEPS = 60
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fedllm_cache(tmp_path_factory):
+    cache = os.environ.get("FEDLLM_TEST_CACHE") or str(tmp_path_factory.mktemp("fedllm-cache"))
+    os.environ["FEDLLM_CACHE"] = cache
+    return cache
+
+
+@pytest.fixture(scope="session")
+def builtin_base(fedllm_cache):
+    from fedllm.builtin_model import ensure_builtin_base
+
+    return ensure_builtin_base(TEST_PRETRAIN_STEPS)
+
+
+def random_factors(rank: int, out_dim: int, in_dim: int, scale: float, gen: torch.Generator,
+                   dtype=torch.float64) -> LoraFactors:
+    return LoraFactors(torch.randn(rank, in_dim, generator=gen, dtype=dtype),
+                       torch.randn(out_dim, rank, generator=gen, dtype=dtype), scale)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
+
+
+def tiny_overrides(run_dir, *extra: str) -> list[str]:
+    """Overrides for a fast 2-round run on the tiny base."""
+    return [
+        f"model.builtin_pretrain_steps={TEST_PRETRAIN_STEPS}",
+        "data.builtin_examples_per_skill=12",
+        "data.eval_size=16",
+        "data.min_examples_per_client=4",
+        "federation.rounds=2",
+        "client.local_steps=2",
+        "client.batch_size=4",
+        "eval.limit=3",
+        f"output.dir={run_dir}",
+        *extra,
+    ]

@@ -1,0 +1,233 @@
+"""Exactness of every strategy against dense references, and shared invariants."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, example_weights
+from fedllm.aggregation._linalg import energy_rank, low_rank_svd, pad_rank, stack, svd_factors
+from fedllm.aggregation.fedit import FedIT
+from fedllm.aggregation.flexlora import FlexLoRA
+from fedllm.aggregation.flora import FLoRA
+from fedllm.aggregation.florist import FLoRIST
+from fedllm.config import ConfigError
+from fedllm.factors import LoraFactors, concat
+from tests.conftest import random_factors
+
+RANKS = [64, 32, 16, 16, 8, 8, 4, 4, 4, 4]
+COUNTS = [120, 30, 75, 10, 55, 200, 5, 90, 40, 17]
+OUT, IN = 96, 80  # not square, smaller than the sum of ranks
+
+
+def make_updates(gen, ranks=RANKS, counts=COUNTS, modules=("m.q_proj", "m.down_proj"), alpha_ratio=2.0):
+    updates = []
+    for k, (r, n) in enumerate(zip(ranks, counts, strict=True)):
+        scale = (alpha_ratio * r) / r if k % 2 else 16.0 / r  # mixed alpha/r conventions
+        factors = {m: random_factors(r, OUT, IN, scale, gen) for m in modules}
+        updates.append(ClientUpdate(k, n, factors))
+    return updates
+
+
+def dense_sum(updates, key):
+    w = example_weights(updates)
+    return sum(p * u.factors[key].delta() for p, u in zip(w, updates, strict=True))
+
+
+def test_weights_follow_example_counts(gen):
+    updates = make_updates(gen)
+    w = example_weights(updates)
+    assert_close(torch.tensor(w), torch.tensor(COUNTS, dtype=torch.float64) / sum(COUNTS), check_dtype=False)
+
+
+def test_stack_identity(gen):
+    fs = [random_factors(r, OUT, IN, 0.5 * (i + 1), gen) for i, r in enumerate([4, 8, 2])]
+    w = [0.2, 0.5, 0.3]
+    s = stack(fs, w)
+    assert s.rank == 14
+    assert_close(s.delta(), sum(p * f.delta() for p, f in zip(w, fs, strict=True)))
+
+
+def test_pad_rank_keeps_product(gen):
+    f = random_factors(3, 5, 4, 2.0, gen)
+    g = pad_rank(f, 7)
+    assert g.rank == 7 and torch.all(g.A[3:] == 0) and torch.all(g.B[:, 3:] == 0)
+    assert_close(g.delta(), f.delta())
+
+
+def test_low_rank_svd_matches_dense(gen):
+    f = stack([random_factors(r, OUT, IN, 1.0, gen) for r in (16, 8, 4)], [0.5, 0.3, 0.2])
+    u, s, vh = low_rank_svd(f)
+    dense_s = torch.linalg.svdvals(f.delta())
+    assert_close(s, dense_s[: s.numel()])
+    assert_close(svd_factors(u, s, vh, s.numel()).delta(), f.delta())
+
+
+def test_energy_rank_hand_computed():
+    s = torch.tensor([3.0, 2.0, 1.0, 0.0])  # energies 9, 4, 1 -> fractions 9/14, 13/14, 1
+    assert energy_rank(s, 0.5) == 1
+    assert energy_rank(s, 9 / 14) == 1
+    assert energy_rank(s, 0.7) == 2
+    assert energy_rank(s, 0.95) == 3
+    assert energy_rank(s, 1.0) == 3
+
+
+def test_fedit_hand_computed():
+    a1, b1 = torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0], [0.0]])
+    a2 = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    b2 = torch.tensor([[0.0, 2.0], [1.0, 1.0]])
+    u1 = ClientUpdate(0, 1, {"m": LoraFactors(a1, b1, 2.0)})  # folded B = [[2],[0]]
+    u2 = ClientUpdate(1, 3, {"m": LoraFactors(a2, b2, 1.0)})
+    res = FedIT().aggregate([u1, u2], GlobalState())
+    g = res.state.factors["m"]
+    # p = (1/4, 3/4); A1 padded [[1,2],[0,0]], B1 folded+padded [[2,0],[0,0]]
+    assert_close(g.A, torch.tensor([[0.25 * 1 + 0.75 * 3, 0.25 * 2], [0.0, 0.75]]))
+    assert_close(g.B, torch.tensor([[0.25 * 2, 0.75 * 2], [0.75, 0.75]]))
+    assert g.scale == 1.0
+    # Each client gets back its leading rows/columns at its own scale.
+    start = FedIT().client_start(res.state, 1, 2.0, {}).factors["m"]
+    assert start.rank == 1 and start.scale == 2.0
+    assert_close(start.A, g.A[:1])
+    assert_close(start.B * 2.0, g.B[:, :1])
+
+
+def test_fedit_zero_padding_round_trips_every_rank(gen):
+    updates = make_updates(gen)
+    res = FedIT().aggregate(updates, GlobalState())
+    for u in updates:
+        for key, f in u.factors.items():
+            start = FedIT().client_start(res.state, f.rank, f.scale, {}).factors[key]
+            assert start.A.shape == f.A.shape and start.B.shape == f.B.shape and start.scale == f.scale
+    # Identical clients: the average is that client.
+    same = [ClientUpdate(k, n, updates[0].factors) for k, n in enumerate(COUNTS[:3])]
+    g = FedIT().aggregate(same, GlobalState()).state.factors
+    for key, f in updates[0].factors.items():
+        assert_close(g[key].delta(), f.delta())
+
+
+def test_flora_exact_weighted_sum(gen):
+    updates = make_updates(gen)
+    res = FLoRA().aggregate(updates, GlobalState())
+    assert not res.state.factors  # clients start fresh
+    for key in updates[0].factors:
+        merged = res.merged[key]
+        assert merged.rank == sum(RANKS)
+        assert_close(merged.delta(), dense_sum(updates, key))
+    start = FLoRA().client_start(res.state, 8, 2.0, res.merged)
+    assert start.factors is None and start.merge is res.merged
+    # The residual accumulates exactly over rounds.
+    res2 = FLoRA().aggregate(make_updates(gen), res.state)
+    key = "m.q_proj"
+    assert_close(res2.state.residual[key].delta(), res.merged[key].delta() + res2.merged[key].delta())
+
+
+def test_flexlora_matches_dense_truncated_svd(gen):
+    # Factors with a clear spectral gap at every client rank: build the sum from
+    # orthogonal directions with well separated singular values.
+    updates = make_updates(gen, modules=("m.q_proj",))
+    res = FlexLoRA().aggregate(updates, GlobalState())
+    key = "m.q_proj"
+    dense = dense_sum(updates, key)
+    assert_close(res.state.factors[key].delta(), dense)  # the global update is exact
+    u, s, vh = torch.linalg.svd(dense, full_matrices=False)
+    for r in sorted(set(RANKS)):
+        gap = (s[r - 1] - s[r]) / s[r - 1]
+        start = FlexLoRA().client_start(res.state, r, 3.0, {}).factors[key]
+        assert start.rank == r and start.scale == 3.0
+        ref = (u[:, :r] * s[:r]) @ vh[:r]
+        if gap > 0.01:
+            assert_close(start.delta(), ref, rtol=1e-6, atol=1e-8)
+        # subspace-insensitive: the error of the truncation equals the dropped energy
+        err = torch.linalg.norm(start.delta() - dense)
+        assert_close(err, torch.linalg.norm(s[r:]))
+
+
+def test_flexlora_never_forms_dense(gen, monkeypatch):
+    # Layers larger than the sum of ranks (as in real models): no product may
+    # have the out x in shape of the dense update.
+    big_out, big_in = 300, 260
+    updates = [ClientUpdate(k, n, {"m.q_proj": random_factors(r, big_out, big_in, 2.0, gen)})
+               for k, (r, n) in enumerate(zip(RANKS, COUNTS, strict=True))]
+    seen = []
+    real_matmul = torch.Tensor.__matmul__
+
+    def spy(a, b):
+        out = real_matmul(a, b)
+        seen.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+    FlexLoRA().aggregate(updates, GlobalState())
+    FLoRIST(tau=0.9).aggregate(updates, GlobalState())
+    assert seen and (big_out, big_in) not in seen
+
+
+def test_florist_tau_one_is_exact_and_tau_threshold(gen):
+    updates = make_updates(gen, modules=("m.q_proj",))
+    key = "m.q_proj"
+    dense = dense_sum(updates, key)
+    exact = FLoRIST(tau=1.0).aggregate(updates, GlobalState()).merged[key]
+    assert_close(exact.delta(), dense)
+    s = torch.linalg.svdvals(dense)
+    energy = torch.cumsum(s**2, 0) / (s**2).sum()
+    for tau in (0.5, 0.8, 0.9, 0.99):
+        res = FLoRIST(tau=tau).aggregate(updates, GlobalState())
+        p = res.merged[key].rank
+        assert energy[p - 1] >= tau - 1e-12
+        assert p == 1 or energy[p - 2] < tau
+        err = torch.linalg.norm(res.merged[key].delta() - dense)
+        assert_close(err, torch.linalg.norm(s[p:]))
+    fixed = FLoRIST(fixed_rank=5).aggregate(updates, GlobalState()).merged[key]
+    assert fixed.rank == 5
+    assert_close(torch.linalg.norm(fixed.delta() - dense), torch.linalg.norm(s[5:]))
+
+
+@pytest.mark.parametrize("bad", [{"tau": 0.0}, {"tau": 1.5}, {"tau": -1}, {"fixed_rank": -2}])
+def test_florist_rejects_bad_options(bad):
+    with pytest.raises(ConfigError, match="tau|fixed_rank"):
+        FLoRIST(**bad)
+
+
+# Options under which a strategy keeps the whole update (FLoRIST truncates by design when tau < 1).
+EXACT_OPTIONS = {"florist": {"tau": 1.0}}
+
+
+def effective_update(name, res, state_before):
+    """The global update a strategy's round produced (adapter + what it merged)."""
+    strategy = STRATEGIES[name](**EXACT_OPTIONS.get(name, {}))
+    return concat(strategy.global_adapter(res.state), res.merged)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in STRATEGIES if n != "floral"))
+def test_shared_invariants(name, gen):
+    base = make_updates(gen, ranks=[8, 4, 8], counts=[10, 30, 60], modules=("m.v_proj",))
+    strategy = STRATEGIES[name](**EXACT_OPTIONS.get(name, {}))
+    key = "m.v_proj"
+    # 1. identical clients give back that client's update
+    same = [ClientUpdate(k, n, base[0].factors) for k, n in enumerate([5, 7, 11])]
+    res = strategy.aggregate(same, GlobalState())
+    assert_close(effective_update(name, res, GlobalState())[key].delta(), base[0].factors[key].delta(),
+                 rtol=1e-6, atol=1e-9)
+    # 2. reordering clients changes nothing
+    a = effective_update(name, strategy.aggregate(base, GlobalState()), GlobalState())[key].delta()
+    for perm in itertools.permutations(base):
+        b = effective_update(name, strategy.aggregate(list(perm), GlobalState()), GlobalState())[key].delta()
+        assert_close(a, b, rtol=1e-6, atol=1e-9)
+    # 3. weights follow example counts: doubling a client's count equals listing it twice
+    doubled = [ClientUpdate(0, 20, base[0].factors), base[1], base[2]]
+    twice = [base[0], ClientUpdate(3, 10, base[0].factors), base[1], base[2]]
+    x = effective_update(name, strategy.aggregate(doubled, GlobalState()), GlobalState())[key].delta()
+    y = effective_update(name, strategy.aggregate(twice, GlobalState()), GlobalState())[key].delta()
+    assert_close(x, y, rtol=1e-6, atol=1e-9)
+
+
+def test_registry_rejects_bad_names():
+    from fedllm.aggregation.base import Strategy
+
+    with pytest.raises(TypeError, match="registered twice"):
+        type("Again", (FedIT,), {"name": "fedit"})
+    with pytest.raises(TypeError, match="identifier"):
+        type("Bad", (Strategy,), {"name": "not-valid"})
