@@ -21,124 +21,101 @@ from collections.abc import Callable
 from data_prep.schema import Example
 
 LETTERS = ("A", "B", "C", "D")
-MAX_NUMBER = int(__import__("os").environ.get("FEDLLM_MAXNUM", "99"))
+MAX_NUMBER = 99
 
-WORDS = (
-    "apple", "house", "river", "green", "table", "music", "light", "horse", "bread",
-    "cloud", "stone", "water", "night", "plant", "chair", "smile", "train", "dream",
-    "sugar", "piano", "tiger", "lemon", "ocean", "paper", "queen", "robot", "snake",
-    "truck", "uncle", "voice", "wheel", "youth", "zebra", "bird", "fish", "lamp",
-    "milk", "nest", "park", "rain", "ship", "tree", "wolf", "book", "door", "frog",
-    "gold", "king", "leaf", "moon", "salt", "star", "wind", "cake", "duck", "hat",
+ANIMALS = (
+    "horse", "tiger", "zebra", "snake", "bird", "fish", "wolf", "frog", "duck", "cat", "dog", "cow", "lion",
+    "bear", "mouse", "sheep", "goat", "eagle", "shark", "whale", "rabbit", "fox", "deer", "owl",
 )
-OPPOSITES = (
-    ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("old", "new"),
-    ("happy", "sad"), ("light", "dark"), ("high", "low"), ("open", "closed"),
-    ("early", "late"), ("hard", "soft"), ("long", "short"), ("full", "empty"),
-    ("rich", "poor"), ("strong", "weak"), ("wet", "dry"), ("young", "old"),
-    ("left", "right"), ("in", "out"), ("day", "night"), ("good", "bad"), ("near", "far"),
-    ("thick", "thin"), ("loud", "quiet"), ("clean", "dirty"), ("first", "last"),
-    ("win", "lose"), ("buy", "sell"), ("push", "pull"), ("start", "stop"),
+THINGS = (
+    "apple", "house", "table", "chair", "train", "piano", "paper", "truck", "wheel", "lamp", "book", "door",
+    "stone", "bread", "robot", "ship", "cake", "hat", "cup", "bed", "car", "key", "box", "pen",
 )
-PARITY_CHOICES = ("even", "odd", "both", "neither")
+VOWELS = "aeiou"
 
-# Subjects of the built-in benchmark and their MMLU-style categories.
+# Every skill answers from a small fixed set (two answers that can be right and
+# two that never are), so the multiple-choice format is learnable by a tiny
+# model: knowing the skill means telling the two plausible options apart.
 SKILL_CATEGORY = {
-    "larger": "stem",
-    "smaller": "stem",
-    "next_number": "stem",
-    "previous_number": "stem",
     "parity": "stem",
-    "addition": "stem",
-    "last_letter": "humanities",
-    "opposite": "humanities",
+    "comparison": "stem",
+    "half": "stem",
+    "sum_parity": "stem",
+    "multiple_of_three": "stem",
+    "vowel": "humanities",
+    "animal": "humanities",
+    "first_letter_vowel": "humanities",
 }
 SKILLS = tuple(SKILL_CATEGORY)
 # The base model is pretrained on the multiple-choice format of these skills
 # only; the federated stage has to teach the format of the others.
-PRETRAIN_MC_SKILLS = ("larger", "next_number", "parity", "addition")
+PRETRAIN_MC_SKILLS = ("parity", "comparison", "vowel", "animal")
 
 MMLU_HEADER = "The following are multiple choice questions (with answers) about {subject}.\n\n"
 
-Item = tuple[str, str, list[str]]  # question, answer, distractor pool
+Item = tuple[str, str, list[str]]  # question, answer, the three other options
 
 
-def _numbers_near(rng: random.Random, answer: int, exclude: set[int]) -> list[str]:
-    """Distractor numbers: one close to the answer, the rest anywhere in range."""
-    close = [n for n in (answer - 1, answer + 1, answer - 2, answer + 2) if 0 <= n and n not in exclude]
-    far = [n for n in range(MAX_NUMBER + 1) if n not in exclude and n not in close]
-    rng.shuffle(far)
-    return [str(n) for n in close[:1] + far]
-
-
-def _larger(rng: random.Random) -> Item:
-    a, b = rng.sample(range(MAX_NUMBER + 1), 2)
-    ans = max(a, b)
-    return f"Which number is larger : {a} or {b} ?", str(ans), [str(min(a, b))] + _numbers_near(rng, ans, {a, b})
-
-
-def _smaller(rng: random.Random) -> Item:
-    a, b = rng.sample(range(MAX_NUMBER + 1), 2)
-    ans = min(a, b)
-    return f"Which number is smaller : {a} or {b} ?", str(ans), [str(max(a, b))] + _numbers_near(rng, ans, {a, b})
-
-
-def _next(rng: random.Random) -> Item:
-    a = rng.randrange(MAX_NUMBER)
-    return f"What number comes after {a} ?", str(a + 1), [str(a)] + _numbers_near(rng, a + 1, {a, a + 1})
-
-
-def _previous(rng: random.Random) -> Item:
-    a = rng.randrange(1, MAX_NUMBER + 1)
-    return f"What number comes before {a} ?", str(a - 1), [str(a)] + _numbers_near(rng, a - 1, {a, a - 1})
+def _binary(question: str, truth: bool, yes: str, no: str, never: tuple[str, str]) -> Item:
+    answer, other = (yes, no) if truth else (no, yes)
+    return question, answer, [other, *never]
 
 
 def _parity(rng: random.Random) -> Item:
     a = rng.randrange(MAX_NUMBER + 1)
-    ans = PARITY_CHOICES[a % 2]
-    return f"Is {a} even or odd ?", ans, [c for c in PARITY_CHOICES if c != ans]
+    return _binary(f"Is {a} even or odd ?", a % 2 == 0, "even", "odd", ("both", "neither"))
 
 
-def _addition(rng: random.Random) -> Item:
+def _comparison(rng: random.Random) -> Item:
+    a, b = rng.sample(range(MAX_NUMBER + 1), 2)
+    return _binary(f"Is {a} larger than {b} ?", a > b, "yes", "no", ("maybe", "unknown"))
+
+
+def _half(rng: random.Random) -> Item:
+    a = rng.randrange(MAX_NUMBER + 1)
+    return _binary(f"Is {a} below or above 50 ?", a < 50, "below", "above", ("equal", "none"))
+
+
+def _sum_parity(rng: random.Random) -> Item:
     a, b = rng.randrange(10), rng.randrange(10)
-    return f"What is {a} plus {b} ?", str(a + b), _numbers_near(rng, a + b, {a + b})
+    return _binary(f"Is {a} plus {b} even or odd ?", (a + b) % 2 == 0, "even", "odd", ("both", "neither"))
 
 
-def _last_letter(rng: random.Random) -> Item:
-    word = rng.choice(WORDS)
-    letters = [c for c in "abcdefghijklmnopqrstuvwxyz" if c != word[-1]]
-    rng.shuffle(letters)
-    return f"What is the last letter of the word {word} ?", word[-1], [word[0]] + letters
+def _multiple_of_three(rng: random.Random) -> Item:
+    a = rng.randrange(MAX_NUMBER + 1)
+    return _binary(f"Is {a} a multiple of three ?", a % 3 == 0, "yes", "no", ("maybe", "unknown"))
 
 
-def _opposite(rng: random.Random) -> Item:
-    a, b = rng.choice(OPPOSITES)
-    if rng.random() < 0.5:
-        a, b = b, a
-    others = [w for pair in OPPOSITES for w in pair if w not in (a, b)]
-    rng.shuffle(others)
-    return f"What is the opposite of {a} ?", b, [a] + others
+def _vowel(rng: random.Random) -> Item:
+    c = rng.choice("abcdefghijklmnopqrstuvwxyz")
+    return _binary(f"Is the letter {c} a vowel or a consonant ?", c in VOWELS, "vowel", "consonant",
+                   ("number", "symbol"))
+
+
+def _animal(rng: random.Random) -> Item:
+    w = rng.choice(ANIMALS + THINGS)
+    return _binary(f"Is a {w} an animal or a thing ?", w in ANIMALS, "animal", "thing", ("color", "number"))
+
+
+def _first_letter_vowel(rng: random.Random) -> Item:
+    w = rng.choice(ANIMALS + THINGS)
+    return _binary(f"Does the word {w} start with a vowel ?", w[0] in VOWELS, "yes", "no", ("maybe", "unknown"))
 
 
 GENERATORS: dict[str, Callable[[random.Random], Item]] = {
-    "larger": _larger,
-    "smaller": _smaller,
-    "next_number": _next,
-    "previous_number": _previous,
     "parity": _parity,
-    "addition": _addition,
-    "last_letter": _last_letter,
-    "opposite": _opposite,
+    "comparison": _comparison,
+    "half": _half,
+    "sum_parity": _sum_parity,
+    "multiple_of_three": _multiple_of_three,
+    "vowel": _vowel,
+    "animal": _animal,
+    "first_letter_vowel": _first_letter_vowel,
 }
 
 
-def _choices(rng: random.Random, answer: str, pool: list[str], gold: int) -> list[str]:
-    distractors: list[str] = []
-    for cand in pool:
-        if cand != answer and cand not in distractors:
-            distractors.append(cand)
-        if len(distractors) == 3:
-            break
+def _choices(rng: random.Random, answer: str, others: list[str], gold: int) -> list[str]:
+    distractors = list(others)
     rng.shuffle(distractors)
     return distractors[:gold] + [answer] + distractors[gold:]
 
@@ -225,16 +202,15 @@ def instruction_examples(
 def vocabulary() -> list[str]:
     """Every word the built-in generators and prompt templates can produce."""
     words: set[str] = set()
-    words.update(str(n) for n in range(2 * MAX_NUMBER + 2))
+    words.update(str(n) for n in range(MAX_NUMBER + 1))
     words.update("abcdefghijklmnopqrstuvwxyz")
     words.update("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    words.update(WORDS)
-    words.update(w for pair in OPPOSITES for w in pair)
-    words.update(PARITY_CHOICES)
+    words.update(ANIMALS + THINGS)
     text = " ".join(
         [
-            "Which number is larger smaller or What comes after before Is even odd plus the",
-            "last letter of word opposite Answer Question Below an instruction that describes a task",
+            "Is even odd both neither larger than yes no maybe unknown below above equal none plus a multiple of",
+            "three the letter vowel consonant number symbol an animal or thing color Does word start with",
+            "Answer Question Below instruction that describes task",
             "Write response appropriately completes request Instruction Input Response paired with",
             "input provides further context The following are multiple choice questions with answers about",
             " ".join(s.replace("_", " ") for s in SKILLS),

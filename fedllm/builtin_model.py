@@ -89,7 +89,7 @@ def builtin_base_path(pretrain_steps: int, seed: int = 0, cache_dir: Path | None
     return (cache_dir or default_cache_dir()) / f"builtin-base-{digest}"
 
 
-def ensure_builtin_base(pretrain_steps: int = 2000, seed: int = 0, cache_dir: Path | None = None) -> Path:
+def ensure_builtin_base(pretrain_steps: int = 1000, seed: int = 0, cache_dir: Path | None = None) -> Path:
     """Return the cached built-in base, pretraining and saving it first if needed."""
     path = builtin_base_path(pretrain_steps, seed, cache_dir)
     if (path / "config.json").exists():

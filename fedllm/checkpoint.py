@@ -108,7 +108,13 @@ def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        seen: set[int] = set()
+        unique = {}
+        for k, v in tensors.items():  # safetensors refuses tensors that share storage
+            ptr = v.untyped_storage().data_ptr()
+            unique[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+            seen.add(ptr)
+        save_file(unique, tmp, metadata=metadata)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

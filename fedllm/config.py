@@ -51,7 +51,7 @@ class ModelConfig:
     quantization: str = opt("none", "bitsandbytes quantization of the frozen base",
                             lambda x: x in ("none", "4bit", "8bit"), "one of none, 4bit, 8bit")
     gradient_checkpointing: bool = opt(False, "trade compute for memory in the base model")
-    builtin_pretrain_steps: int = opt(2000, "pretraining steps of the built-in base (cached per value)", _positive,
+    builtin_pretrain_steps: int = opt(1000, "pretraining steps of the built-in base (cached per value)", _positive,
                                       "an integer >= 1")
 
 
@@ -219,6 +219,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value

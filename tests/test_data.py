@@ -1,0 +1,172 @@
+"""Loaders on small local files in the real schemas, partitioners, prompts and masking."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data_prep import builtin
+from data_prep.loaders import load_examples
+from data_prep.partition import categories_of, client_stats, dirichlet, iid, partition, shards
+from data_prep.prompts import IGNORE_INDEX, build_prompt, collate, tokenize_example
+from data_prep.schema import DataError, Example
+
+DOLLY = [
+    {"instruction": "Name a primary color.", "context": "", "response": "Red.", "category": "open_qa"},
+    {"instruction": "Summarize.", "context": "Cats sleep a lot.", "response": "Cats sleep.", "category": "summarization"},
+]
+ALPACA = [
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+    {"instruction": "Say hi.", "input": "", "output": "Hi!"},
+]
+WIZARD = [{"instruction": "Explain gravity.", "output": "Mass attracts mass."}]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize(("records", "fmt"), [(DOLLY, "dolly"), (ALPACA, "alpaca"), (WIZARD, "wizard")])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_loaders_map_real_schemas(tmp_path, records, fmt, suffix):
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(path, records)
+    elif suffix == ".json":
+        path.write_text(json.dumps(records))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), path)
+    for given in ("auto", fmt):
+        examples = load_examples(str(path), given)
+        assert len(examples) == len(records)
+        first = examples[0]
+        assert first.instruction == records[0]["instruction"]
+        assert first.response == records[0].get("response", records[0].get("output"))
+    if fmt == "dolly":
+        assert examples[1].input == "Cats sleep a lot." and examples[1].category == "summarization"
+    if fmt == "alpaca":
+        assert examples[0].input == "2 and 3" and examples[0].category is None
+
+
+def test_loader_errors_name_file_line_and_field(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_examples(str(tmp_path / "missing.jsonl"))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [DOLLY[0], {"instruction": "x", "context": "", "category": "a"}])
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2: missing required field 'response'"):
+        load_examples(str(bad), "dolly")
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"instruction": "  ", "input": "", "output": "x"}])
+    with pytest.raises(DataError, match=r"empty.jsonl, line 1: field 'instruction' must be a non-empty string"):
+        load_examples(str(empty))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(ALPACA[0]) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"broken.jsonl, line 2: not valid JSON"):
+        load_examples(str(broken))
+    unknown = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "a", "completion": "b"}])
+    with pytest.raises(DataError, match=r"cannot tell the dataset format from fields \['completion', 'prompt'\]"):
+        load_examples(str(unknown))
+    txt = tmp_path / "d.csv"
+    txt.write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type '.csv'"):
+        load_examples(str(txt))
+
+
+def test_hub_id_offline_gives_clear_error():
+    with pytest.raises(DataError, match="offline mode is on: download it first or pass a local"):
+        load_examples("dolly")
+
+
+def cats(n_per=50, k=8):
+    return [f"c{i % k}" for i in range(n_per * k)]
+
+
+def test_partitions_cover_data_and_are_seeded():
+    c = cats()
+    for parts in (iid(len(c), 5, 0), dirichlet(c, 5, 0.5, 0), shards(c, 5, 2, 0)):
+        flat = sorted(i for p in parts for i in p)
+        assert flat == list(range(len(c)))  # sizes add up, no duplicates
+    assert dirichlet(c, 5, 0.5, 3) == dirichlet(c, 5, 0.5, 3)
+    assert dirichlet(c, 5, 0.5, 3) != dirichlet(c, 5, 0.5, 4)
+
+
+def test_dirichlet_skew_grows_as_alpha_shrinks():
+    import numpy as np
+
+    c = cats(100)
+
+    def skew(alpha):
+        vals = []
+        for seed in range(5):
+            for p in dirichlet(c, 6, alpha, seed):
+                counts = np.bincount([int(c[i][1:]) for i in p], minlength=8)
+                vals.append(counts.max() / max(1, counts.sum()))
+        return float(np.mean(vals))
+
+    assert skew(0.05) > skew(1.0) > skew(100.0)
+
+
+def test_min_size_holds_and_infeasible_is_an_error():
+    c = cats(10)
+    parts = dirichlet(c, 8, 0.01, 0, min_size=6)
+    assert min(len(p) for p in parts) >= 6
+    with pytest.raises(DataError, match="num_clients = 100 .* needs 500 examples, but the dataset has 80"):
+        partition([Example("q", "", "a", x) for x in c], "dirichlet", 100, 0, min_size=5)
+
+
+def test_category_fallback_uses_first_word():
+    ex = [Example("Write a poem", "", "x"), Example("write code", "", "y"), Example("Explain it", "", "z")]
+    assert categories_of(ex) == ["write", "write", "explain"]
+    stats = client_stats(ex, [[0, 1], [2]])
+    assert stats[0]["categories"] == {"write": 2} and stats[1]["size"] == 1
+
+
+def test_builtin_benchmark_is_balanced_and_held_out():
+    recs = builtin.benchmark()
+    from collections import Counter
+
+    letters = Counter(r["answer"] for r in recs)
+    assert len(set(letters.values())) == 1  # each gold letter equally often
+    prompts = builtin.benchmark_prompts(recs)
+    train = builtin.instruction_examples(200, exclude_prompts=prompts)
+    for ex in train:
+        if ex.instruction.endswith("Answer:"):
+            block = ex.instruction.split("\n\n", 1)[1]
+            assert block not in prompts
+    assert {ex.category for ex in train} == set(builtin.SKILLS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from fedllm.builtin_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+def test_loss_only_on_response_tokens(tokenizer):
+    ex = Example("What number comes after 4 ?", "", "5", "next_number")
+    tok = tokenize_example(ex, tokenizer, "plain", 64)
+    prompt_len = len(tokenizer(build_prompt(ex, "plain"))["input_ids"])
+    assert tok.labels[:prompt_len] == [IGNORE_INDEX] * prompt_len
+    assert tok.labels[prompt_len:] == tok.input_ids[prompt_len:]
+    assert tokenizer.convert_ids_to_tokens(tok.labels[prompt_len]) == "5"
+    assert tok.input_ids[-1] == tokenizer.eos_token_id
+    batch = collate([tok, tokenize_example(Example("Is 3 even or odd ?", "", "odd"), tokenizer, "plain", 64)],
+                    tokenizer.pad_token_id)
+    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
+
+
+def test_truncation_drops_examples_without_response(tokenizer):
+    ex = Example("What number comes after 4 ?", "", "5")
+    assert tokenize_example(ex, tokenizer, "plain", 4) is None
+    short = tokenize_example(ex, tokenizer, "plain", 9)
+    assert short is not None and len(short.input_ids) == 9
+
+
+def test_alpaca_template_with_and_without_input():
+    with_input = build_prompt(Example("Add.", "2 and 3", "5"), "alpaca")
+    assert "### Input:\n2 and 3" in with_input and with_input.endswith("### Response:\n")
+    assert "### Input" not in build_prompt(Example("Add.", "", "5"), "alpaca")
