@@ -110,17 +110,21 @@ def write_factors(model, adapter: str, factors: Adapter) -> None:
             wb.copy_(f.B)
 
 
-def fresh_factors(model, adapter: str, generator: torch.Generator) -> Adapter:
+def fresh_factors(model, adapter: str, seed: int) -> Adapter:
     """A new LoRA initialization (A Kaiming-uniform as peft does, B zero), seeded.
 
-    Drawing from an explicit generator makes a client's start independent of
-    which process trains it, so 1 and N processes give the same run.
+    Each module draws from its own generator seeded by ``(seed, module
+    index)``, so the init does not depend on which process trains a client,
+    and clients of different ranks share their leading rows: with the same
+    seed every client of a round starts from the same global initialization,
+    which parameter-averaging strategies (FedIT) need.
     """
     out = {}
-    for name, module in lora_modules(model, adapter).items():
+    for i, (name, module) in enumerate(lora_modules(model, adapter).items()):
         wa, wb = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + i) % (1 << 62))
         bound = 1.0 / math.sqrt(wa.shape[1])  # kaiming_uniform_(a=sqrt(5)) on an (r, in) weight
-        A = (torch.rand(wa.shape, generator=generator) * 2 - 1) * bound
+        A = (torch.rand(wa.shape, generator=gen) * 2 - 1) * bound
         out[name] = LoraFactors(A, torch.zeros(wb.shape), float(module.scaling[adapter]))
     return out
 

@@ -178,6 +178,11 @@ class Federation:
         self.model = attach_lora(self.model, ranks, cfg.lora)
         self.dense_names = dense_param_names(self.model, cfg.lora.trainable_modules)
         self.state.dense = read_dense(self.model, self.dense_names)
+        n_dense = sum(t.numel() for t in self.state.dense.values())
+        if n_dense > 5_000_000:
+            log.warning("lora.trainable_modules %s add %.1fM parameters to every upload and download; "
+                        "set lora.trainable_modules=[] for a LoRA-only federation",
+                        cfg.lora.trainable_modules, n_dense / 1e6)
 
         def tok(exs):
             return tokenize_examples(exs, self.tokenizer, template, max_len)
@@ -227,8 +232,7 @@ class Federation:
         set_trainable_modules(self.model, cfg.lora.trainable_modules)
         start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged)
         self.ledger.download(client.client_id, start.numel() + sum(t.numel() for t in self.state.dense.values()))
-        gen = torch.Generator().manual_seed(derive_seed(cfg.federation.seed, round_idx, client.client_id, 7))
-        fresh = fresh_factors(self.model, name, gen)
+        fresh = fresh_factors(self.model, name, derive_seed(cfg.federation.seed, round_idx, 7))
         factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
         write_factors(self.model, name, factors)
         write_dense(self.model, self.state.dense)

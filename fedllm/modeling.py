@@ -41,7 +41,7 @@ def check_model_reference(name: str) -> None:
     """Fail fast on a model that cannot be reached (offline Hub id, missing local path)."""
     if name == "builtin":
         return
-    looks_local = name.startswith((".", "/", "~")) or os.sep in name and Path(name).expanduser().parent.exists()
+    looks_local = name.startswith((".", "/", "~")) or (os.sep in name and Path(name).expanduser().parent.exists())
     if Path(name).expanduser().exists():
         if not (Path(name).expanduser() / "config.json").exists():
             raise ModelError(f"model.name: local folder {name} has no config.json (expected a saved model folder)")

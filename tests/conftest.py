@@ -8,10 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from fedllm.factors import LoraFactors  # noqa: E402
+from fedllm.factors import LoraFactors
 
 # Tests use a briefly pretrained base: learning is tested end to end elsewhere
 # (the README's default run); here only mechanics and math are.

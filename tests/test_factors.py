@@ -21,9 +21,8 @@ def peft_model(builtin_base):
 
 def test_round_trip_and_copies(peft_model):
     name = adapter_name(8)
-    gen = torch.Generator().manual_seed(0)
     factors = {k: LoraFactors(torch.randn_like(f.A), torch.randn_like(f.B), f.scale)
-               for k, f in fresh_factors(peft_model, name, gen).items()}
+               for k, f in fresh_factors(peft_model, name, 0).items()}
     write_factors(peft_model, name, factors)
     back = read_factors(peft_model, name)
     assert set(back) == set(factors)
@@ -38,6 +37,15 @@ def test_round_trip_and_copies(peft_model):
             if p.requires_grad:
                 p.add_(1.0)
     assert_close(back[key].A, factors[key].A)
+
+
+def test_fresh_init_shares_leading_rows_across_ranks(peft_model):
+    small, big = fresh_factors(peft_model, adapter_name(4), 5), fresh_factors(peft_model, adapter_name(8), 5)
+    for k in small:
+        assert_close(small[k].A, big[k].A[:4])
+        assert not small[k].B.any()
+    other = fresh_factors(peft_model, adapter_name(4), 6)
+    assert not torch.equal(other[k].A, small[k].A)
 
 
 def test_write_rescales_to_layer_scale(peft_model):
@@ -64,7 +72,7 @@ def test_merge_into_base_equals_adapter_forward(peft_model):
     name = adapter_name(8)
     gen = torch.Generator().manual_seed(3)
     factors = {k: LoraFactors(0.1 * torch.randn_like(f.A), 0.1 * torch.randn(f.B.shape, generator=gen), f.scale)
-               for k, f in fresh_factors(peft_model, name, gen).items()}
+               for k, f in fresh_factors(peft_model, name, 3).items()}
     ids = torch.tensor([[1, 5, 9, 12, 7]])
     install_adapter(peft_model, "probe", factors, LoraConfig(target_modules=["q_proj", "v_proj"]))
     peft_model.set_adapter("probe")

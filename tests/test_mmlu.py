@@ -145,7 +145,7 @@ def test_metric_table_matches_reference():
     spec = importlib.util.spec_from_file_location("m", Path(__file__).parent.parent / "eval/mmlu_metric/mmlu_metric.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.SUBJECT_CATEGORIES == mmlu_subjects()
+    assert mmlu_subjects() == mod.SUBJECT_CATEGORIES
 
 
 def write_csv_release(root: Path, rows_by_split: dict[str, dict[str, list[list[str]]]]):

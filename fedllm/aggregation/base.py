@@ -9,7 +9,6 @@ each client of the next round starts from. It never branches on a name.
 from __future__ import annotations
 
 import abc
-
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
