@@ -117,7 +117,7 @@ GENERATORS: dict[str, Callable[[random.Random], Item]] = {
 def _choices(rng: random.Random, answer: str, others: list[str], gold: int) -> list[str]:
     distractors = list(others)
     rng.shuffle(distractors)
-    return distractors[:gold] + [answer] + distractors[gold:]
+    return [*distractors[:gold], answer, *distractors[gold:]]
 
 
 def format_mc_question(question: str, choices: list[str]) -> str:

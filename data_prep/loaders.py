@@ -127,7 +127,7 @@ def load_examples(dataset: str, fmt: str = "auto", max_examples: int = 0, builti
         examples = builtin.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
         return examples[:max_examples] if max_examples else examples
     path = Path(dataset).expanduser()
-    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or (os.sep in dataset and not dataset.count("/") == 1):
+    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or (os.sep in dataset and dataset.count("/") != 1):
         if not path.is_file():
             raise DataError(f"data.dataset: file {path} does not exist")
         records = _records_from_file(path)

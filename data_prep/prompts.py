@@ -58,7 +58,7 @@ def tokenize_example(example: Example, tokenizer, template: str, max_seq_len: in
     prompt_ids = tokenizer(prompt)["input_ids"]
     full_ids = tokenizer(prompt + example.response.strip())["input_ids"]
     if tokenizer.eos_token_id is not None:
-        full_ids = full_ids + [tokenizer.eos_token_id]
+        full_ids = [*full_ids, tokenizer.eos_token_id]
     n_prompt = min(len(prompt_ids), len(full_ids))
     labels = [IGNORE_INDEX] * n_prompt + full_ids[n_prompt:]
     full_ids, labels = full_ids[:max_seq_len], labels[:max_seq_len]

@@ -137,7 +137,9 @@ def load_questions(source: str, split: str = "test", subjects: list[str] | None 
         present = {q.subject for q in qs}
         missing = [s for s in subjects if s not in present]
         if missing:
-            raise MMLUDataError(f"{source} ({split}): subject(s) {missing} not found; present: {sorted(present)[:8]}...")
+            raise MMLUDataError(
+                f"{source} ({split}): subject(s) {missing} not found; present: {sorted(present)[:8]}..."
+            )
         qs = [q for q in qs if q.subject in set(subjects)]
     if limit:
         qs = [q for q in qs if q.index < limit]

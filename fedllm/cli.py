@@ -61,7 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(run_dir / "config.yaml", args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
-        run_dir = Path(args.output_dir or cfg.output.dir or f"runs/{cfg.aggregation.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(args.output_dir or cfg.output.dir or f"runs/{cfg.aggregation.name}-{stamp}")
         cfg.output.dir = str(run_dir)
     fed = Federation(cfg, run_dir)
     fed.setup()

@@ -73,7 +73,8 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     dataset: str = opt("builtin", "'builtin', dolly, alpaca, wizard, a Hub id, or a .json/.jsonl/.parquet file")
-    format: str = opt("auto", "field layout of the dataset", lambda x: x in ("auto", "dolly", "alpaca", "wizard", "fedllm"),
+    format: str = opt("auto", "field layout of the dataset",
+                      lambda x: x in ("auto", "dolly", "alpaca", "wizard", "fedllm"),
                       "one of auto, dolly, alpaca, wizard, fedllm")
     template: str = opt("auto", "prompt template (auto: plain for the built-in data, alpaca otherwise)",
                         lambda x: x in ("auto", "alpaca", "plain"), "one of auto, alpaca, plain")

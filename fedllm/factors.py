@@ -132,7 +132,11 @@ def fresh_factors(model, adapter: str, seed: int) -> Adapter:
 def read_dense(model, names: list[str]) -> dict[str, Tensor]:
     """Copies of fully trained base parameters (e.g. embeddings), by parameter name."""
     params = dict(model.named_parameters())
-    return {module_key(k): v.detach().to("cpu", torch.float32).clone() for k, v in params.items() if module_key(k) in names}
+    return {
+        module_key(k): v.detach().to("cpu", torch.float32).clone()
+        for k, v in params.items()
+        if module_key(k) in names
+    }
 
 
 def write_dense(model, dense: dict[str, Tensor]) -> None:

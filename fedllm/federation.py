@@ -268,7 +268,7 @@ class Federation:
         self.ledger.start_round()
         sampled = sample_clients(cfg, round_idx)
         drop_rng = random.Random(derive_seed(cfg.federation.seed, round_idx, 2))
-        n_drop = int(round(cfg.federation.dropout * len(sampled)))
+        n_drop = round(cfg.federation.dropout * len(sampled))
         dropped = sorted(drop_rng.sample(sampled, n_drop)) if n_drop else []
         active = [k for k in sampled if k not in dropped]
         mine = active[self.acc.process_index:: self.acc.num_processes]

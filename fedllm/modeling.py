@@ -138,7 +138,8 @@ def attach_lora(model, ranks: list[int], lora_cfg):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     distinct = sorted(set(ranks))
     try:
-        peft_model = get_peft_model(model, peft_lora_config(distinct[0], lora_cfg), adapter_name=adapter_name(distinct[0]))
+        first = adapter_name(distinct[0])
+        peft_model = get_peft_model(model, peft_lora_config(distinct[0], lora_cfg), adapter_name=first)
     except ValueError as e:
         raise ModelError(f"lora.target_modules {lora_cfg.target_modules}: {e}") from None
     for r in distinct[1:]:

@@ -14,7 +14,8 @@ from data_prep.schema import DataError, Example
 
 DOLLY = [
     {"instruction": "Name a primary color.", "context": "", "response": "Red.", "category": "open_qa"},
-    {"instruction": "Summarize.", "context": "Cats sleep a lot.", "response": "Cats sleep.", "category": "summarization"},
+    {"instruction": "Summarize.", "context": "Cats sleep a lot.", "response": "Cats sleep.",
+     "category": "summarization"},
 ]
 ALPACA = [
     {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
