@@ -109,7 +109,9 @@ class FederationConfig:
 @dataclass
 class ClientConfig:
     algorithm: str = opt("sft", "local training algorithm: sft, fedprox, scaffold, perfedavg")
-    lr: float = opt(3e-3, "adaptor learning rate", _positive, "> 0")
+    lr: float = opt(3e-3, "adaptor learning rate (Per-FedAvg: the outer step beta)", _positive, "> 0")
+    optimizer: str = opt("adamw", "local optimizer of sft/fedprox (scaffold and perfedavg use SGD, as analysed)",
+                         lambda x: x in ("adamw", "sgd"), "one of adamw, sgd")
     batch_size: int = opt(8, "micro-batch size", _positive, "an integer >= 1")
     grad_accum: int = opt(1, "micro-batches per optimizer step", _positive, "an integer >= 1")
     local_steps: int = opt(150, "optimizer steps per round (0: use local_epochs)", _nonneg, ">= 0")

@@ -29,6 +29,7 @@ from data_prep.prompts import TokenizedExample, collate, tokenize_examples
 from fedllm import checkpoint as ckpt
 from fedllm.aggregation import ClientUpdate, GlobalState, strategy_from_config
 from fedllm.client import ALGORITHMS, LocalPlan
+from fedllm.client.base import batch_stream
 from fedllm.comm import Ledger
 from fedllm.config import Config, save_config
 from fedllm.factors import (
@@ -37,6 +38,7 @@ from fedllm.factors import (
     dense_param_names,
     fresh_factors,
     lora_scale,
+    module_key,
     read_dense,
     read_factors,
     write_dense,
@@ -51,6 +53,7 @@ from fedllm.modeling import (
     install_adapter,
     load_base,
     merge_into_base,
+    set_trainable_modules,
 )
 
 log = logging.getLogger(__name__)
@@ -222,38 +225,55 @@ class Federation:
             return c.local_steps
         return max(1, math.ceil(c.local_epochs * len(client.train) / (c.batch_size * c.grad_accum)))
 
-    def train_client(self, client: ClientData, round_idx: int) -> ClientUpdate:
-        """Load the client's start, run its algorithm, read back its update."""
+    def load_client(self, client: ClientData, round_idx: int, count: bool = True):
+        """Switch ``client`` in: its adapter active, loaded with what it downloads.
+
+        Returns its trainable parameters by name and the fresh init it was
+        checked against. Only factors and dense modules move; the base stays.
+        """
         cfg = self.cfg
         name = adapter_name(client.rank)
         activate(self.model, name)
-        from fedllm.modeling import set_trainable_modules
-
         set_trainable_modules(self.model, cfg.lora.trainable_modules)
         start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged)
-        self.ledger.download(client.client_id, start.numel() + sum(t.numel() for t in self.state.dense.values()))
         fresh = fresh_factors(self.model, name, derive_seed(cfg.federation.seed, round_idx, 7))
         factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
         write_factors(self.model, name, factors)
         write_dense(self.model, self.state.dense)
-        params = adapter_params(self.model, name) + [
-            p for k, p in self.model.named_parameters() if p.requires_grad and "lora_" not in k
-        ]
-        plan = LocalPlan(
+        params = adapter_params(self.model, name)
+        params.update({module_key(k): p for k, p in self.model.named_parameters()
+                       if p.requires_grad and "lora_" not in k})
+        if count:
+            dense = sum(t.numel() for t in self.state.dense.values())
+            self.ledger.download(client.client_id, start.numel() + dense + self.algorithm.download_numel(params))
+        return params, fresh
+
+    def plan_for(self, client: ClientData, round_idx: int) -> LocalPlan:
+        cfg = self.cfg
+        return LocalPlan(
             round=round_idx, client_id=client.client_id, steps=self.local_steps(client),
             seed=derive_seed(cfg.federation.seed, round_idx, client.client_id, 11), lr=cfg.client.lr,
             batch_size=cfg.client.batch_size, grad_accum=cfg.client.grad_accum, scheduler=cfg.client.scheduler,
             warmup_ratio=cfg.client.warmup_ratio, weight_decay=cfg.client.weight_decay,
             max_grad_norm=cfg.client.max_grad_norm,
         )
+
+    def train_client(self, client: ClientData, round_idx: int) -> ClientUpdate:
+        """Load the client's start, run its algorithm, read back its update."""
+        cfg = self.cfg
+        name = adapter_name(client.rank)
+        params, fresh = self.load_client(client, round_idx)
+        plan = self.plan_for(client, round_idx)
         t0 = time.perf_counter()
-        result = self.algorithm.train(self.model, params, client.train, plan, self.acc, self.tokenizer.pad_token_id,
-                                      client.state)
+        batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
+        client_state = dict(client.state)
+        result = self.algorithm.train(self.model, params, batches, plan, self.acc, client_state)
         update = ClientUpdate(
             client.client_id, client.num_examples, read_factors(self.model, name),
             read_dense(self.model, self.dense_names), result.extras,
             {"loss_first": result.losses[0], "loss_last": result.losses[-1], "loss_mean": result.mean_loss,
              "train_s": time.perf_counter() - t0, "steps": plan.steps},
+            client_state,
         )
         if self.client_hook is not None:
             update = self.client_hook(round_idx, client.client_id, update)
@@ -286,7 +306,7 @@ class Federation:
         failures = {str(k): why for k, u, why in results if u is None}
         for u in updates:
             self.ledger.upload(u.client_id, u.numel())
-            self.clients[u.client_id].state = u.extras.pop("_client_state", self.clients[u.client_id].state)
+            self.clients[u.client_id].state = u.client_state
         t1 = time.perf_counter()
         info: dict[str, Any] = {}
         skipped = len(updates) < cfg.federation.min_clients
@@ -295,7 +315,9 @@ class Federation:
                         round_idx, len(updates), cfg.federation.min_clients)
             self.last_merged = {}
         else:
-            result = self.strategy.aggregate(sorted(updates, key=lambda u: u.client_id), self.state)
+            updates.sort(key=lambda u: u.client_id)
+            result = self.strategy.aggregate(updates, self.state)
+            self.algorithm.server_update(updates, cfg.federation.num_clients)
             self.state, self.last_merged, info = result.state, result.merged, result.info
             if self.last_merged:
                 merge_into_base(self.model, self.last_merged)
@@ -332,17 +354,51 @@ class Federation:
         return True
 
     @torch.no_grad()
-    def heldout_loss(self, data: list[TokenizedExample]) -> float | None:
+    def heldout(self, data: list[TokenizedExample]) -> tuple[float | None, float | None]:
+        """Mean response-token loss, and accuracy of the first response token."""
         if not data:
-            return None
-        total, tokens = 0.0, 0
+            return None, None
+        total, tokens, hits = 0.0, 0, 0
         bs = self.cfg.eval.batch_size
         for i in range(0, len(data), bs):
             batch = {k: v.to(self.acc.device) for k, v in collate(data[i:i + bs], self.tokenizer.pad_token_id).items()}
+            out = self.model(**batch)
             n = int((batch["labels"][:, 1:] != -100).sum())
-            total += self.model(**batch).loss.item() * n
+            total += out.loss.item() * n
             tokens += n
-        return total / tokens
+            labels = batch["labels"]
+            first = (labels != -100).int().argmax(1)
+            rows = torch.arange(labels.shape[0], device=labels.device)
+            hits += int((out.logits[rows, first - 1].argmax(-1) == labels[rows, first]).sum())
+        return total / tokens, hits / len(data)
+
+    def personalized(self, round_idx: int) -> dict:
+        """Each client's test data: the global model, then the global model + k local steps."""
+        steps = self.cfg.client.personalize_steps
+        rows = {}
+        for client in self.clients[self.acc.process_index:: self.acc.num_processes]:
+            if not client.test:
+                continue
+            params, _ = self.load_client(client, round_idx + 1, count=False)
+            g_loss, g_acc = self.heldout(client.test)
+            plan = self.plan_for(client, round_idx + 1)
+            batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1)
+            self.algorithm.personalize(self.model, params, batches, steps, plan, self.acc)
+            p_loss, p_acc = self.heldout(client.test)
+            rows[str(client.client_id)] = {"global_loss": g_loss, "global_acc": g_acc,
+                                           "personal_loss": p_loss, "personal_acc": p_acc}
+        if self.acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            rows = {k: v for part in gather_object([rows]) for k, v in part.items()}
+        if not rows:
+            return {}
+
+        def mean(key: str) -> float:
+            return sum(r[key] for r in rows.values()) / len(rows)
+
+        return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
+                "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
 
     def evaluate(self) -> dict:
         from eval.mmlu import evaluate as mmlu_evaluate
@@ -352,7 +408,7 @@ class Federation:
         ctx = torch.no_grad() if has_adapter else self.model.disable_adapter()
         out: dict[str, Any] = {}
         with ctx:
-            out["eval_loss"] = self.heldout_loss(self.eval_data)
+            out["eval_loss"], out["eval_token_acc"] = self.heldout(self.eval_data)
             if self.cfg.eval.benchmark != "none":
                 e = self.cfg.eval
                 result, _ = mmlu_evaluate(self.model, self.tokenizer, e.benchmark, e.shots, e.subjects or None,
@@ -375,6 +431,7 @@ class Federation:
         scales.update(s3)
         tensors.update({f"dense.{k}": v for k, v in self.state.dense.items()})
         tensors.update({f"extra.{k}": v for k, v in self.state.extras.items() if isinstance(v, torch.Tensor)})
+        tensors.update({f"algo.{k}": v for k, v in self.algorithm.server_state().items()})
         for c in self.clients:
             tensors.update({f"client.{c.client_id}.{k}": v for k, v in c.state.items()})
         meta = {"round": round_idx, "scales": scales, "ledger": self.ledger.state(), "strategy": self.strategy.name,
@@ -399,6 +456,7 @@ class Federation:
             {k[len("extra."):]: v for k, v in tensors.items() if k.startswith("extra.")},
         )
         self.last_merged = ckpt.adapter_from_tensors(tensors, meta["scales"], "merged.")
+        self.algorithm.load_server_state({k[len("algo."):]: v for k, v in tensors.items() if k.startswith("algo.")})
         for c in self.clients:
             prefix = f"client.{c.client_id}."
             c.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -438,6 +496,8 @@ class Federation:
             row = self.run_round(r)
             if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
                 row.update(self.evaluate())
+                if cfg.eval.personalized and cfg.client.personalize_steps > 0:
+                    row.update(self.personalized(r))
             row["cumulative"] = {k: v for k, v in self.ledger.totals().items() if k != "per_client"}
             self.log_metrics(row)
             self.checkpoint(r)

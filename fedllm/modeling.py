@@ -167,10 +167,12 @@ def activate(peft_model, name: str) -> list[torch.nn.Parameter]:
     return [p for p in peft_model.parameters() if p.requires_grad]
 
 
-def adapter_params(peft_model, name: str) -> list[torch.nn.Parameter]:
-    params = []
-    for module in lora_modules(peft_model, name).values():
-        params += [module.lora_A[name].weight, module.lora_B[name].weight]
+def adapter_params(peft_model, name: str) -> dict[str, torch.nn.Parameter]:
+    """``{"<module>.A": lora_A weight, "<module>.B": lora_B weight}`` of adapter ``name``."""
+    params = {}
+    for key, module in lora_modules(peft_model, name).items():
+        params[f"{key}.A"] = module.lora_A[name].weight
+        params[f"{key}.B"] = module.lora_B[name].weight
     return params
 
 

@@ -54,8 +54,8 @@ def test_two_round_run_writes_everything(tmp_path, strategy):
 
 def test_download_cost_per_strategy(tmp_path):
     """FLoRA's download grows with the sum of ranks, FlexLoRA's with each client's rank."""
-    _, flora = run(tmp_path, "aggregation.name=flora", name="a")
-    _, flex = run(tmp_path, "aggregation.name=flexlora", name="b")
+    _, flora = run(tmp_path, "aggregation.name=flora", "lora.trainable_modules=[]", name="a")
+    _, flex = run(tmp_path, "aggregation.name=flexlora", "lora.trainable_modules=[]", name="b")
     rows_a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     rows_b = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     # round 2: FLoRA sends the stacked rank-60 update to each of 4 clients, FlexLoRA ranks 4..32

@@ -35,6 +35,7 @@ class ClientUpdate:
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    client_state: dict[str, Tensor] = field(default_factory=dict)  # stays on the client: never counted
 
     def numel(self) -> int:
         return adapter_numel(self.factors) + sum(t.numel() for t in self.dense.values()) + sum(

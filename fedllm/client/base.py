@@ -22,6 +22,7 @@ from torch import Tensor
 from data_prep.prompts import TokenizedExample, collate
 
 ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
+Params = dict[str, torch.nn.Parameter]
 
 
 @dataclass
@@ -79,44 +80,76 @@ class ClientAlgorithm(abc.ABC):
             raise TypeError(f"client algorithm {cls.name!r} is registered twice")
         ALGORITHMS[cls.name] = cls
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, optimizer: str = "adamw", **options: Any) -> None:
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"client.optimizer = {optimizer!r}: expected adamw or sgd")
+        self.optimizer = optimizer
         self.options = options
 
     @classmethod
     def from_config(cls, client_cfg) -> ClientAlgorithm:
-        return cls()
+        return cls(optimizer=client_cfg.optimizer)
 
     @classmethod
     def check_config(cls, cfg) -> None:
         """Refuse combinations this algorithm cannot run, before any work starts."""
 
     def make_optimizer(self, params: list[torch.nn.Parameter], plan: LocalPlan) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=plan.lr, weight_decay=plan.weight_decay)
         return torch.optim.AdamW(params, lr=plan.lr, weight_decay=plan.weight_decay)
 
-    def begin(self, params: list[torch.nn.Parameter], state: dict[str, Any]) -> None:
+    def begin(self, params: Params, state: dict[str, Any]) -> None:
         """Hook before the first local step (e.g. remember the starting point)."""
 
-    def finish(self, params: list[torch.nn.Parameter], plan: LocalPlan, state: dict[str, Any]) -> dict[str, Tensor]:
+    def finish(self, params: Params, plan: LocalPlan, state: dict[str, Any]) -> dict[str, Tensor]:
         """Hook after the last local step; returns extra tensors to upload."""
         return {}
 
+    def server_update(self, updates: list, num_clients: int) -> None:
+        """Server-side state of the algorithm after a round (SCAFFOLD's control variate)."""
+
+    def download_numel(self, params: Params) -> int:
+        """Extra parameters a client downloads for this algorithm (e.g. the server control)."""
+        return 0
+
+    def server_state(self) -> dict[str, Tensor]:
+        return {}
+
+    def load_server_state(self, tensors: dict[str, Tensor]) -> None:
+        """Restore what :meth:`server_state` returned (resume)."""
+
+    def personalize(self, model, params: Params, batches: Iterator[dict[str, Tensor]], steps: int, plan: LocalPlan,
+                    accelerator) -> None:
+        """Adapt the global model to a client with ``steps`` plain SGD steps (for personalized evaluation)."""
+        opt = torch.optim.SGD(list(params.values()), lr=self.personal_lr(plan))
+        model.train()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            accumulate(model, batches, plan, accelerator)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.eval()
+
+    def personal_lr(self, plan: LocalPlan) -> float:
+        return plan.lr
+
     @abc.abstractmethod
-    def local_step(self, model, params: list[torch.nn.Parameter], batches: Iterator[dict[str, Tensor]],
-                   plan: LocalPlan, accelerator) -> float:
+    def local_step(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan,
+                   accelerator) -> float:
         """Accumulate gradients for one optimizer step into ``params``; return the loss."""
 
-    def train(self, model, params: list[torch.nn.Parameter], data: list[TokenizedExample], plan: LocalPlan,
-              accelerator, pad_id: int, state: dict[str, Any] | None = None) -> LocalResult:
-        """Run ``plan.steps`` optimizer steps on ``params`` (the client's trainable tensors)."""
+    def train(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan,
+              accelerator, state: dict[str, Any] | None = None) -> LocalResult:
+        """Run ``plan.steps`` optimizer steps on ``params`` (the client's trainable tensors, by name)."""
         from transformers import get_scheduler
 
         state = state if state is not None else {}
         torch.manual_seed(plan.seed)  # LoRA dropout and any sampling inside the step
-        optimizer = self.make_optimizer(params, plan)
+        optimizer = self.make_optimizer(list(params.values()), plan)
         warmup = int(plan.warmup_ratio * plan.steps)
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
         scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
-        batches = batch_stream(data, plan.batch_size, pad_id, plan.seed)
         self.begin(params, state)
         model.train()
         losses = []
@@ -124,7 +157,7 @@ class ClientAlgorithm(abc.ABC):
             optimizer.zero_grad(set_to_none=True)
             loss = self.local_step(model, params, batches, plan, accelerator)
             if plan.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, plan.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(list(params.values()), plan.max_grad_norm)
             optimizer.step()
             scheduler.step()
             losses.append(loss)
@@ -134,10 +167,20 @@ class ClientAlgorithm(abc.ABC):
 
 
 def lm_loss(model, batch: dict[str, Tensor], accelerator) -> Tensor:
-    """Causal-LM loss on response tokens (prompt labels are -100)."""
-    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+    """The model's loss on a batch (for causal LMs: response tokens only, prompt labels are -100)."""
+    device = accelerator.device if accelerator is not None else "cpu"
+    batch = {k: v.to(device) for k, v in batch.items()}
+    if accelerator is None:
+        return model(**batch).loss
     with accelerator.autocast():
         return model(**batch).loss
+
+
+def backward(loss: Tensor, accelerator) -> None:
+    if accelerator is None:
+        loss.backward()
+    else:
+        accelerator.backward(loss)
 
 
 def accumulate(model, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, accelerator) -> float:
@@ -145,6 +188,6 @@ def accumulate(model, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, acc
     total = 0.0
     for _ in range(plan.grad_accum):
         loss = lm_loss(model, next(batches), accelerator) / plan.grad_accum
-        accelerator.backward(loss)
+        backward(loss, accelerator)
         total += loss.item()
     return total
