@@ -111,10 +111,41 @@ def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapt
     return concat(strategy.global_adapter(state), state.residual), dense
 
 
-def export_run(run_dir: Path, out: Path, round_idx: int | None = None, merge: bool = False) -> Path:
+def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str, torch.Tensor]]:
+    """A client's personalized model: the global model plus its algorithm's personalization steps.
+
+    The run is rebuilt from its directory (same data split, same seed) and the
+    client's k personalization steps (``client.personalize_steps``) are taken
+    on its own training data, as in the run's personalized evaluation.
+    """
+    from fedllm.client.base import batch_stream
+    from fedllm.factors import read_dense, read_factors
+    from fedllm.federation import Federation
+    from fedllm.modeling import adapter_name
+
+    cfg = run_config(run_dir)
+    if not 0 <= client < cfg.federation.num_clients:
+        raise ExportError(f"--client {client}: the run has clients 0..{cfg.federation.num_clients - 1}")
+    fed = Federation(cfg, Path(run_dir))
+    fed.setup()
+    fed.restore()
+    c = fed.clients[client]
+    params, _ = fed.load_client(c, fed.start_round, count=False)
+    plan = fed.plan_for(c, fed.start_round)
+    batches = batch_stream(c.train, plan.batch_size, fed.tokenizer.pad_token_id, plan.seed + 1)
+    fed.algorithm.personalize(fed.model, params, batches, cfg.client.personalize_steps, plan, fed.acc)
+    mine = read_factors(fed.model, adapter_name(c.rank))
+    return concat(mine, fed.state.residual), read_dense(fed.model, fed.dense_names)
+
+
+def export_run(run_dir: Path, out: Path, round_idx: int | None = None, merge: bool = False,
+               client: int | None = None) -> Path:
     """``fedllm export``: adapter folder (or merged model) + model card."""
     cfg = run_config(run_dir)
-    adapter, dense = adapter_from_run(run_dir, round_idx)
+    if client is not None:
+        adapter, dense = personalized_adapter(run_dir, client)
+    else:
+        adapter, dense = adapter_from_run(run_dir, round_idx)
     base = base_model_reference(cfg)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=Path(out).parent if Path(out).parent.exists() else None))
     try:
@@ -124,7 +155,7 @@ def export_run(run_dir: Path, out: Path, round_idx: int | None = None, merge: bo
             _merge(base, tmp, merged_dir, cfg)
             shutil.rmtree(tmp)
             tmp = merged_dir
-        write_model_card(tmp, run_dir, cfg, base, merged=merge)
+        write_model_card(tmp, run_dir, cfg, base, merged=merge, client=client)
         if Path(out).exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -146,7 +177,7 @@ def _merge(base: str, adapter_dir: Path, out: Path, cfg) -> None:
         merged.generation_config.save_pretrained(out)
 
 
-def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool) -> None:
+def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, client: int | None = None) -> None:
     """README.md with YAML metadata (base_model, library_name, tags, metrics) for the Hub."""
     summary_path = Path(run_dir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -173,7 +204,8 @@ def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool) 
         "",
         f"Federated fine-tuning of `{base_id}` with **{cfg.aggregation.name}** aggregation and "
         f"**{cfg.client.algorithm}** clients: {cfg.federation.num_clients} clients, {cfg.federation.rounds} rounds, "
-        f"LoRA ranks {summary.get('ranks', cfg.lora.ranks)}.",
+        f"LoRA ranks {summary.get('ranks', cfg.lora.ranks)}."
+        + (f" Personalized for client {client}." if client is not None else ""),
         "",
         "| metric | value |",
         "|---|---|",
@@ -211,7 +243,7 @@ def load_for_eval(model: str, adapter: str | None, run: str | None, round_idx: i
         model_cfg = cfg.model
         model_cfg.dtype = dtype
         tmp = Path(tempfile.mkdtemp(prefix="fedllm-eval-"))
-        sub = adapter_from_run(Path(run), round_idx)
+        sub = personalized_adapter(Path(run), client) if client is not None else adapter_from_run(Path(run), round_idx)
         write_peft_adapter(tmp, *sub, base_model_reference(cfg), cfg.lora.target_modules,
                            cfg.lora.trainable_modules)
         adapter = str(tmp)

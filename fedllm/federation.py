@@ -117,6 +117,33 @@ def validate_update(update: ClientUpdate, expected: Adapter) -> None:
             raise ClientFailure(f"non-finite values in {key}")
 
 
+def clip_updates(updates: list[ClientUpdate], ratio: float, dense_start: dict[str, torch.Tensor]) -> int:
+    """Scale each update's change to at most ``ratio`` x the round's median norm; returns how many were clipped.
+
+    The change is measured from what the client started with (factors and
+    dense modules), so one hostile or broken client cannot dominate the
+    aggregate by sending a huge update.
+    """
+    def delta_norm(u: ClientUpdate) -> float:
+        sq = sum(float((f.A - u.start[k].A).pow(2).sum() + (f.B - u.start[k].B).pow(2).sum())
+                 for k, f in u.factors.items())
+        sq += sum(float((t - dense_start[k]).pow(2).sum()) for k, t in u.dense.items())
+        return sq ** 0.5
+
+    norms = [delta_norm(u) for u in updates]
+    cap = ratio * float(torch.tensor(norms).median())
+    clipped = 0
+    for u, n in zip(updates, norms, strict=True):
+        if n <= cap or n == 0:
+            continue
+        c = cap / n
+        u.factors = {k: LoraFactors(u.start[k].A + c * (f.A - u.start[k].A), u.start[k].B + c * (f.B - u.start[k].B),
+                                    f.scale) for k, f in u.factors.items()}
+        u.dense = {k: dense_start[k] + c * (t - dense_start[k]) for k, t in u.dense.items()}
+        clipped += 1
+    return clipped
+
+
 def revive_empty_directions(start: Adapter, fresh: Adapter) -> Adapter:
     """Give zero rank directions (zero A row and B column) a fresh A row.
 
@@ -240,6 +267,7 @@ class Federation:
         factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
         write_factors(self.model, name, factors)
         write_dense(self.model, self.state.dense)
+        self._start = factors
         params = adapter_params(self.model, name)
         params.update({module_key(k): p for k, p in self.model.named_parameters()
                        if p.requires_grad and "lora_" not in k})
@@ -274,6 +302,7 @@ class Federation:
             {"loss_first": result.losses[0], "loss_last": result.losses[-1], "loss_mean": result.mean_loss,
              "train_s": time.perf_counter() - t0, "steps": plan.steps},
             client_state,
+            self._start,
         )
         if self.client_hook is not None:
             update = self.client_hook(round_idx, client.client_id, update)
@@ -309,6 +338,8 @@ class Federation:
             self.clients[u.client_id].state = u.client_state
         t1 = time.perf_counter()
         info: dict[str, Any] = {}
+        if cfg.aggregation.clip_norm_ratio and updates:
+            info["clipped"] = clip_updates(updates, cfg.aggregation.clip_norm_ratio, self.state.dense)
         skipped = len(updates) < cfg.federation.min_clients
         if skipped:
             log.warning("round %d skipped: %d valid update(s) < federation.min_clients = %d",
@@ -318,7 +349,8 @@ class Federation:
             updates.sort(key=lambda u: u.client_id)
             result = self.strategy.aggregate(updates, self.state)
             self.algorithm.server_update(updates, cfg.federation.num_clients)
-            self.state, self.last_merged, info = result.state, result.merged, result.info
+            self.state, self.last_merged = result.state, result.merged
+            info.update(result.info)
             if self.last_merged:
                 merge_into_base(self.model, self.last_merged)
         agg_s = time.perf_counter() - t1
@@ -329,6 +361,7 @@ class Federation:
             "train_loss": sum(losses) / len(losses) if losses else None,
             "client_loss": {str(u.client_id): [u.metrics["loss_first"], u.metrics["loss_last"]] for u in updates},
             **{f"agg_{k}": v for k, v in info.items()},
+            "n_failed": len(failures), "n_dropped": len(dropped),
             **self.ledger.round_summary(),
             "time_train_s": train_s, "time_aggregate_s": agg_s,
         }

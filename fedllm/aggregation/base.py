@@ -36,6 +36,7 @@ class ClientUpdate:
     extras: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     client_state: dict[str, Tensor] = field(default_factory=dict)  # stays on the client: never counted
+    start: Adapter = field(default_factory=dict)  # what the client started from (for norm clipping)
 
     def numel(self) -> int:
         return adapter_numel(self.factors) + sum(t.numel() for t in self.dense.values()) + sum(
