@@ -1,0 +1,164 @@
+"""Export (adapter, merged, model card, Hub push) and reports from a finished run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedllm.config import load_config
+from fedllm.federation import Federation
+from tests.conftest import tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, builtin_base):
+    d = tmp_path_factory.mktemp("runs") / "fedit"
+    cfg = load_config(None, tiny_overrides(d, "data.client_test_fraction=0.3"))
+    fed = Federation(cfg, d)
+    fed.setup()
+    fed.run()
+    return d
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_adapter_export_loads_both_ways(finished_run, tmp_path):
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fedllm.export import base_model_reference, export_run
+
+    out = export_run(finished_run, tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+    base_path = base_model_reference(load_config(finished_run / "config.yaml"))
+    a = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), out).eval()
+    b = AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[1, 7, 20, 33, 5]])
+    torch.testing.assert_close(logits(a, ids), logits(b, ids))
+    # and it is the run's own global adapter
+    g = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), finished_run / "global_adapter")
+    torch.testing.assert_close(logits(a, ids), logits(g.eval(), ids))
+
+
+def test_merged_export_equals_base_plus_adapter(finished_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fedllm.export import base_model_reference, export_run
+
+    merged = export_run(finished_run, tmp_path / "merged", merge=True)
+    names = {p.name for p in merged.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"} <= names
+    m = AutoModelForCausalLM.from_pretrained(merged).eval()
+    AutoTokenizer.from_pretrained(merged)
+    base_path = base_model_reference(load_config(finished_run / "config.yaml"))
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path),
+                                    finished_run / "global_adapter").eval()
+    ids = torch.tensor([[1, 9, 11, 40, 2]])
+    torch.testing.assert_close(logits(m, ids), logits(ref, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_model_card_parses_and_carries_metrics(finished_run, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from fedllm.export import export_run
+
+    out = export_run(finished_run, tmp_path / "card")
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "peft" and data["license"] == "apache-2.0"
+    assert "federated-learning" in data["tags"] and "fedit" in data["tags"]
+    summary = json.loads((finished_run / "summary.json").read_text())
+    value = data["model-index"][0]["results"][0]["metrics"][0]["value"]
+    assert value == pytest.approx(summary["accuracy_after"], abs=1e-4)
+    assert str(summary["communication"]["total_up_params"]) in card.text
+
+
+def test_push_uses_exact_repo_and_files_and_never_writes_the_token(finished_run, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    from fedllm.cli import main
+
+    token = "hf_SECRETtoken1234567890"
+    monkeypatch.setenv("HF_TOKEN", token)
+    calls = {}
+
+    def create_repo(self, repo_id, **kw):
+        calls["create"] = (repo_id, kw.get("private"))
+
+    def upload_folder(self, folder_path, repo_id, **kw):
+        from pathlib import Path
+
+        calls["upload"] = (repo_id, sorted(p.name for p in Path(folder_path).iterdir()))
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    out = tmp_path / "push"
+    assert main(["export", str(finished_run), "--output", str(out), "--push-to-hub", "org/fed-model",
+                 "--private"]) == 0
+    assert calls["create"] == ("org/fed-model", True)
+    assert calls["upload"] == ("org/fed-model", ["README.md", "adapter_config.json", "adapter_model.safetensors"])
+    for folder in (out, finished_run):
+        for p in folder.rglob("*"):
+            if p.is_file():
+                assert token.encode() not in p.read_bytes(), p
+
+
+def test_personalized_client_export(finished_run, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    from fedllm.export import ExportError, export_run
+
+    out = export_run(finished_run, tmp_path / "client1", client=1)
+    model = AutoPeftModelForCausalLM.from_pretrained(out)
+    assert "client 1" in (out / "README.md").read_text()
+    assert model is not None
+    with pytest.raises(ExportError, match="the run has clients 0..3"):
+        export_run(finished_run, tmp_path / "bad", client=9)
+
+
+def test_eval_job_on_run_dir(finished_run, tmp_path):
+    from fedllm.cli import main
+
+    out = tmp_path / "res.json"
+    assert main(["eval", "--run", str(finished_run), "--limit", "2", "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["n"] == 16 and len(res["records"]) == 16 and 0 <= res["accuracy"] <= 1
+    rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    assert res["accuracy"] == pytest.approx(_acc_limit2(finished_run))
+    assert rows
+
+
+def _acc_limit2(run_dir):
+    """Independent check: score the run's global model with eval.mmlu.evaluate directly."""
+    from fedllm.export import load_for_eval
+
+    model, tok = load_for_eval("builtin", None, str(run_dir), None, None, "float32", "cpu")
+    from eval.mmlu import evaluate
+
+    return evaluate(model, tok, "builtin", limit=2)[0]["accuracy"]
+
+
+def test_report_table_and_plots(finished_run, tmp_path):
+    from PIL import Image
+
+    from fedllm.report import report
+
+    text = report([finished_run, finished_run], tmp_path)
+    assert "final acc" in text and "fedit" in text
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert len(data["runs"]) == 2
+    rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    expected = [[r["round"], r["accuracy"]] for r in rows if r.get("accuracy") is not None]
+    assert data["runs"][0]["accuracy_by_round"] == expected
+    comm = [c for c, _ in data["runs"][0]["accuracy_by_comm"]]
+    assert comm == sorted(comm) and len(comm) == len(expected)
+    for name in ("accuracy_vs_round.png", "accuracy_vs_communication.png"):
+        with Image.open(tmp_path / name) as im:
+            im.verify()
+            assert im.format == "PNG"
