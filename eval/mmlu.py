@@ -185,9 +185,8 @@ def evaluate(model, tokenizer, source: str = "builtin", shots: int = 0, subjects
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
-        records = gather_object(records)
-        records.sort(key=lambda r: (r.subject, r.index))
-        records = list({(r.subject, r.index): r for r in records}.values())
+        records = list({(r.subject, r.index): r for r in gather_object(records)}.values())
+    records.sort(key=lambda r: (r.subject, r.index))  # the same order with any number of processes
     return aggregate(records, subject_category_map(source)), records
 
 

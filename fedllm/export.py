@@ -130,7 +130,7 @@ def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str,
     fed.setup()
     fed.restore()
     c = fed.clients[client]
-    params, _ = fed.load_client(c, fed.start_round, count=False)
+    params, _ = fed.load_client(c, fed.start_round)
     plan = fed.plan_for(c, fed.start_round)
     batches = batch_stream(c.train, plan.batch_size, fed.tokenizer.pad_token_id, plan.seed + 1)
     fed.algorithm.personalize(fed.model, params, batches, cfg.client.personalize_steps, plan, fed.acc)

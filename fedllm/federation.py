@@ -196,7 +196,8 @@ class Federation:
                           cfg.data.dirichlet_alpha, cfg.data.shards_per_client, cfg.data.min_examples_per_client)
         self.partition_stats = client_stats(pool, parts)
 
-        self.model, self.tokenizer = load_base(cfg.model, self.acc.device)
+        with self.acc.main_process_first():  # the built-in base is built once, by the main process
+            self.model, self.tokenizer = load_base(cfg.model, self.acc.device)
         max_ctx = context_length(self.model)
         max_len = cfg.data.max_seq_len or min(512, max_ctx or 512)
         if max_ctx is not None and max_len > max_ctx:
@@ -252,7 +253,14 @@ class Federation:
             return c.local_steps
         return max(1, math.ceil(c.local_epochs * len(client.train) / (c.batch_size * c.grad_accum)))
 
-    def load_client(self, client: ClientData, round_idx: int, count: bool = True):
+    def download_numel(self, client: ClientData) -> int:
+        """Parameters ``client`` downloads this round (same on every process)."""
+        start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged)
+        params = adapter_params(self.model, adapter_name(client.rank))
+        dense = sum(t.numel() for t in self.state.dense.values())
+        return start.numel() + dense + self.algorithm.download_numel(params)
+
+    def load_client(self, client: ClientData, round_idx: int):
         """Switch ``client`` in: its adapter active, loaded with what it downloads.
 
         Returns its trainable parameters by name and the fresh init it was
@@ -271,9 +279,6 @@ class Federation:
         params = adapter_params(self.model, name)
         params.update({module_key(k): p for k, p in self.model.named_parameters()
                        if p.requires_grad and "lora_" not in k})
-        if count:
-            dense = sum(t.numel() for t in self.state.dense.values())
-            self.ledger.download(client.client_id, start.numel() + dense + self.algorithm.download_numel(params))
         return params, fresh
 
     def plan_for(self, client: ClientData, round_idx: int) -> LocalPlan:
@@ -321,6 +326,8 @@ class Federation:
         dropped = sorted(drop_rng.sample(sampled, n_drop)) if n_drop else []
         active = [k for k in sampled if k not in dropped]
         mine = active[self.acc.process_index:: self.acc.num_processes]
+        for k in active:
+            self.ledger.download(k, self.download_numel(self.clients[k]))
         t0 = time.perf_counter()
         results: list[tuple[int, ClientUpdate | None, str]] = []
         for k in tqdm(mine, desc=f"round {round_idx} clients", leave=False, disable=not self.acc.is_main_process):
@@ -412,7 +419,7 @@ class Federation:
         for client in self.clients[self.acc.process_index:: self.acc.num_processes]:
             if not client.test:
                 continue
-            params, _ = self.load_client(client, round_idx + 1, count=False)
+            params, _ = self.load_client(client, round_idx + 1)
             g_loss, g_acc = self.heldout(client.test)
             plan = self.plan_for(client, round_idx + 1)
             batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1)
@@ -548,7 +555,8 @@ class Federation:
         rows = ckpt.read_jsonl(self.metrics_path) if self.acc.is_main_process else []
         summary: dict[str, Any] = {"run_dir": str(self.run_dir), "strategy": self.strategy.name,
                                    "algorithm": self.algorithm.name, "rounds": self.cfg.federation.rounds,
-                                   "ranks": [c.rank for c in self.clients], "wall_s": wall_s}
+                                   "ranks": [c.rank for c in self.clients], "wall_s": wall_s,
+                                   "processes": self.acc.num_processes}
         evals = [r for r in rows if "accuracy" in r or "eval_loss" in r]
         if evals:
             summary.update({

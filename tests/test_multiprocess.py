@@ -1,0 +1,62 @@
+"""Two CPU processes through `accelerate launch` give the one-process result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import tiny_overrides
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def env():
+    # ACCELERATE_USE_CPU + --multi_gpu is what gives two gloo ranks on CPU (see ENVIRONMENT.md)
+    return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": "29533"}
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "florist"])
+def test_two_processes_equal_one(tmp_path, strategy):
+    extra = [f"aggregation.name={strategy}", "eval.limit=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run",
+                    *tiny_overrides(one, *extra)], check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run([*LAUNCH, "-m", "fedllm.cli", "--log-level", "WARNING", "run", *tiny_overrides(two, *extra)],
+                         capture_output=True, text=True, timeout=600, env=env())
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads((two / "summary.json").read_text())["processes"] == 2  # really two ranks
+    assert json.loads((one / "summary.json").read_text())["processes"] == 1
+    a = load_file(one / "global_adapter" / "adapter_model.safetensors")
+    b = load_file(two / "global_adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    rows1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    rows2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows2] == [r["round"] for r in rows1]  # written once, by the main process
+    assert rows2[-1]["accuracy"] == pytest.approx(rows1[-1]["accuracy"])
+    assert rows2[-1]["cumulative"] == rows1[-1]["cumulative"]
+
+
+def test_mmlu_two_processes_equal_one(tmp_path, builtin_base):
+    args = ["--model", "builtin", "--limit", "3", "--batch-size", "4"]
+    subprocess.run([sys.executable, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "one.json")], check=True,
+                   capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run([*LAUNCH, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "two.json")],
+                         capture_output=True, text=True, timeout=600, env=env())
+    assert out.returncode == 0, out.stderr[-4000:]
+    one = json.loads((tmp_path / "one.json").read_text())
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert one["accuracy"] == two["accuracy"] and one["n"] == two["n"] == 24
+    for r1, r2 in zip(one["records"], two["records"], strict=True):
+        assert (r1["subject"], r1["index"], r1["predicted"]) == (r2["subject"], r2["index"], r2["predicted"])
+        assert r1["loglikelihoods"] == pytest.approx(r2["loglikelihoods"], abs=1e-5)
