@@ -219,3 +219,44 @@ def vocabulary() -> list[str]:
     words.update(text.split())
     words.update(list(".,:;?!'\"()-#/¶"))
     return sorted(words)
+
+
+# The two answers of each skill that can be right; a label shift swaps them.
+ANSWER_PAIRS = {
+    "parity": ("even", "odd"),
+    "comparison": ("yes", "no"),
+    "half": ("below", "above"),
+    "sum_parity": ("even", "odd"),
+    "multiple_of_three": ("yes", "no"),
+    "vowel": ("vowel", "consonant"),
+    "animal": ("animal", "thing"),
+    "first_letter_vowel": ("yes", "no"),
+}
+# Which skills each hidden group answers the other way round (label shift, as in FLoRAL's experiments).
+SHIFTED_SKILLS = (
+    (),
+    SKILLS,
+    tuple(s for s in SKILLS if SKILL_CATEGORY[s] == "stem"),
+    tuple(s for s in SKILLS if SKILL_CATEGORY[s] == "humanities"),
+)
+
+
+def shift_labels(example: Example, group: int) -> Example:
+    """The example as hidden group ``group`` labels it: conflicting answers across groups.
+
+    Free-form responses are swapped with the skill's other plausible answer;
+    a multiple-choice response becomes the letter of that other answer.
+    """
+    if example.category not in SHIFTED_SKILLS[group % len(SHIFTED_SKILLS)]:
+        return example
+    a, b = ANSWER_PAIRS[example.category]
+    if example.instruction.endswith("Answer:"):
+        options = dict(line.split(". ", 1) for line in example.instruction.split("\n") if line[:3] in
+                       ("A. ", "B. ", "C. ", "D. "))
+        current = options[example.response]
+        target = b if current == a else a
+        letter = next(k for k, v in options.items() if v == target)
+        return Example(example.instruction, example.input, letter, example.category)
+    if example.response in (a, b):
+        return Example(example.instruction, example.input, b if example.response == a else a, example.category)
+    return example

@@ -90,6 +90,9 @@ class DataConfig:
     client_test_fraction: float = opt(0.1, "share of each client's data kept for personalized evaluation",
                                       lambda x: 0 <= x < 1, "in [0, 1)")
     builtin_examples_per_skill: int = opt(400, "built-in dataset size per skill", _positive, "an integer >= 1")
+    label_shift_groups: int = opt(0, "built-in data only: clients form this many hidden groups whose answers "
+                                  "conflict (client k is in group k mod G; 0: off)",
+                                  lambda x: 0 <= x <= 4, "an integer in 0..4")
 
 
 @dataclass
@@ -326,6 +329,8 @@ def validate(cfg: Config) -> None:
         probs = list(cfg.lora.rank_distribution.values())
         if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
             raise ConfigError(f"lora.rank_distribution: probabilities {probs} must be >= 0 and sum to 1")
+    if cfg.data.label_shift_groups and cfg.data.dataset != "builtin":
+        raise ConfigError("data.label_shift_groups works on the built-in data only (data.dataset=builtin)")
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one linear module, e.g. q_proj")
     for i, s in enumerate(cfg.client.local_steps_per_client):

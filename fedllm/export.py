@@ -131,10 +131,16 @@ def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str,
     fed.restore()
     c = fed.clients[client]
     params, _ = fed.load_client(c, fed.start_round)
-    plan = fed.plan_for(c, fed.start_round)
-    batches = batch_stream(c.train, plan.batch_size, fed.tokenizer.pad_token_id, plan.seed + 1)
-    fed.algorithm.personalize(fed.model, params, batches, cfg.client.personalize_steps, plan, fed.acc)
-    mine = read_factors(fed.model, adapter_name(c.rank))
+    fed.model.eval()
+    session = fed.open_mixture(c, own_router=True)
+    if session is not None:  # FLoRAL: bake the client's router into its stacked adaptors
+        mine = session.bake(read_factors(fed.model, adapter_name(c.rank)))
+        session.close()
+    else:
+        plan = fed.plan_for(c, fed.start_round)
+        batches = batch_stream(c.train, plan.batch_size, fed.tokenizer.pad_token_id, plan.seed + 1)
+        fed.algorithm.personalize(fed.model, params, batches, cfg.client.personalize_steps, plan, fed.acc)
+        mine = read_factors(fed.model, adapter_name(c.rank))
     return concat(mine, fed.state.residual), read_dense(fed.model, fed.dense_names)
 
 

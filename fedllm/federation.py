@@ -44,6 +44,7 @@ from fedllm.factors import (
     write_dense,
     write_factors,
 )
+from fedllm.mixture import MixtureSession, MixtureSpec
 from fedllm.modeling import (
     activate,
     adapter_name,
@@ -205,8 +206,12 @@ class Federation:
                              f"{max_ctx}: lower data.max_seq_len")
         template = cfg.data.template if cfg.data.template != "auto" else (
             "plain" if cfg.data.dataset == "builtin" else "alpaca")
-        ranks = assign_ranks(cfg)
+        ranks = [self.strategy.adapter_rank(r) for r in assign_ranks(cfg)]
         self.model = attach_lora(self.model, ranks, cfg.lora)
+        agg = cfg.aggregation
+        self.mixture = MixtureSpec(agg.num_adaptors, ranks[0] // agg.num_adaptors, agg.router_temperature,
+                                   agg.router_noise, agg.router_per_layer, agg.stateful_routers, agg.router_lr,
+                                   agg.precondition_eps) if self.strategy.uses_routers else None
         self.dense_names = dense_param_names(self.model, cfg.lora.trainable_modules)
         self.state.dense = read_dense(self.model, self.dense_names)
         n_dense = sum(t.numel() for t in self.state.dense.values())
@@ -225,7 +230,12 @@ class Federation:
             idx = list(idx)
             crng.shuffle(idx)
             n_test = int(len(idx) * cfg.data.client_test_fraction)
-            train, test = tok([pool[i] for i in idx[n_test:]]), tok([pool[i] for i in idx[:n_test]])
+            mine = [pool[i] for i in idx]
+            if cfg.data.label_shift_groups:
+                from data_prep.builtin import shift_labels
+
+                mine = [shift_labels(e, k % cfg.data.label_shift_groups) for e in mine]
+            train, test = tok(mine[n_test:]), tok(mine[:n_test])
             if not train:
                 raise ValueError(f"client {k}: no training example survives data.max_seq_len = {max_len}")
             alpha = cfg.lora.alpha_ratio * ranks[k]
@@ -255,7 +265,8 @@ class Federation:
 
     def download_numel(self, client: ClientData) -> int:
         """Parameters ``client`` downloads this round (same on every process)."""
-        start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged)
+        start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged,
+                                           client_id=client.client_id)
         params = adapter_params(self.model, adapter_name(client.rank))
         dense = sum(t.numel() for t in self.state.dense.values())
         return start.numel() + dense + self.algorithm.download_numel(params)
@@ -270,7 +281,8 @@ class Federation:
         name = adapter_name(client.rank)
         activate(self.model, name)
         set_trainable_modules(self.model, cfg.lora.trainable_modules)
-        start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged)
+        start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged,
+                                           client_id=client.client_id)
         fresh = fresh_factors(self.model, name, derive_seed(cfg.federation.seed, round_idx, 7))
         factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
         write_factors(self.model, name, factors)
@@ -280,6 +292,15 @@ class Federation:
         params.update({module_key(k): p for k, p in self.model.named_parameters()
                        if p.requires_grad and "lora_" not in k})
         return params, fresh
+
+    def open_mixture(self, client: ClientData, own_router: bool) -> MixtureSession | None:
+        """The client's router hooks (FLoRAL); ``own_router=False`` gives the uniform mixture."""
+        if self.mixture is None:
+            return None
+        router = None
+        if own_router and (self.mixture.stateful or not self.model.training):
+            router = {k[len("router."):]: v for k, v in client.state.items() if k.startswith("router.")} or None
+        return MixtureSession(self.model, adapter_name(client.rank), self.mixture, router)
 
     def plan_for(self, client: ClientData, round_idx: int) -> LocalPlan:
         cfg = self.cfg
@@ -297,10 +318,22 @@ class Federation:
         name = adapter_name(client.rank)
         params, fresh = self.load_client(client, round_idx)
         plan = self.plan_for(client, round_idx)
+        client_state = dict(client.state)
+        self.model.train()
+        session = self.open_mixture(client, own_router=self.mixture is not None and self.mixture.stateful)
+        if session is not None:
+            params.update(session.params())
+            plan.param_lrs = {k: self.mixture.router_lr for k in session.params()}
         t0 = time.perf_counter()
         batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
-        client_state = dict(client.state)
-        result = self.algorithm.train(self.model, params, batches, plan, self.acc, client_state)
+        try:
+            result = self.algorithm.train(self.model, params, batches, plan, self.acc, client_state)
+        finally:
+            if session is not None:
+                session.close()
+        if session is not None:
+            result.extras["router_probs"] = session.probs()
+            client_state.update({f"router.{g}": t for g, t in session.router_state().items()})
         update = ClientUpdate(
             client.client_id, client.num_examples, read_factors(self.model, name),
             read_dense(self.model, self.dense_names), result.extras,
@@ -420,11 +453,19 @@ class Federation:
             if not client.test:
                 continue
             params, _ = self.load_client(client, round_idx + 1)
+            self.model.eval()
+            uniform = self.open_mixture(client, own_router=False)
             g_loss, g_acc = self.heldout(client.test)
-            plan = self.plan_for(client, round_idx + 1)
-            batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1)
-            self.algorithm.personalize(self.model, params, batches, steps, plan, self.acc)
-            p_loss, p_acc = self.heldout(client.test)
+            if uniform is not None:  # FLoRAL: the client's own router is its personalization
+                uniform.close()
+                own = self.open_mixture(client, own_router=True)
+                p_loss, p_acc = self.heldout(client.test)
+                own.close()
+            else:
+                plan = self.plan_for(client, round_idx + 1)
+                batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1)
+                self.algorithm.personalize(self.model, params, batches, steps, plan, self.acc)
+                p_loss, p_acc = self.heldout(client.test)
             rows[str(client.client_id)] = {"global_loss": g_loss, "global_acc": g_acc,
                                            "personal_loss": p_loss, "personal_acc": p_acc}
         if self.acc.num_processes > 1:
@@ -536,7 +577,7 @@ class Federation:
             row = self.run_round(r)
             if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
                 row.update(self.evaluate())
-                if cfg.eval.personalized and cfg.client.personalize_steps > 0:
+                if cfg.eval.personalized:
                     row.update(self.personalized(r))
             row["cumulative"] = {k: v for k, v in self.ledger.totals().items() if k != "per_client"}
             self.log_metrics(row)

@@ -1,6 +1,6 @@
 """Server aggregation strategies, one per file, registered by name."""
 
-from fedllm.aggregation import fedit, flexlora, flora, florist  # noqa: F401  (registers the strategies)
+from fedllm.aggregation import fedit, flexlora, flora, floral, florist, local  # noqa: F401  (registers the strategies)
 from fedllm.aggregation.base import (
     STRATEGIES,
     ClientStart,

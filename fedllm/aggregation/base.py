@@ -99,6 +99,7 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     merges_into_base: ClassVar[bool] = False
     averages_parameters: ClassVar[bool] = True
+    uses_routers: ClassVar[bool] = False  # clients mix adaptors with a local router (FLoRAL)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -134,7 +135,12 @@ class Strategy(abc.ABC):
     def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
         """Combine the round's adapters (``weights`` are the p_k) into a new state."""
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+    def adapter_rank(self, rank: int) -> int:
+        """Rank of the peft adapter a client of LoRA rank ``rank`` trains (FLoRAL: C * rank)."""
+        return rank
+
+    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
+                     client_id: int | None = None) -> ClientStart:
         """Default: start from fresh factors and merge what the server merged."""
         return ClientStart(None, merged)
 

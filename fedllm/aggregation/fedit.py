@@ -34,7 +34,8 @@ class FedIT(Strategy):
             )
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
+                     client_id: int | None = None) -> ClientStart:
         if not state.factors:
             return ClientStart(None, merged)
         start = {}

@@ -32,7 +32,8 @@ class FlexLoRA(Strategy):
             out[key] = svd_factors(u, s, vh, s.numel())
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
+                     client_id: int | None = None) -> ClientStart:
         if not state.factors:
             return ClientStart(None, merged)
         start = {}

@@ -40,6 +40,7 @@ class LocalPlan:
     warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    param_lrs: dict[str, float] = field(default_factory=dict)  # per-parameter learning rates (routers)
 
 
 @dataclass
@@ -94,10 +95,14 @@ class ClientAlgorithm(abc.ABC):
     def check_config(cls, cfg) -> None:
         """Refuse combinations this algorithm cannot run, before any work starts."""
 
-    def make_optimizer(self, params: list[torch.nn.Parameter], plan: LocalPlan) -> torch.optim.Optimizer:
+    def make_optimizer(self, params: Params, plan: LocalPlan) -> torch.optim.Optimizer:
+        """AdamW or SGD; parameters named in ``plan.param_lrs`` get their own learning rate."""
+        groups = [{"params": [p for k, p in params.items() if k not in plan.param_lrs], "lr": plan.lr}]
+        groups += [{"params": [params[k]], "lr": lr, "weight_decay": 0.0} for k, lr in plan.param_lrs.items()
+                   if k in params]
         if self.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=plan.lr, weight_decay=plan.weight_decay)
-        return torch.optim.AdamW(params, lr=plan.lr, weight_decay=plan.weight_decay)
+            return torch.optim.SGD(groups, lr=plan.lr, weight_decay=plan.weight_decay)
+        return torch.optim.AdamW(groups, lr=plan.lr, weight_decay=plan.weight_decay)
 
     def begin(self, params: Params, state: dict[str, Any]) -> None:
         """Hook before the first local step (e.g. remember the starting point)."""
@@ -146,7 +151,7 @@ class ClientAlgorithm(abc.ABC):
 
         state = state if state is not None else {}
         torch.manual_seed(plan.seed)  # LoRA dropout and any sampling inside the step
-        optimizer = self.make_optimizer(list(params.values()), plan)
+        optimizer = self.make_optimizer(params, plan)
         warmup = int(plan.warmup_ratio * plan.steps)
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
         scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)

@@ -1,0 +1,47 @@
+"""Local-only training: no aggregation, every client keeps its own adapter.
+
+The baseline a personalization method must beat (and the floor that shows
+what federation buys): each client trains its adapter on its own data only,
+round after round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.fedit import FedIT
+from fedllm.factors import Adapter, LoraFactors
+
+
+class LocalOnly(Strategy):
+    """Keep each client's adapter on the 'server' side only as the client's own storage.
+
+    Client: continues from its own adapter of the previous round; nothing is
+    shared. The global adapter (for the global evaluation) is the plain mean of
+    the clients' adapters (as FedIT would form it), reported for reference only.
+    """
+
+    name = "local"
+    averages_parameters = False
+
+    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+        extras = dict(state.extras)
+        for u in updates:
+            for key, f in u.factors.items():
+                extras[f"local.{u.client_id}.{key}.A"] = f.A
+                extras[f"local.{u.client_id}.{key}.B"] = f.B
+                extras[f"local.{u.client_id}.{key}.scale"] = torch.tensor(f.scale)
+        mean = FedIT().aggregate_factors(updates, weights, state).state.factors
+        return RoundResult(GlobalState(mean, dict(state.residual), extras=extras))
+
+    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
+                     client_id: int | None = None) -> ClientStart:
+        prefix = f"local.{client_id}."
+        mine = {}
+        for name, t in state.extras.items():
+            if name.startswith(prefix) and name.endswith(".A"):
+                key = name[len(prefix):-2]
+                mine[key] = LoraFactors(t, state.extras[f"{prefix}{key}.B"],
+                                        float(state.extras[f"{prefix}{key}.scale"]))
+        return ClientStart(mine or None, {})

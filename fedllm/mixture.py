@@ -1,0 +1,127 @@
+"""FLoRAL mixture-of-LoRA layers on peft: C adaptors per module, a client router.
+
+A client's FLoRAL adapter is one peft LoRA of rank ``C*r`` whose row/column
+blocks are the C adaptors. A forward hook on ``lora_A`` multiplies block c of
+its output by the router weight ``pi_c = softmax(logits / T)_c``, so the layer
+computes ``sum_c pi_c * s * B_c A_c x`` exactly, and the router logits get
+gradients. Baking the router into B (block c times pi_c) gives a plain LoRA of
+rank ``C*r`` with the same forward: that is the personalized export.
+
+Routers are shared by the whole model, or one per layer (``layers.N.``).
+Optional LoRA preconditioning replaces the adaptor gradients with
+``(B^T B + eps I)^-1 grad A`` and ``grad B (A A^T + eps I)^-1`` per block.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedllm.factors import Adapter, LoraFactors, lora_modules
+
+
+@dataclass
+class MixtureSpec:
+    num_adaptors: int
+    rank: int
+    temperature: float = 1.0
+    noise: float = 0.0
+    per_layer: bool = False
+    stateful: bool = True
+    router_lr: float = 1e-2
+    precondition_eps: float = 0.0
+
+
+def router_group(module_key: str, per_layer: bool) -> str:
+    if not per_layer:
+        return "all"
+    m = re.search(r"layers\.(\d+)\.", module_key)
+    return f"layer{m.group(1)}" if m else module_key
+
+
+def router_probs(logits: Tensor, temperature: float) -> Tensor:
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+class MixtureSession:
+    """Hooks that turn a client's rank C*r adapter into its router-weighted mixture."""
+
+    def __init__(self, model, adapter: str, spec: MixtureSpec, router: dict[str, Tensor] | None):
+        self.spec = spec
+        self.modules = lora_modules(model, adapter)
+        self.adapter = adapter
+        groups = sorted({router_group(k, spec.per_layer) for k in self.modules})
+        device = next(iter(self.modules.values())).lora_A[adapter].weight.device
+        self.logits = {
+            g: torch.nn.Parameter((router[g].clone() if router and g in router else torch.zeros(spec.num_adaptors))
+                                  .to(device, torch.float32))
+            for g in groups
+        }
+        self._handles = []
+        for key, module in self.modules.items():
+            group = router_group(key, spec.per_layer)
+            self._handles.append(module.lora_A[adapter].register_forward_hook(self._scale_hook(group)))
+            if spec.precondition_eps > 0:
+                self._handles += self._precondition(module)
+
+    def weights(self, group: str, training: bool) -> Tensor:
+        logits = self.logits[group]
+        if training and self.spec.noise > 0:
+            logits = logits + self.spec.noise * torch.randn_like(logits)
+        return router_probs(logits, self.spec.temperature)
+
+    def _scale_hook(self, group: str):
+        def hook(module, inputs, output):
+            pi = self.weights(group, module.training).to(output.dtype)
+            return output * pi.repeat_interleave(self.spec.rank)
+
+        return hook
+
+    def _precondition(self, module) -> list:
+        eps, r, c = self.spec.precondition_eps, self.spec.rank, self.spec.num_adaptors
+        wa, wb = module.lora_A[self.adapter].weight, module.lora_B[self.adapter].weight
+
+        def grad_a(g: Tensor) -> Tensor:
+            out = g.clone()
+            for i in range(c):
+                b = wb.detach()[:, i * r:(i + 1) * r].float()
+                eye = torch.eye(r, device=g.device)
+                out[i * r:(i + 1) * r] = torch.linalg.solve(b.T @ b + eps * eye, g[i * r:(i + 1) * r].float())
+            return out
+
+        def grad_b(g: Tensor) -> Tensor:
+            out = g.clone()
+            for i in range(c):
+                a = wa.detach()[i * r:(i + 1) * r].float()
+                eye = torch.eye(r, device=g.device)
+                out[:, i * r:(i + 1) * r] = torch.linalg.solve(a @ a.T + eps * eye, g[:, i * r:(i + 1) * r].float().T).T
+            return out
+
+        return [wa.register_hook(grad_a), wb.register_hook(grad_b)]
+
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        return {f"router.{g}": p for g, p in self.logits.items()}
+
+    def probs(self) -> Tensor:
+        """Mean router probabilities over the routers (what the server weights by)."""
+        with torch.no_grad():
+            return torch.stack([router_probs(p, self.spec.temperature) for p in self.logits.values()]).mean(0).cpu()
+
+    def router_state(self) -> dict[str, Tensor]:
+        return {g: p.detach().cpu().clone() for g, p in self.logits.items()}
+
+    def bake(self, factors: Adapter) -> Adapter:
+        """Factors of a plain LoRA with this mixture's forward (router folded into B)."""
+        out = {}
+        for key, f in factors.items():
+            pi = self.weights(router_group(key, self.spec.per_layer), training=False).detach().cpu()
+            out[key] = LoraFactors(f.A, f.B * pi.repeat_interleave(self.spec.rank)[None, :], f.scale)
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
