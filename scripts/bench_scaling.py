@@ -1,0 +1,68 @@
+"""Rounds per minute with 1 and 2 processes on the built-in default (client-parallel).
+
+On 2 CPU cores little gain is expected (the processes share the cores); on
+GPUs this is the figure users care about. Both runs use the same config and
+seed; the script checks that they end with the same global adapter. Last
+line: one JSON object.
+
+    python scripts/bench_scaling.py [--rounds 3] [--local-steps 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def run(processes: int, out: Path, rounds: int, steps: int) -> float:
+    overrides = [f"federation.rounds={rounds}", f"client.local_steps={steps}", "eval.every=1000",
+                 "eval.benchmark=none", f"output.dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
+    if processes == 1:
+        cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run", *overrides]
+    else:
+        env["ACCELERATE_USE_CPU"] = "1" if not torch.cuda.is_available() else env.get("ACCELERATE_USE_CPU", "0")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "fedllm.cli",
+               "--log-level", "WARNING", "run", *overrides]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    total = time.perf_counter() - t0
+    loop = json.loads((out / "summary.json").read_text())["wall_s"]
+    return loop, total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--local-steps", type=int, default=60)
+    args = p.parse_args()
+    from fedllm.builtin_model import ensure_builtin_base
+
+    ensure_builtin_base()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = {}
+        for n in (1, 2):
+            loop, total = run(n, Path(tmp) / f"p{n}", args.rounds, args.local_steps)
+            res[n] = {"round_loop_s": loop, "total_s": total, "rounds_per_min": 60 * args.rounds / loop}
+            print(f"{n} process(es): {res[n]['rounds_per_min']:.2f} rounds/min (loop {loop:.1f} s, total {total:.1f} s)",
+                  flush=True)
+        a = load_file(Path(tmp) / "p1" / "global_adapter" / "adapter_model.safetensors")
+        b = load_file(Path(tmp) / "p2" / "global_adapter" / "adapter_model.safetensors")
+        max_diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(json.dumps({"rounds": args.rounds, "local_steps": args.local_steps, "one_process": res[1],
+                      "two_processes": res[2], "speedup": res[2]["rounds_per_min"] / res[1]["rounds_per_min"],
+                      "max_abs_diff_global_adapter": max_diff}))
+
+
+if __name__ == "__main__":
+    main()
