@@ -54,8 +54,8 @@ def main() -> None:
         for n in (1, 2):
             loop, total = run(n, Path(tmp) / f"p{n}", args.rounds, args.local_steps)
             res[n] = {"round_loop_s": loop, "total_s": total, "rounds_per_min": 60 * args.rounds / loop}
-            print(f"{n} process(es): {res[n]['rounds_per_min']:.2f} rounds/min (loop {loop:.1f} s, total {total:.1f} s)",
-                  flush=True)
+            rpm = res[n]["rounds_per_min"]
+            print(f"{n} process(es): {rpm:.2f} rounds/min (loop {loop:.1f} s, total {total:.1f} s)", flush=True)
         a = load_file(Path(tmp) / "p1" / "global_adapter" / "adapter_model.safetensors")
         b = load_file(Path(tmp) / "p2" / "global_adapter" / "adapter_model.safetensors")
         max_diff = max(float((a[k] - b[k]).abs().max()) for k in a)
