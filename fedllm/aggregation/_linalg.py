@@ -30,6 +30,11 @@ def truncate_rank(f: LoraFactors, rank: int) -> LoraFactors:
     return LoraFactors(f.A[:rank], f.B[:, :rank], f.scale)
 
 
+def fit_rank(f: LoraFactors, rank: int) -> LoraFactors:
+    """The leading ``rank`` components, zero-padded when ``f`` has fewer."""
+    return pad_rank(f, rank) if f.rank < rank else truncate_rank(f, rank)
+
+
 def stack(factors: list[LoraFactors], weights: list[float]) -> LoraFactors:
     """Stacked factors whose product is ``sum_k w_k scale_k B_k A_k`` exactly."""
     A = torch.cat([w * f.A for f, w in zip(factors, weights, strict=True)])

@@ -149,6 +149,19 @@ class Strategy(abc.ABC):
         return state.factors
 
 
+def leading_start(state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+    """Each client takes the leading ``rank`` components of the global adapter, at its own scale.
+
+    Zero-padded where the global adapter has fewer; the round loop gives such
+    empty directions a fresh init so they can learn.
+    """
+    from fedllm.aggregation._linalg import fit_rank
+
+    if not state.factors:
+        return ClientStart(None, merged)
+    return ClientStart({k: fit_rank(f, rank).with_scale(scale) for k, f in state.factors.items()}, merged)
+
+
 def new_residual(state: GlobalState, merged: Adapter) -> Adapter:
     """The cumulative residual after merging ``merged`` into the base."""
     from fedllm.factors import concat

@@ -9,8 +9,8 @@ error is part of the method). With heterogeneous ranks every client's
 
 from __future__ import annotations
 
-from fedllm.aggregation._linalg import pad_rank, truncate_rank, weighted_mean
-from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation._linalg import pad_rank, weighted_mean
+from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy, leading_start
 from fedllm.factors import Adapter, LoraFactors
 
 
@@ -36,10 +36,4 @@ class FedIT(Strategy):
 
     def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
                      client_id: int | None = None) -> ClientStart:
-        if not state.factors:
-            return ClientStart(None, merged)
-        start = {}
-        for key, f in state.factors.items():
-            g = pad_rank(f, rank) if f.rank < rank else truncate_rank(f, rank)
-            start[key] = g.with_scale(scale)
-        return ClientStart(start, merged)
+        return leading_start(state, rank, scale, merged)

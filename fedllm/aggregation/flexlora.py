@@ -9,8 +9,8 @@ factors and an SVD of a small R x R core (R = sum of ranks), which is exact.
 
 from __future__ import annotations
 
-from fedllm.aggregation._linalg import low_rank_svd, pad_rank, stack, svd_factors, truncate_rank
-from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation._linalg import low_rank_svd, stack, svd_factors
+from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy, leading_start
 from fedllm.factors import Adapter
 
 
@@ -34,12 +34,4 @@ class FlexLoRA(Strategy):
 
     def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
                      client_id: int | None = None) -> ClientStart:
-        if not state.factors:
-            return ClientStart(None, merged)
-        start = {}
-        for key, f in state.factors.items():
-            # A global rank below the client's (a layer smaller than the rank) is
-            # zero-padded; the round loop re-initializes such empty directions.
-            g = truncate_rank(f, rank) if f.rank >= rank else pad_rank(f, rank)
-            start[key] = g.with_scale(scale)
-        return ClientStart(start, merged)
+        return leading_start(state, rank, scale, merged)
