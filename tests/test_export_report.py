@@ -162,3 +162,13 @@ def test_report_table_and_plots(finished_run, tmp_path):
         with Image.open(tmp_path / name) as im:
             im.verify()
             assert im.format == "PNG"
+
+
+def test_tensorboard_tracker_logs_rounds(tmp_path):
+    pytest.importorskip("tensorboard")
+    cfg = load_config(None, tiny_overrides(tmp_path / "tb", "output.log_with=[tensorboard]", "federation.rounds=1"))
+    fed = Federation(cfg, tmp_path / "tb")
+    fed.setup()
+    fed.run()
+    events = list((tmp_path / "tb").rglob("events.out.tfevents*"))
+    assert events and events[0].stat().st_size > 0

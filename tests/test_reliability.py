@@ -207,3 +207,23 @@ def test_sigkill_mid_round_then_resume_matches_uninterrupted(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fifty_rounds_with_one_in_five_client_calls_failing(tmp_path):
+    import random
+
+    rng = random.Random(0)
+
+    def flaky(r, k, u):
+        if rng.random() < 0.2:
+            raise RuntimeError("random client failure")
+        return u
+
+    _, summary, rows = run_with_hook(tmp_path, flaky, "federation.rounds=50", "eval.every=10",
+                                     "federation.min_clients=1")
+    assert [r["round"] for r in rows] == list(range(51))  # no lost rounds
+    failed = sum(r["n_failed"] for r in rows[1:])
+    assert 0.1 < failed / (50 * 4) < 0.3
+    assert summary["failed_client_calls"] == failed
+    assert all(r["n_updates"] + r["n_failed"] == 4 for r in rows[1:])
