@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fedllm.factors import Adapter, LoraFactors, lora_modules, module_key, write_factors
+from fedllm.factors import Adapter, lora_modules, module_key, write_factors
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +199,3 @@ def merge_into_base(peft_model, merged: Adapter) -> None:
             weight = modules[key].get_base_layer().weight
             delta = (f.B.to(torch.float32) * f.scale) @ f.A.to(torch.float32)
             weight.add_(delta.to(weight.device, weight.dtype))
-
-
-def zero_like_adapter(peft_model, name: str) -> Adapter:
-    out = {}
-    for key, module in lora_modules(peft_model, name).items():
-        wa, wb = module.lora_A[name].weight, module.lora_B[name].weight
-        out[key] = LoraFactors(torch.zeros(wa.shape), torch.zeros(wb.shape), float(module.scaling[name]))
-    return out
