@@ -141,3 +141,31 @@ def test_personalized_export_matches_mixture(tmp_path):
     session.close()
     assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 6  # C * r
+
+
+def test_lora_preconditioning_transforms_gradients(builtin_base):
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(ranks=[4], target_modules=["q_proj"])
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(builtin_base), [4], lora)
+    gen = torch.Generator().manual_seed(0)
+    write_factors(model, "r4", {k: LoraFactors(f.A, 0.3 * torch.randn(f.B.shape, generator=gen), f.scale)
+                                for k, f in fresh_factors(model, "r4", 2).items()})
+    ids = torch.tensor([[1, 30, 40, 50, 60, 7]])
+    grads = {}
+    for eps in (0.0, 0.1):
+        session = MixtureSession(model, "r4", MixtureSpec(num_adaptors=2, rank=2, precondition_eps=eps), None)
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        layer = next(iter(session.modules.values()))
+        grads[eps] = (layer.lora_A["r4"].weight.grad.clone(), layer.lora_B["r4"].weight.grad.clone(),
+                      layer.lora_A["r4"].weight.detach().clone(), layer.lora_B["r4"].weight.detach().clone())
+        session.close()
+    ga, gb, a, b = grads[0.0]
+    pa, pb, _, _ = grads[0.1]
+    for c in range(2):
+        rows = slice(2 * c, 2 * c + 2)
+        bc, ac = b[:, rows], a[rows]
+        assert_close(pa[rows], torch.linalg.solve(bc.T @ bc + 0.1 * torch.eye(2), ga[rows]), rtol=1e-4, atol=1e-6)
+        assert_close(pb[:, rows], torch.linalg.solve(ac @ ac.T + 0.1 * torch.eye(2), gb[:, rows].T).T,
+                     rtol=1e-4, atol=1e-6)
