@@ -130,7 +130,7 @@ def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str,
     fed.setup()
     fed.restore()
     c = fed.clients[client]
-    params, _ = fed.load_client(c, fed.start_round)
+    params, _, _ = fed.load_client(c, fed.start_round)
     fed.model.eval()
     session = fed.open_mixture(c, own_router=True)
     if session is not None:  # FLoRAL: bake the client's router into its stacked adaptors

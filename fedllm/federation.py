@@ -274,8 +274,9 @@ class Federation:
     def load_client(self, client: ClientData, round_idx: int):
         """Switch ``client`` in: its adapter active, loaded with what it downloads.
 
-        Returns its trainable parameters by name and the fresh init it was
-        checked against. Only factors and dense modules move; the base stays.
+        Returns its trainable parameters by name, the fresh init (the shapes
+        its update is checked against) and the factors it started from (for
+        norm clipping). Only factors and dense modules move; the base stays.
         """
         cfg = self.cfg
         name = adapter_name(client.rank)
@@ -287,11 +288,10 @@ class Federation:
         factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
         write_factors(self.model, name, factors)
         write_dense(self.model, self.state.dense)
-        self._start = factors
         params = adapter_params(self.model, name)
         params.update({module_key(k): p for k, p in self.model.named_parameters()
                        if p.requires_grad and "lora_" not in k})
-        return params, fresh
+        return params, fresh, factors
 
     def open_mixture(self, client: ClientData, own_router: bool) -> MixtureSession | None:
         """The client's router hooks (FLoRAL); ``own_router=False`` gives the uniform mixture."""
@@ -316,7 +316,7 @@ class Federation:
         """Load the client's start, run its algorithm, read back its update."""
         cfg = self.cfg
         name = adapter_name(client.rank)
-        params, fresh = self.load_client(client, round_idx)
+        params, fresh, start = self.load_client(client, round_idx)
         plan = self.plan_for(client, round_idx)
         client_state = dict(client.state)
         self.model.train()
@@ -340,7 +340,7 @@ class Federation:
             {"loss_first": result.losses[0], "loss_last": result.losses[-1], "loss_mean": result.mean_loss,
              "train_s": time.perf_counter() - t0, "steps": plan.steps},
             client_state,
-            self._start,
+            start,
         )
         if self.client_hook is not None:
             update = self.client_hook(round_idx, client.client_id, update)
@@ -452,7 +452,7 @@ class Federation:
         for client in self.clients[self.acc.process_index:: self.acc.num_processes]:
             if not client.test:
                 continue
-            params, _ = self.load_client(client, round_idx + 1)
+            params, _, _ = self.load_client(client, round_idx + 1)
             self.model.eval()
             uniform = self.open_mixture(client, own_router=False)
             g_loss, g_acc = self.heldout(client.test)
