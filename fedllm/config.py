@@ -53,7 +53,11 @@ class ModelConfig:
     trust_remote_code: bool = opt(False, "allow custom modeling code from the Hub (off: it runs remote code)")
     quantization: str = opt("none", "bitsandbytes quantization of the frozen base",
                             lambda x: x in ("none", "4bit", "8bit"), "one of none, 4bit, 8bit")
-    gradient_checkpointing: bool = opt(False, "trade compute for memory in the base model")
+    quant_compute_dtype: str = opt("auto", "compute dtype of 4-bit layers (auto: bfloat16 on a GPU that has it, "
+                                   "else float32)", lambda x: x in ("auto", "float32", "bfloat16", "float16"),
+                                   "one of auto, float32, bfloat16, float16")
+    gradient_checkpointing: bool = opt(False, "trade compute for memory in the base model (recomputes activations "
+                                       "in the backward pass)")
     builtin_pretrain_steps: int = opt(1000, "pretraining steps of the built-in base (cached per value)", _positive,
                                       "an integer >= 1")
 

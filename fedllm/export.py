@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from fedllm.aggregation._linalg import low_rank_svd, pad_rank, svd_factors
+from fedllm.aggregation._linalg import compact, pad_rank
 from fedllm.checkpoint import atomic_write_text, save_tensors_atomic
 from fedllm.factors import PEFT_PREFIX, Adapter, concat
 
@@ -30,18 +30,6 @@ log = logging.getLogger(__name__)
 
 class ExportError(RuntimeError):
     """An export cannot be made; says what is missing."""
-
-
-def compact(adapter: Adapter) -> Adapter:
-    """Same update, rank at most min(out, in) per module (exact SVD when larger)."""
-    out = {}
-    for key, f in adapter.items():
-        limit = min(f.B.shape[0], f.A.shape[1])
-        if f.rank > limit:
-            u, s, vh = low_rank_svd(f)
-            f = svd_factors(u, s, vh, limit)
-        out[key] = f.folded()
-    return out
 
 
 def write_peft_adapter(path: Path, adapter: Adapter, dense: dict[str, torch.Tensor], base_model: str,

@@ -46,12 +46,15 @@ from fedllm.factors import (
 )
 from fedllm.mixture import MixtureSession, MixtureSpec
 from fedllm.modeling import (
+    RESIDUAL,
     activate,
     adapter_name,
     adapter_params,
     attach_lora,
     context_length,
     install_adapter,
+    install_residual,
+    is_quantized,
     load_base,
     merge_into_base,
     set_trainable_modules,
@@ -208,6 +211,9 @@ class Federation:
             "plain" if cfg.data.dataset == "builtin" else "alpaca")
         ranks = [self.strategy.adapter_rank(r) for r in assign_ranks(cfg)]
         self.model = attach_lora(self.model, ranks, cfg.lora)
+        # merged updates cannot be written into 4/8-bit weights: keep them as a frozen adapter instead
+        self.residual_adapter = self.strategy.merges_into_base and is_quantized(self.model)
+        self.residual_rank = 0
         agg = cfg.aggregation
         self.mixture = MixtureSpec(agg.num_adaptors, ranks[0] // agg.num_adaptors, agg.router_temperature,
                                    agg.router_noise, agg.router_per_layer, agg.stateful_routers, agg.router_lr,
@@ -392,7 +398,7 @@ class Federation:
             self.state, self.last_merged = result.state, result.merged
             info.update(result.info)
             if self.last_merged:
-                merge_into_base(self.model, self.last_merged)
+                self.absorb(self.last_merged)
         agg_s = time.perf_counter() - t1
         losses = [u.metrics["loss_mean"] for u in updates]
         return {
@@ -405,6 +411,18 @@ class Federation:
             **self.ledger.round_summary(),
             "time_train_s": train_s, "time_aggregate_s": agg_s,
         }
+
+    def absorb(self, merged: Adapter) -> None:
+        """Make ``merged`` part of every later forward pass.
+
+        Full-precision bases take it into their weights; a quantized base keeps
+        the whole cumulative residual (``state.residual``) as a frozen adapter
+        that stays active under every client's adapter.
+        """
+        if self.residual_adapter:
+            self.residual_rank = install_residual(self.model, self.state.residual, self.cfg.lora)
+        else:
+            merge_into_base(self.model, merged)
 
     def _gather(self, results):
         if self.acc.num_processes == 1:
@@ -420,11 +438,14 @@ class Federation:
         """Make the global model active for evaluation; False when it is the (merged) base."""
         write_dense(self.model, self.state.dense)
         adapter = self.strategy.global_adapter(self.state)
-        if not adapter:
-            return False
-        install_adapter(self.model, "global", adapter, self.cfg.lora)
-        self.model.set_adapter("global")
-        return True
+        if adapter:
+            install_adapter(self.model, "global", adapter, self.cfg.lora)
+            activate(self.model, "global")
+            return True
+        if RESIDUAL in self.model.peft_config:
+            activate(self.model, RESIDUAL)
+            return True
+        return False
 
     @torch.no_grad()
     def heldout(self, data: list[TokenizedExample]) -> tuple[float | None, float | None]:
@@ -542,7 +563,7 @@ class Federation:
             prefix = f"client.{c.client_id}."
             c.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         if self.state.residual:
-            merge_into_base(self.model, self.state.residual)
+            self.absorb(self.state.residual)
         self.ledger = Ledger.from_state(meta["ledger"])
         self.start_round = meta["round"] + 1
         log.info("resuming %s after round %d", self.run_dir, meta["round"])
@@ -608,7 +629,13 @@ class Federation:
         summary["communication"] = self.ledger.totals()
         summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
         summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]
-        if self.strategy.merges_into_base:
+        if self.residual_adapter:
+            summary["quantization"] = self.cfg.model.quantization
+            summary["residual_adapter_rank"] = self.residual_rank
+            summary["note"] = (f"the base is {self.cfg.model.quantization}-quantized, so the merged global update is "
+                               f"kept as a frozen residual adapter (rank {self.residual_rank}) instead of being "
+                               "written into the quantized weights; the exported adapter holds it")
+        elif self.strategy.merges_into_base:
             summary["note"] = "the global update is merged into the base; the exported adapter holds the residual"
         if self.acc.is_main_process:
             save_global_adapter(self, self.run_dir / "global_adapter")

@@ -17,6 +17,8 @@ from fedllm.factors import Adapter, lora_modules, module_key, write_factors
 
 log = logging.getLogger(__name__)
 
+RESIDUAL = "residual"  # frozen adapter holding merged updates on a quantized base
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
@@ -58,10 +60,26 @@ def check_model_reference(name: str) -> None:
             )
 
 
+def compute_dtype(name: str) -> torch.dtype:
+    """The dtype 4-bit layers compute in; 'auto' picks bfloat16 where the GPU has it."""
+    if name != "auto":
+        return DTYPES[name]
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
 def quantization_config(mode: str, compute_dtype: torch.dtype):
-    """bitsandbytes config: NF4 with double quantization for 4bit, LLM.int8 for 8bit."""
+    """bitsandbytes config: NF4 with double quantization for 4bit, LLM.int8 for 8bit.
+
+    Fails before any weight is read when bitsandbytes is missing.
+    """
     if mode == "none":
         return None
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelError(f"model.quantization = {mode} needs bitsandbytes: pip install 'fedllm[quant]'")
     from transformers import BitsAndBytesConfig
 
     if mode == "4bit":
@@ -79,10 +97,11 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
     check_model_reference(model_cfg.name)
     path = resolve_model_path(model_cfg.name, model_cfg.builtin_pretrain_steps)
     dtype = DTYPES[model_cfg.dtype]
-    compute = dtype if isinstance(dtype, torch.dtype) and dtype != torch.float32 else torch.float32
-    qconfig = quantization_config(model_cfg.quantization, compute)
+    qconfig = quantization_config(model_cfg.quantization, compute_dtype(model_cfg.quant_compute_dtype))
     kwargs = {"dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
     if qconfig is not None:
+        # bitsandbytes logs one line per 8-bit matmul on float32 inputs (it casts them to float16)
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
         kwargs["quantization_config"] = qconfig
         kwargs["device_map"] = {"": device}
     try:
@@ -161,10 +180,31 @@ def set_trainable_modules(peft_model, modules: list[str]) -> list[str]:
     return names
 
 
+def is_quantized(model) -> bool:
+    """True when the (peft-wrapped) base was loaded 4- or 8-bit by bitsandbytes."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
 def activate(peft_model, name: str) -> list[torch.nn.Parameter]:
-    """Make ``name`` the active (and only trainable) adapter; return the trainable params."""
-    peft_model.set_adapter(name)
+    """Make ``name`` the active (and only trainable) adapter; return the trainable params.
+
+    When a frozen residual adapter exists (merging strategies on a quantized
+    base) it stays active underneath ``name``: it stands for the base weights
+    that cannot be rewritten.
+    """
+    if RESIDUAL in peft_model.peft_config and name != RESIDUAL:
+        peft_model.base_model.set_adapter([name, RESIDUAL])
+        _freeze_adapter(peft_model, RESIDUAL)
+    else:
+        peft_model.set_adapter(name)
     return [p for p in peft_model.parameters() if p.requires_grad]
+
+
+def _freeze_adapter(peft_model, name: str) -> None:
+    for key, p in peft_model.named_parameters():
+        if f".{name}." in key and "lora_" in key:
+            p.requires_grad_(False)
 
 
 def adapter_params(peft_model, name: str) -> dict[str, torch.nn.Parameter]:
@@ -176,7 +216,7 @@ def adapter_params(peft_model, name: str) -> dict[str, torch.nn.Parameter]:
     return params
 
 
-def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg) -> None:
+def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg, dropout: float | None = None) -> None:
     """(Re)create adapter ``name`` with the rank of ``factors`` (zero-padded) and load them.
 
     Used for the global model and personalized models, whose rank is not a
@@ -187,12 +227,33 @@ def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg) -> None:
     if name in peft_model.peft_config:
         peft_model.delete_adapter(name)
     rank = max(f.rank for f in factors.values())
-    peft_model.add_adapter(name, peft_lora_config(rank, lora_cfg, alpha=rank))
+    config = peft_lora_config(rank, lora_cfg, alpha=rank)
+    if dropout is not None:
+        config.lora_dropout = dropout
+    peft_model.add_adapter(name, config)
     write_factors(peft_model, name, {k: pad_rank(f.folded(), rank) for k, f in factors.items()})
+
+
+def install_residual(peft_model, residual: Adapter, lora_cfg) -> int:
+    """Hold everything merged so far as the frozen, dropout-free adapter ``residual``; returns its rank.
+
+    Quantized weights cannot absorb ``B @ A`` without a lossy dequantize /
+    requantize round trip, so on 4/8-bit bases the merging strategies keep
+    the cumulative merged update here instead (exact; compacted by an SVD
+    when its rank exceeds the layer's dimensions).
+    """
+    from fedllm.aggregation._linalg import compact
+
+    factors = compact(residual)
+    install_adapter(peft_model, RESIDUAL, factors, lora_cfg, dropout=0.0)
+    _freeze_adapter(peft_model, RESIDUAL)
+    return max(f.rank for f in factors.values())
 
 
 def merge_into_base(peft_model, merged: Adapter) -> None:
     """Add ``scale * B @ A`` of ``merged`` to the frozen base weights (non-quantized bases)."""
+    if is_quantized(peft_model):
+        raise ModelError("cannot merge into a 4/8-bit quantized base: keep the update as a residual adapter")
     modules = lora_modules(peft_model, next(iter(peft_model.peft_config)))
     with torch.no_grad():
         for key, f in merged.items():

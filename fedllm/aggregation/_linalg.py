@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fedllm.factors import LoraFactors
+from fedllm.factors import Adapter, LoraFactors
 
 
 def pad_rank(f: LoraFactors, rank: int) -> LoraFactors:
@@ -76,4 +76,16 @@ def weighted_mean(tensors: list[Tensor], weights: list[float]) -> Tensor:
     out = torch.zeros_like(tensors[0])
     for t, w in zip(tensors, weights, strict=True):
         out.add_(t, alpha=w)
+    return out
+
+
+def compact(adapter: Adapter) -> Adapter:
+    """Same update, rank at most min(out, in) per module (exact SVD when larger)."""
+    out = {}
+    for key, f in adapter.items():
+        limit = min(f.B.shape[0], f.A.shape[1])
+        if f.rank > limit:
+            u, s, vh = low_rank_svd(f)
+            f = svd_factors(u, s, vh, limit)
+        out[key] = f.folded()
     return out
