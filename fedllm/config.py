@@ -112,6 +112,10 @@ class FederationConfig:
     min_clients: int = opt(1, "a round with fewer valid updates is skipped", _positive, "an integer >= 1")
     client_timeout_s: float = opt(0.0, "a client running longer is dropped from the round (0: no limit)", _nonneg,
                                   ">= 0")
+    parallel: str = opt("auto", "how launched processes share the work: clients (each trains its share of the "
+                        "round's clients), data (all train one client at a time, each on part of every batch; "
+                        "needed for DeepSpeed ZeRO) or auto (data under DeepSpeed, else clients)",
+                        lambda x: x in ("auto", "clients", "data"), "one of auto, clients, data")
     dropout: float = opt(0.0, "fraction of sampled clients that never report (system heterogeneity)",
                          lambda x: 0 <= x < 1, "in [0, 1)")
 

@@ -59,6 +59,7 @@ from fedllm.modeling import (
     merge_into_base,
     set_trainable_modules,
 )
+from fedllm.parallel import evaluation_engine, full_tensors, resolve_layout
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class Federation:
         self.run_dir = Path(run_dir)
         self.acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(),
                                               log_with=cfg.output.log_with or None, project_dir=str(run_dir))
+        self.layout = resolve_layout(cfg.federation.parallel, self.acc, cfg)
         self.client_hook = client_hook
         self.strategy = strategy_from_config(cfg.aggregation)
         self.algorithm = ALGORITHMS[cfg.client.algorithm].from_config(cfg.client)
@@ -212,7 +214,9 @@ class Federation:
         ranks = [self.strategy.adapter_rank(r) for r in assign_ranks(cfg)]
         self.model = attach_lora(self.model, ranks, cfg.lora)
         # merged updates cannot be written into 4/8-bit weights: keep them as a frozen adapter instead
-        self.residual_adapter = self.strategy.merges_into_base and is_quantized(self.model)
+        # (ZeRO-3 shards the base weights over processes: the same holds there)
+        self.residual_adapter = self.strategy.merges_into_base and (
+            is_quantized(self.model) or self.layout.zero_stage == 3)
         self.residual_rank = 0
         agg = cfg.aggregation
         self.mixture = MixtureSpec(agg.num_adaptors, ranks[0] // agg.num_adaptors, agg.router_temperature,
@@ -290,14 +294,20 @@ class Federation:
         set_trainable_modules(self.model, cfg.lora.trainable_modules)
         start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged,
                                            client_id=client.client_id)
-        fresh = fresh_factors(self.model, name, derive_seed(cfg.federation.seed, round_idx, 7))
-        factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
-        write_factors(self.model, name, factors)
-        write_dense(self.model, self.state.dense)
+        with self.whole_adapters(modify=True):
+            fresh = fresh_factors(self.model, name, derive_seed(cfg.federation.seed, round_idx, 7))
+            factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
+            write_factors(self.model, name, factors)
+            write_dense(self.model, self.state.dense)
         params = adapter_params(self.model, name)
         params.update({module_key(k): p for k, p in self.model.named_parameters()
                        if p.requires_grad and "lora_" not in k})
         return params, fresh, factors
+
+    def whole_adapters(self, modify: bool = False):
+        """Context in which every LoRA and dense tensor is whole on this process (ZeRO-3 shards them)."""
+        params = [p for n, p in self.model.named_parameters() if "lora_" in n or module_key(n) in self.dense_names]
+        return full_tensors(self.layout, params, modify)
 
     def open_mixture(self, client: ClientData, own_router: bool) -> MixtureSession | None:
         """The client's router hooks (FLoRAL); ``own_router=False`` gives the uniform mixture."""
@@ -315,7 +325,7 @@ class Federation:
             seed=derive_seed(cfg.federation.seed, round_idx, client.client_id, 11), lr=cfg.client.lr,
             batch_size=cfg.client.batch_size, grad_accum=cfg.client.grad_accum, scheduler=cfg.client.scheduler,
             warmup_ratio=cfg.client.warmup_ratio, weight_decay=cfg.client.weight_decay,
-            max_grad_norm=cfg.client.max_grad_norm,
+            max_grad_norm=cfg.client.max_grad_norm, layout=self.layout,
         )
 
     def train_client(self, client: ClientData, round_idx: int) -> ClientUpdate:
@@ -332,6 +342,8 @@ class Federation:
             plan.param_lrs = {k: self.mixture.router_lr for k in session.params()}
         t0 = time.perf_counter()
         batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
+        if self.layout.data_parallel:
+            batches = self.layout.split_batches(batches)
         try:
             result = self.algorithm.train(self.model, params, batches, plan, self.acc, client_state)
         finally:
@@ -340,9 +352,10 @@ class Federation:
         if session is not None:
             result.extras["router_probs"] = session.probs()
             client_state.update({f"router.{g}": t for g, t in session.router_state().items()})
+        with self.whole_adapters():
+            factors, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
         update = ClientUpdate(
-            client.client_id, client.num_examples, read_factors(self.model, name),
-            read_dense(self.model, self.dense_names), result.extras,
+            client.client_id, client.num_examples, factors, dense, result.extras,
             {"loss_first": result.losses[0], "loss_last": result.losses[-1], "loss_mean": result.mean_loss,
              "train_s": time.perf_counter() - t0, "steps": plan.steps},
             client_state,
@@ -364,7 +377,7 @@ class Federation:
         n_drop = round(cfg.federation.dropout * len(sampled))
         dropped = sorted(drop_rng.sample(sampled, n_drop)) if n_drop else []
         active = [k for k in sampled if k not in dropped]
-        mine = active[self.acc.process_index:: self.acc.num_processes]
+        mine = self.layout.my_clients(active)
         for k in active:
             self.ledger.download(k, self.download_numel(self.clients[k]))
         t0 = time.perf_counter()
@@ -420,12 +433,13 @@ class Federation:
         that stays active under every client's adapter.
         """
         if self.residual_adapter:
-            self.residual_rank = install_residual(self.model, self.state.residual, self.cfg.lora)
+            with self.whole_adapters(modify=True):
+                self.residual_rank = install_residual(self.model, self.state.residual, self.cfg.lora)
         else:
             merge_into_base(self.model, merged)
 
     def _gather(self, results):
-        if self.acc.num_processes == 1:
+        if self.acc.num_processes == 1 or self.layout.mode == "data":  # data mode: every process has all
             return results
         from accelerate.utils import gather_object
 
@@ -439,7 +453,8 @@ class Federation:
         write_dense(self.model, self.state.dense)
         adapter = self.strategy.global_adapter(self.state)
         if adapter:
-            install_adapter(self.model, "global", adapter, self.cfg.lora)
+            with self.whole_adapters(modify=True):
+                install_adapter(self.model, "global", adapter, self.cfg.lora)
             activate(self.model, "global")
             return True
         if RESIDUAL in self.model.peft_config:
@@ -470,7 +485,7 @@ class Federation:
         """Each client's test data: the global model, then the global model + k local steps."""
         steps = self.cfg.client.personalize_steps
         rows = {}
-        for client in self.clients[self.acc.process_index:: self.acc.num_processes]:
+        for client in self.layout.my_clients(self.clients):
             if not client.test:
                 continue
             params, _, _ = self.load_client(client, round_idx + 1)
@@ -489,7 +504,7 @@ class Federation:
                 p_loss, p_acc = self.heldout(client.test)
             rows[str(client.client_id)] = {"global_loss": g_loss, "global_acc": g_acc,
                                            "personal_loss": p_loss, "personal_acc": p_acc}
-        if self.acc.num_processes > 1:
+        if self.acc.num_processes > 1 and self.layout.mode == "clients":
             from accelerate.utils import gather_object
 
             rows = {k: v for part in gather_object([rows]) for k, v in part.items()}
@@ -509,12 +524,14 @@ class Federation:
         has_adapter = self.install_global()
         ctx = torch.no_grad() if has_adapter else self.model.disable_adapter()
         out: dict[str, Any] = {}
-        with ctx:
+        # ZeRO-3: every process runs every forward pass (weights are gathered layer by layer)
+        lockstep = self.layout.zero_stage == 3
+        with ctx, evaluation_engine(self.acc, self.layout, self.model, self.cfg.eval.batch_size):
             out["eval_loss"], out["eval_token_acc"] = self.heldout(self.eval_data)
             if self.cfg.eval.benchmark != "none":
                 e = self.cfg.eval
                 result, _ = mmlu_evaluate(self.model, self.tokenizer, e.benchmark, e.shots, e.subjects or None,
-                                          e.limit, e.batch_size, self.acc)
+                                          e.limit, e.batch_size, None if lockstep else self.acc)
                 out["accuracy"] = result["accuracy"]
                 out["accuracy_categories"] = result["categories"]
         out["time_eval_s"] = time.perf_counter() - t0

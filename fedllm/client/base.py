@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from data_prep.prompts import TokenizedExample, collate
+from fedllm.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
 
 ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
 Params = dict[str, torch.nn.Parameter]
@@ -41,6 +42,7 @@ class LocalPlan:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     param_lrs: dict[str, float] = field(default_factory=dict)  # per-parameter learning rates (routers)
+    layout: Any = None  # fedllm.parallel.Layout: data-parallel wrapping of the model (None: as is)
 
 
 @dataclass
@@ -155,19 +157,25 @@ class ClientAlgorithm(abc.ABC):
         warmup = int(plan.warmup_ratio * plan.steps)
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
         scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
+        layout = plan.layout
+        micro = plan.batch_size // (layout.num_processes if layout is not None and layout.data_parallel else 1)
         self.begin(params, state)
-        model.train()
         losses = []
-        for _ in range(plan.steps):
+        with wrapped_for_training(accelerator, layout, model, optimizer, scheduler, plan.max_grad_norm,
+                                  micro) as (wrapped, optimizer, scheduler):
+            wrapped.train()
+            for _ in range(plan.steps):
+                optimizer.zero_grad(set_to_none=True)
+                loss = self.local_step(wrapped, params, batches, plan, accelerator)
+                if plan.max_grad_norm > 0 and not clips_gradients_itself(layout):
+                    torch.nn.utils.clip_grad_norm_(list(params.values()), plan.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                losses.append(loss)
             optimizer.zero_grad(set_to_none=True)
-            loss = self.local_step(model, params, batches, plan, accelerator)
-            if plan.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(list(params.values()), plan.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            losses.append(loss)
-        optimizer.zero_grad(set_to_none=True)
         model.eval()
+        if layout is not None and layout.data_parallel:  # each process saw a share of every batch
+            losses = mean_over_processes(accelerator, losses)
         return LocalResult(losses, self.finish(params, plan, state))
 
 
