@@ -635,7 +635,10 @@ class Federation:
         summary: dict[str, Any] = {"run_dir": str(self.run_dir), "strategy": self.strategy.name,
                                    "algorithm": self.algorithm.name, "rounds": self.cfg.federation.rounds,
                                    "ranks": [c.rank for c in self.clients], "wall_s": wall_s,
-                                   "processes": self.acc.num_processes}
+                                   "processes": self.acc.num_processes, "parallel": self.layout.mode,
+                                   "mixed_precision": str(self.acc.mixed_precision)}
+        if self.layout.deepspeed:
+            summary["deepspeed_zero_stage"] = self.layout.zero_stage
         evals = [r for r in rows if "accuracy" in r or "eval_loss" in r]
         if evals:
             summary.update({

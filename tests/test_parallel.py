@@ -1,0 +1,125 @@
+"""Process layouts: data-parallel batch sharding math, refused combinations, shipped launch configs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fedllm.client.base import batch_stream
+from fedllm.config import ConfigError, load_config
+from fedllm.federation import Federation
+from fedllm.parallel import Layout, resolve_layout
+from tests.conftest import tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_accelerator(kind="MULTI_GPU", processes=2, stage=0, precision="bf16"):
+    plugin = SimpleNamespace(zero_stage=stage, deepspeed_config={})
+    return SimpleNamespace(distributed_type=kind, process_index=0, num_processes=processes,
+                           mixed_precision=precision, state=SimpleNamespace(deepspeed_plugin=plugin))
+
+
+def test_layout_defaults():
+    cfg = load_config()
+    assert resolve_layout("auto", fake_accelerator(), cfg).mode == "clients"
+    ds = resolve_layout("auto", fake_accelerator("DEEPSPEED", stage=3), load_config(None, ["eval.personalized=false"]))
+    assert ds.mode == "data" and ds.data_parallel and ds.zero_stage == 3
+    assert Layout("clients", 1, 3).my_clients([0, 1, 2, 3, 4]) == [1, 4]
+    assert Layout("data", 1, 3).my_clients([0, 1, 2, 3, 4]) == [0, 1, 2, 3, 4]
+    assert not Layout("data", 0, 1).data_parallel  # one plain process: nothing to wrap
+
+
+@pytest.mark.parametrize(("kind", "stage", "overrides", "message"), [
+    ("DEEPSPEED", 2, ["federation.parallel=clients"], "federation.parallel = clients cannot run under DeepSpeed"),
+    ("DEEPSPEED", 2, ["client.algorithm=fedprox"], "client.algorithm = fedprox"),
+    ("DEEPSPEED", 2, ["client.grad_accum=2"], "client.grad_accum must be 1"),
+    ("DEEPSPEED", 3, ["model.quantization=4bit", "eval.personalized=false"], "ZeRO-3"),
+    ("DEEPSPEED", 3, [], "eval.personalized must be false"),
+    ("MULTI_GPU", 0, ["federation.parallel=data", "client.batch_size=5"], "client.batch_size = 5 must be a multiple"),
+    ("MULTI_GPU", 0, ["federation.parallel=data", "aggregation.name=floral"], "aggregation.name = floral"),
+])
+def test_refused_combinations_name_the_field(kind, stage, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        resolve_layout(load_config(None, overrides).federation.parallel, fake_accelerator(kind, stage=stage),
+                       load_config(None, overrides))
+
+
+def test_fp16_without_deepspeed_is_refused():
+    with pytest.raises(ConfigError, match="fp16 needs loss scaling"):
+        resolve_layout("auto", fake_accelerator(precision="fp16"), load_config())
+
+
+def test_bad_parallel_value_is_a_config_error():
+    with pytest.raises(ConfigError, match="federation.parallel"):
+        load_config(None, ["federation.parallel=pipeline"])
+
+
+def test_shares_of_a_batch_give_the_whole_batch_gradient(tmp_path, builtin_base):
+    """Averaging the shares' gradients (what DDP/DeepSpeed do) gives the one-process gradient exactly."""
+    cfg = load_config(None, tiny_overrides(tmp_path, "lora.trainable_modules=[]"))
+    fed = Federation(cfg, tmp_path)
+    fed.setup()
+    params, _, _ = fed.load_client(fed.clients[0], 1)
+    with torch.no_grad():  # non-zero B so that every factor has a gradient
+        for k, p in params.items():
+            if k.endswith(".B"):
+                p.normal_(0, 0.02)
+    fed.model.train()
+    batch = next(batch_stream(fed.clients[0].train, 4, fed.tokenizer.pad_token_id, 0))
+
+    def grads(b):
+        for p in params.values():
+            p.grad = None
+        loss = fed.model(**b).loss
+        loss.backward()
+        return {k: p.grad.clone() for k, p in params.items()}, loss.item()
+
+    whole, whole_loss = grads(batch)
+    shares = []
+    for rank in range(2):
+        share = next(Layout("data", rank, 2).split_batches(iter([batch])))
+        assert share["input_ids"].shape[0] == 2  # an equal share of the rows
+        shares.append(grads(share))
+    for k in whole:
+        torch.testing.assert_close((shares[0][0][k] + shares[1][0][k]) / 2, whole[k], rtol=1e-5, atol=1e-7)
+    assert (shares[0][1] + shares[1][1]) / 2 == pytest.approx(whole_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "accelerate").glob("*.yaml")))
+def test_shipped_accelerate_configs_load(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ROOT / "configs" / "accelerate" / name))
+    assert config.mixed_precision == "bf16"
+    assert config.num_processes >= 1 and config.num_machines >= 1
+    if name.startswith("deepspeed"):
+        assert str(config.distributed_type).endswith("DEEPSPEED")
+        assert config.deepspeed_config["zero_stage"] == int(name[-6])  # deepspeed_zeroN.yaml
+        assert config.deepspeed_config["gradient_accumulation_steps"] == 1
+
+
+def test_run_federated_script_launches_processes(tmp_path, builtin_base):
+    """scripts/run_federated.sh with the multi-GPU config, on 2 CPU processes, bf16 from the config."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "NUM_PROCESSES": "2", "OMP_NUM_THREADS": "1",
+           "MAIN_PROCESS_PORT": "29541", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), "configs/accelerate/multi_gpu.yaml",
+                          *tiny_overrides(run_dir, "federation.rounds=1", "eval.personalized=false")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["parallel"] == "clients"
+    assert summary["mixed_precision"] == "bf16"
+    assert math.isfinite(summary["loss_after"])  # bf16 autocast ran without overflow
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), "missing.yaml"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "missing.yaml" in bad.stderr
