@@ -174,8 +174,8 @@ class Federation:
 
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.acc = accelerator or Accelerator(cpu=not torch.cuda.is_available(),
-                                              log_with=cfg.output.log_with or None, project_dir=str(run_dir))
+        # the launch decides the device, the process group, DeepSpeed and mixed precision
+        self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
         self.layout = resolve_layout(cfg.federation.parallel, self.acc, cfg)
         self.client_hook = client_hook
         self.strategy = strategy_from_config(cfg.aggregation)
@@ -223,7 +223,8 @@ class Federation:
                                    agg.router_noise, agg.router_per_layer, agg.stateful_routers, agg.router_lr,
                                    agg.precondition_eps) if self.strategy.uses_routers else None
         self.dense_names = dense_param_names(self.model, cfg.lora.trainable_modules)
-        self.state.dense = read_dense(self.model, self.dense_names)
+        with self.whole_adapters():
+            self.state.dense = read_dense(self.model, self.dense_names)
         n_dense = sum(t.numel() for t in self.state.dense.values())
         if n_dense > 5_000_000:
             log.warning("lora.trainable_modules %s add %.1fM parameters to every upload and download; "
@@ -387,6 +388,7 @@ class Federation:
                 results.append((k, self.train_client(self.clients[k], round_idx), ""))
             except Exception as e:  # a faulty client must not take the round down
                 log.warning("round %d: client %d left out: %s", round_idx, k, e)
+                log.debug("client %d traceback", k, exc_info=True)
                 results.append((k, None, f"{type(e).__name__}: {e}"))
         results = self._gather(results)
         train_s = time.perf_counter() - t0
@@ -450,11 +452,12 @@ class Federation:
     # ----------------------------------------------------------- evaluation
     def install_global(self) -> bool:
         """Make the global model active for evaluation; False when it is the (merged) base."""
-        write_dense(self.model, self.state.dense)
         adapter = self.strategy.global_adapter(self.state)
-        if adapter:
-            with self.whole_adapters(modify=True):
+        with self.whole_adapters(modify=True):
+            write_dense(self.model, self.state.dense)
+            if adapter:
                 install_adapter(self.model, "global", adapter, self.cfg.lora)
+        if adapter:
             activate(self.model, "global")
             return True
         if RESIDUAL in self.model.peft_config:
@@ -650,11 +653,13 @@ class Federation:
         summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
         summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]
         if self.residual_adapter:
+            why = (f"the base is {self.cfg.model.quantization}-quantized" if self.cfg.model.quantization != "none"
+                   else "DeepSpeed ZeRO-3 shards the base weights")
             summary["quantization"] = self.cfg.model.quantization
             summary["residual_adapter_rank"] = self.residual_rank
-            summary["note"] = (f"the base is {self.cfg.model.quantization}-quantized, so the merged global update is "
-                               f"kept as a frozen residual adapter (rank {self.residual_rank}) instead of being "
-                               "written into the quantized weights; the exported adapter holds it")
+            summary["note"] = (f"{why}, so the merged global update is kept as a frozen residual adapter (rank "
+                               f"{self.residual_rank}) instead of being written into the base weights; the exported "
+                               "adapter holds it")
         elif self.strategy.merges_into_base:
             summary["note"] = "the global update is merged into the base; the exported adapter holds the residual"
         if self.acc.is_main_process:

@@ -122,6 +122,15 @@ def resolve_layout(mode: str, accelerator, cfg) -> Layout:
     return layout
 
 
+def _deepspeed_batch(accelerator, micro_batch: int) -> dict:
+    """Write this phase's batch sizes into the DeepSpeed config (each engine checks them)."""
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds_config["train_micro_batch_size_per_gpu"] = micro_batch
+    ds_config["gradient_accumulation_steps"] = 1
+    ds_config["train_batch_size"] = micro_batch * accelerator.num_processes
+    return ds_config
+
+
 @contextlib.contextmanager
 def wrapped_for_training(accelerator, layout: Layout | None, model, optimizer, scheduler, max_grad_norm: float,
                          micro_batch: int):
@@ -136,9 +145,7 @@ def wrapped_for_training(accelerator, layout: Layout | None, model, optimizer, s
         yield model, optimizer, scheduler
         return
     if layout.deepspeed:
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = micro_batch
-        ds_config["gradient_accumulation_steps"] = 1
+        ds_config = _deepspeed_batch(accelerator, micro_batch)
         ds_config["gradient_clipping"] = max_grad_norm if max_grad_norm > 0 else 0.0
     # the scheduler stays ours: accelerate would step it once per process per step
     wrapped, prepared_optimizer = accelerator.prepare(model, optimizer)
@@ -154,7 +161,7 @@ def evaluation_engine(accelerator, layout: Layout | None, model, micro_batch: in
     if layout is None or layout.zero_stage != 3:
         yield
         return
-    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
+    _deepspeed_batch(accelerator, micro_batch)
     accelerator.prepare(model)
     try:
         yield

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fedllm.client.base import batch_stream
 from fedllm.config import ConfigError, load_config
@@ -123,3 +126,52 @@ def test_run_federated_script_launches_processes(tmp_path, builtin_base):
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), "missing.yaml"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr
+
+
+DS_EXTRA = ("aggregation.name=flora", "eval.personalized=false", "eval.limit=2")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None or shutil.which("c++") is None,
+    reason="DeepSpeed (and a C++ compiler for its CPU communication op) not installed")
+
+
+def dense_updates(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Each module's exported update B @ A (factorizations differ by SVD gauge; the products must not)."""
+    t = load_file(run_dir / "global_adapter" / "adapter_model.safetensors")
+    out = {k: v for k, v in t.items() if "lora_" not in k}
+    out.update({k: t[k.replace("lora_A", "lora_B")] @ v for k, v in t.items() if "lora_A" in k})
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_flora(tmp_path_factory, builtin_base):
+    run_dir = tmp_path_factory.mktemp("plain") / "run"
+    subprocess.run([sys.executable, "-m", "fedllm.cli", "run", *tiny_overrides(run_dir, *DS_EXTRA)], check=True,
+                   capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_dir
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_through_shipped_config_matches_plain_run(tmp_path, stage, plain_flora):
+    """A DeepSpeed ZeRO-2/3 engine (one CPU process) trains every client to the plain run's result.
+
+    ZeRO-3 shards the base, so FLoRA's merged update goes to the frozen residual adapter instead.
+    """
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          str(ROOT / "configs" / "accelerate" / f"deepspeed_zero{stage}.yaml"), "--num_processes", "1",
+                          "--mixed_precision", "no", "--main_process_port", str(29560 + stage), "-m", "fedllm.cli",
+                          "run", *tiny_overrides(run_dir, *DS_EXTRA)],
+                         capture_output=True, text=True, timeout=900, env={**env, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plain = json.loads((plain_flora / "summary.json").read_text())
+    assert summary["parallel"] == "data" and summary["deepspeed_zero_stage"] == stage
+    assert summary["failed_client_calls"] == 0
+    assert ("residual_adapter_rank" in summary) == (stage == 3)
+    assert summary["loss_after"] == pytest.approx(plain["loss_after"], rel=1e-4)
+    a, b = dense_updates(plain_flora), dense_updates(run_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((b[k] - a[k]).norm() / a[k].norm()) < 1e-2, k

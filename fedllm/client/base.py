@@ -190,10 +190,16 @@ def lm_loss(model, batch: dict[str, Tensor], accelerator) -> Tensor:
 
 
 def backward(loss: Tensor, accelerator) -> None:
-    if accelerator is None:
-        loss.backward()
-    else:
+    """Through the DeepSpeed engine while one wraps the model (it also steps), else plain autograd.
+
+    Plain autograd is what accelerate does too without DeepSpeed (fp16 loss
+    scaling aside, which the layout refuses), and it keeps steps outside an
+    engine, such as personalization, on the unwrapped model.
+    """
+    if accelerator is not None and getattr(accelerator, "deepspeed_engine_wrapped", None) is not None:
         accelerator.backward(loss)
+    else:
+        loss.backward()
 
 
 def accumulate(model, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, accelerator) -> float:
