@@ -175,3 +175,20 @@ def test_deepspeed_zero_through_shipped_config_matches_plain_run(tmp_path, stage
     assert a.keys() == b.keys()
     for k in a:
         assert float((b[k] - a[k]).norm() / a[k].norm()) < 1e-2, k
+
+
+def test_gradient_checkpointing_gives_the_same_update(tmp_path, builtin_base):
+    """model.gradient_checkpointing recomputes activations in backward: less memory, same gradients."""
+    runs = {}
+    for flag in ("false", "true"):
+        cfg = load_config(None, tiny_overrides(tmp_path / flag, "federation.rounds=1", "eval.benchmark=none",
+                                               "eval.personalized=false", f"model.gradient_checkpointing={flag}"))
+        fed = Federation(cfg, tmp_path / flag)
+        fed.setup()
+        base = fed.model.get_base_model()
+        assert base.model.gradient_checkpointing == (flag == "true")
+        fed.run()
+        runs[flag] = fed.state.factors
+    for k, f in runs["false"].items():
+        torch.testing.assert_close(runs["true"][k].B, f.B, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(runs["true"][k].A, f.A, rtol=1e-5, atol=1e-6)

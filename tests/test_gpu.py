@@ -1,0 +1,107 @@
+"""GPU-only paths: bitsandbytes on CUDA, bf16, multi-GPU launches, DeepSpeed ZeRO-2/3 across GPUs.
+
+Skipped cleanly without CUDA. Run them with ``bash scripts/gpu_check.sh`` on
+a GPU machine (``pytest -m gpu tests/test_gpu.py``); the multi-GPU tests
+also skip with fewer than 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedllm.config import load_config
+from fedllm.federation import Federation
+from tests.conftest import tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+EXTRA = ("eval.personalized=false", "client.local_steps=6", "eval.limit=4")
+
+
+def launch(run_dir: Path, accelerate_args: list[str], *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "fedllm.cli",
+                          "run", *tiny_overrides(run_dir, *EXTRA, *extra)],
+                         capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def updates(run_dir: Path) -> dict[str, torch.Tensor]:
+    t = load_file(run_dir / "global_adapter" / "adapter_model.safetensors")
+    out = {k: v for k, v in t.items() if "lora_" not in k}
+    out.update({k: t[k.replace("lora_A", "lora_B")] @ v for k, v in t.items() if "lora_A" in k})
+    return out
+
+
+def assert_close_updates(a: Path, b: Path, tol: float) -> None:
+    ua, ub = updates(a), updates(b)
+    assert ua.keys() == ub.keys()
+    for k in ua:
+        assert float((ub[k] - ua[k]).norm() / ua[k].norm()) < tol, k
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, builtin_base):
+    """One process, full precision, on GPU 0: the reference for the launches below."""
+    runs = {}
+    for strategy in ("fedit", "flora"):
+        d = tmp_path_factory.mktemp(strategy) / "run"
+        launch(d, ["--num_processes", "1", "--mixed_precision", "no"], f"aggregation.name={strategy}")
+        runs[strategy] = d
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["4bit", "8bit"])
+def test_qlora_on_cuda_keeps_residual_and_learns(tmp_path, mode, builtin_base):
+    cfg = load_config(None, tiny_overrides(tmp_path, *EXTRA, f"model.quantization={mode}", "aggregation.name=flora"))
+    fed = Federation(cfg, tmp_path)
+    fed.setup()
+    assert next(fed.model.parameters()).device.type == "cuda"
+    summary = fed.run()
+    assert summary["loss_after"] < summary["loss_before"]
+    assert summary["residual_adapter_rank"] > 0 and summary["quantization"] == mode
+
+
+def test_bf16_single_gpu_config(tmp_path, plain):
+    summary = launch(tmp_path / "run", ["--config_file", str(ROOT / "configs/accelerate/single_gpu.yaml")])
+    assert summary["mixed_precision"] == "bf16" and summary["processes"] == 1
+    reference = json.loads((plain["fedit"] / "summary.json").read_text())
+    assert summary["loss_after"] == pytest.approx(reference["loss_after"], rel=0.05)  # bf16 autocast, same run
+
+
+@two_gpus
+def test_two_gpus_client_parallel_equals_one(tmp_path, plain):
+    summary = launch(tmp_path / "run", ["--multi_gpu", "--num_processes", "2", "--mixed_precision", "no"])
+    assert summary["processes"] == 2 and summary["parallel"] == "clients"
+    assert_close_updates(plain["fedit"], tmp_path / "run", 1e-3)
+
+
+@two_gpus
+def test_two_gpus_data_parallel_equals_one(tmp_path, plain):
+    summary = launch(tmp_path / "run", ["--multi_gpu", "--num_processes", "2", "--mixed_precision", "no"],
+                     "federation.parallel=data")
+    assert summary["processes"] == 2 and summary["parallel"] == "data"
+    assert_close_updates(plain["fedit"], tmp_path / "run", 2e-2)  # AdamW magnifies reduction-order noise
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_on_gpus(tmp_path, stage, plain):
+    n = min(2, torch.cuda.device_count())
+    summary = launch(tmp_path / "run", ["--config_file", str(ROOT / f"configs/accelerate/deepspeed_zero{stage}.yaml"),
+                                        "--num_processes", str(n), "--mixed_precision", "no"], "aggregation.name=flora")
+    assert summary["processes"] == n and summary["deepspeed_zero_stage"] == stage
+    assert summary["failed_client_calls"] == 0
+    assert ("residual_adapter_rank" in summary) == (stage == 3)
+    assert_close_updates(plain["flora"], tmp_path / "run", 2e-2)
