@@ -22,9 +22,8 @@ def env():
     return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": "29533"}
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "florist"])
-def test_two_processes_equal_one(tmp_path, strategy):
-    extra = [f"aggregation.name={strategy}", "eval.limit=2"]
+def run_one_and_two(tmp_path, extra: list[str]):
+    """The same tiny run in one process, then launched as two; returns both run directories."""
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run([sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run",
                     *tiny_overrides(one, *extra)], check=True, capture_output=True, timeout=600,
@@ -32,8 +31,20 @@ def test_two_processes_equal_one(tmp_path, strategy):
     out = subprocess.run([*LAUNCH, "-m", "fedllm.cli", "--log-level", "WARNING", "run", *tiny_overrides(two, *extra)],
                          capture_output=True, text=True, timeout=600, env=env())
     assert out.returncode == 0, out.stderr[-4000:]
+    return one, two
+
+
+def run_files(run_dir) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "flora", "flexlora", "florist", "floral"])
+def test_two_processes_equal_one(tmp_path, strategy):
+    extra = [f"aggregation.name={strategy}", "eval.limit=2"] + (["lora.ranks=[4]"] if strategy == "floral" else [])
+    one, two = run_one_and_two(tmp_path, extra)
     assert json.loads((two / "summary.json").read_text())["processes"] == 2  # really two ranks
     assert json.loads((one / "summary.json").read_text())["processes"] == 1
+    assert run_files(two) == run_files(one)  # the same run directory, written by the main process only
     a = load_file(one / "global_adapter" / "adapter_model.safetensors")
     b = load_file(two / "global_adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys()
@@ -55,13 +66,7 @@ def test_data_parallel_two_processes_equal_one(tmp_path):
     """
     extra = ["aggregation.name=fedit", "federation.parallel=data", "eval.limit=2", "client.local_steps=3",
              "client.optimizer=sgd", "eval.personalized=false"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run([sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run",
-                    *tiny_overrides(one, *extra)], check=True, capture_output=True, timeout=600,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = subprocess.run([*LAUNCH, "-m", "fedllm.cli", "--log-level", "WARNING", "run", *tiny_overrides(two, *extra)],
-                         capture_output=True, text=True, timeout=600, env=env())
-    assert out.returncode == 0, out.stderr[-4000:]
+    one, two = run_one_and_two(tmp_path, extra)
     assert json.loads((two / "summary.json").read_text())["processes"] == 2
     a = load_file(one / "global_adapter" / "adapter_model.safetensors")
     b = load_file(two / "global_adapter" / "adapter_model.safetensors")
