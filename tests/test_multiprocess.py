@@ -81,7 +81,7 @@ def test_data_parallel_two_processes_equal_one(tmp_path):
 
 
 def test_mmlu_two_processes_equal_one(tmp_path, builtin_base):
-    args = ["--model", "builtin", "--limit", "3", "--batch-size", "4"]
+    args = ["--model", str(builtin_base), "--limit", "3", "--batch-size", "4"]  # the tests' 60-step base
     subprocess.run([sys.executable, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "one.json")], check=True,
                    capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     out = subprocess.run([*LAUNCH, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "two.json")],
