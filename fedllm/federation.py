@@ -249,6 +249,11 @@ class Federation:
             train, test = tok(mine[n_test:]), tok(mine[:n_test])
             if not train:
                 raise ValueError(f"client {k}: no training example survives data.max_seq_len = {max_len}")
+            if self.layout.data_parallel and len(train) < cfg.client.batch_size:
+                raise ValueError(f"client {k} has {len(train)} training examples, fewer than client.batch_size = "
+                                 f"{cfg.client.batch_size}, which federation.parallel=data splits over "
+                                 f"{self.layout.num_processes} processes: raise data.min_examples_per_client or "
+                                 "lower client.batch_size")
             alpha = cfg.lora.alpha_ratio * ranks[k]
             self.clients.append(ClientData(k, ranks[k], lora_scale(alpha, ranks[k], cfg.lora.use_rslora),
                                            train, test, len(train)))
