@@ -192,3 +192,11 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, builtin_base):
     for k, f in runs["false"].items():
         torch.testing.assert_close(runs["true"][k].B, f.B, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(runs["true"][k].A, f.A, rtol=1e-5, atol=1e-6)
+
+
+def test_data_layout_refuses_clients_smaller_than_a_batch(tmp_path, builtin_base):
+    cfg = load_config(None, tiny_overrides(tmp_path, "client.batch_size=16"))
+    fed = Federation(cfg, tmp_path)
+    fed.layout = Layout("data", 0, 2)  # as under a 2-process launch with federation.parallel=data
+    with pytest.raises(ValueError, match=r"fewer than client.batch_size = 16.*data.min_examples_per_client"):
+        fed.setup()
