@@ -39,8 +39,13 @@ def friendly_errors() -> Iterator[None]:
 
 
 def _setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    """One console log per launch: processes other than rank 0 only report warnings and errors."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0" and getattr(logging, level) < logging.WARNING:
+        level = "WARNING"
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else \
+        f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level), format=fmt, datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock", "accelerate", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -32,7 +32,7 @@ EXTRA = ("eval.personalized=false", "client.local_steps=6", "eval.limit=4")
 def launch(run_dir: Path, accelerate_args: list[str], *extra: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "fedllm.cli",
                           "run", *tiny_overrides(run_dir, *EXTRA, *extra)],
-                         capture_output=True, text=True, timeout=900, env=dict(os.environ))
+                         capture_output=True, text=True, timeout=900, env=dict(os.environ), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads((run_dir / "summary.json").read_text())
 

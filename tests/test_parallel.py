@@ -105,9 +105,14 @@ def test_shipped_accelerate_configs_load(name):
     assert config.mixed_precision == "bf16"
     assert config.num_processes >= 1 and config.num_machines >= 1
     if name.startswith("deepspeed"):
+        from accelerate.utils import DeepSpeedPlugin
+
         assert str(config.distributed_type).endswith("DEEPSPEED")
-        assert config.deepspeed_config["zero_stage"] == int(name[-6])  # deepspeed_zeroN.yaml
-        assert config.deepspeed_config["gradient_accumulation_steps"] == 1
+        ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]  # relative to the repository root
+        plugin = DeepSpeedPlugin(hf_ds_config=str(ds_file))
+        assert plugin.zero_stage == int(name[-6])  # deepspeed_zeroN.yaml
+        assert plugin.deepspeed_config["gradient_accumulation_steps"] == 1
+        assert config.deepspeed_config["zero3_init_flag"] == (plugin.zero_stage == 3)
 
 
 def test_run_federated_script_launches_processes(tmp_path, builtin_base):
@@ -163,7 +168,7 @@ def test_deepspeed_zero_through_shipped_config_matches_plain_run(tmp_path, stage
                           str(ROOT / "configs" / "accelerate" / f"deepspeed_zero{stage}.yaml"), "--num_processes", "1",
                           "--mixed_precision", "no", "--main_process_port", str(29560 + stage), "-m", "fedllm.cli",
                           "run", *tiny_overrides(run_dir, *DS_EXTRA)],
-                         capture_output=True, text=True, timeout=900, env={**env, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=900, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     plain = json.loads((plain_flora / "summary.json").read_text())
