@@ -37,15 +37,15 @@ class FLoRAL(Strategy):
     name = "floral"
     uses_routers = True
 
-    def __init__(self, num_adaptors: int = 2, rank: int = 8) -> None:
+    def __init__(self, num_adaptors: int = 2) -> None:
         if num_adaptors < 1:
             raise ConfigError(f"aggregation.num_adaptors = {num_adaptors} is invalid: expected an integer >= 1")
-        super().__init__(num_adaptors=num_adaptors, rank=rank)
-        self.num_adaptors, self.rank = num_adaptors, rank
+        super().__init__(num_adaptors=num_adaptors)
+        self.num_adaptors = num_adaptors
 
     @classmethod
     def from_config(cls, agg) -> FLoRAL:
-        return cls(num_adaptors=agg.num_adaptors, rank=0)
+        return cls(num_adaptors=agg.num_adaptors)
 
     @classmethod
     def check_config(cls, cfg) -> None:
