@@ -446,7 +446,7 @@ class Federation:
             merge_into_base(self.model, merged)
 
     def _gather(self, results):
-        if self.acc.num_processes == 1 or self.layout.mode == "data":  # data mode: every process has all
+        if not self.layout.gathers:  # one process, or data mode: every process has every result
             return results
         from accelerate.utils import gather_object
 
@@ -512,7 +512,7 @@ class Federation:
                 p_loss, p_acc = self.heldout(client.test)
             rows[str(client.client_id)] = {"global_loss": g_loss, "global_acc": g_acc,
                                            "personal_loss": p_loss, "personal_acc": p_acc}
-        if self.acc.num_processes > 1 and self.layout.mode == "clients":
+        if self.layout.gathers:
             from accelerate.utils import gather_object
 
             rows = {k: v for part in gather_object([rows]) for k, v in part.items()}

@@ -60,6 +60,11 @@ class Layout:
     def data_parallel(self) -> bool:
         return (self.mode == "data" and self.num_processes > 1) or self.deepspeed
 
+    @property
+    def gathers(self) -> bool:
+        """Whether per-process results must be gathered (clients split over several processes)."""
+        return self.mode == "clients" and self.num_processes > 1
+
     def my_clients(self, clients: list[int]) -> list[int]:
         """Clients this process trains: a strided share, or all of them in data mode."""
         if self.mode == "data":
@@ -132,25 +137,26 @@ def _deepspeed_batch(accelerator, micro_batch: int) -> dict:
 
 
 @contextlib.contextmanager
-def wrapped_for_training(accelerator, layout: Layout | None, model, optimizer, scheduler, max_grad_norm: float,
-                         micro_batch: int):
-    """``(model, optimizer, scheduler)`` prepared by accelerate for one client's local training.
+def wrapped_for_training(accelerator, layout: Layout | None, model, optimizer, max_grad_norm: float,
+                         batch_size: int):
+    """``(model, optimizer)`` prepared by accelerate for one client's local training.
 
-    Clients mode leaves them as they are. Data mode wraps the model in DDP or
+    The learning-rate scheduler stays the caller's, bound to the optimizer's
+    parameter groups: accelerate would step a prepared one once per process
+    per step. Clients mode leaves both as they are. Data mode wraps the model in DDP or
     a DeepSpeed engine (micro-batch, clipping and accumulation written into
     its config first); on exit the wrappers and the engine are freed, leaving
     the peft model holding the trained values.
     """
     if layout is None or not layout.data_parallel:
-        yield model, optimizer, scheduler
+        yield model, optimizer
         return
     if layout.deepspeed:
-        ds_config = _deepspeed_batch(accelerator, micro_batch)
+        ds_config = _deepspeed_batch(accelerator, batch_size // layout.num_processes)
         ds_config["gradient_clipping"] = max_grad_norm if max_grad_norm > 0 else 0.0
-    # the scheduler stays ours: accelerate would step it once per process per step
     wrapped, prepared_optimizer = accelerator.prepare(model, optimizer)
     try:
-        yield wrapped, prepared_optimizer, scheduler
+        yield wrapped, prepared_optimizer
     finally:
         accelerator.free_memory()
 

@@ -158,11 +158,10 @@ class ClientAlgorithm(abc.ABC):
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
         scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
         layout = plan.layout
-        micro = plan.batch_size // (layout.num_processes if layout is not None and layout.data_parallel else 1)
         self.begin(params, state)
         losses = []
-        with wrapped_for_training(accelerator, layout, model, optimizer, scheduler, plan.max_grad_norm,
-                                  micro) as (wrapped, optimizer, scheduler):
+        with wrapped_for_training(accelerator, layout, model, optimizer, plan.max_grad_norm,
+                                  plan.batch_size) as (wrapped, optimizer):
             wrapped.train()
             for _ in range(plan.steps):
                 optimizer.zero_grad(set_to_none=True)
