@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -57,3 +58,24 @@ def tiny_overrides(run_dir, *extra: str) -> list[str]:
         f"output.dir={run_dir}",
         *extra,
     ]
+
+
+def adapter_updates(run_dir) -> dict[str, torch.Tensor]:
+    """Each module's exported update B @ A, plus dense modules, of a run's global adapter.
+
+    Factorizations differ by an SVD gauge between runs; the products must not.
+    """
+    from safetensors.torch import load_file
+
+    t = load_file(Path(run_dir) / "global_adapter" / "adapter_model.safetensors")
+    out = {k: v for k, v in t.items() if "lora_" not in k}
+    out.update({k: t[k.replace("lora_A", "lora_B")] @ v for k, v in t.items() if "lora_A" in k})
+    return out
+
+
+def assert_close_updates(a, b, tol: float) -> None:
+    """Every module's update of run ``b`` within relative Frobenius distance ``tol`` of run ``a``'s."""
+    ua, ub = adapter_updates(a), adapter_updates(b)
+    assert ua.keys() == ub.keys()
+    for k in ua:
+        assert float((ub[k] - ua[k]).norm() / ua[k].norm()) < tol, k

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fedllm.config import load_config
 from fedllm.federation import Federation
-from tests.conftest import tiny_overrides
+from tests.conftest import assert_close_updates, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -35,20 +34,6 @@ def launch(run_dir: Path, accelerate_args: list[str], *extra: str) -> dict:
                          capture_output=True, text=True, timeout=900, env=dict(os.environ), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def updates(run_dir: Path) -> dict[str, torch.Tensor]:
-    t = load_file(run_dir / "global_adapter" / "adapter_model.safetensors")
-    out = {k: v for k, v in t.items() if "lora_" not in k}
-    out.update({k: t[k.replace("lora_A", "lora_B")] @ v for k, v in t.items() if "lora_A" in k})
-    return out
-
-
-def assert_close_updates(a: Path, b: Path, tol: float) -> None:
-    ua, ub = updates(a), updates(b)
-    assert ua.keys() == ub.keys()
-    for k in ua:
-        assert float((ub[k] - ua[k]).norm() / ua[k].norm()) < tol, k
 
 
 @pytest.fixture(scope="module")
