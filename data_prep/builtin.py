@@ -4,12 +4,21 @@ No dataset can be downloaded on the machines this project is tested on, so the
 default run uses small synthetic *skills* that a tiny model can learn within
 minutes on a CPU. Every skill yields two kinds of items:
 
-* free-form instructions ("What number comes after 41 ?" -> "42"), and
+* free-form instructions ("Is 37 below or above 50 ?" -> "below"), and
 * MMLU-format multiple-choice items (header, question, "A. .. D.", "Answer:"),
   with the gold letter balanced over A-D so that chance is really 25%.
 
+The skills come in two groups. The base model is pretrained on the free-form
+items of every skill and on the multiple-choice items of the *format skills*
+only, so it knows every answer but has learned the multiple-choice format on
+other questions. The benchmark asks the *benchmark skills* in MMLU's format:
+what the federated stage teaches is to apply that format to knowledge the base
+already holds, the way instruction tuning lifts a base model's MMLU score. A
+skill is a lookup (a number's or a word's property) so that a 200k-parameter
+model can hold it.
+
 The benchmark is drawn from a separate random stream and its questions are
-removed from the training pool, so it is genuinely held out. Everything is
+removed from every training pool, so it is genuinely held out. Everything is
 written by this module from word lists below; nothing is copied from a dataset.
 """
 
@@ -45,11 +54,16 @@ SKILL_CATEGORY = {
     "vowel": "humanities",
     "animal": "humanities",
     "first_letter_vowel": "humanities",
+    "last_letter_vowel": "humanities",
 }
 SKILLS = tuple(SKILL_CATEGORY)
-# The base model is pretrained on the multiple-choice format of these skills
-# only; the federated stage has to teach the format of the others.
-PRETRAIN_MC_SKILLS = ("parity", "comparison", "vowel", "animal")
+# The base model is pretrained on the multiple-choice format of these skills (and
+# of "match", which asks for a word named in the question: the format alone) ...
+FORMAT_SKILLS = ("parity", "comparison", "vowel", "animal")
+PRETRAIN_MC_SKILLS = (*FORMAT_SKILLS, "match")
+# ... and the benchmark asks these in that format (the federated data covers all skills).
+BENCHMARK_SKILLS = tuple(s for s in SKILLS if s not in FORMAT_SKILLS)
+BENCHMARK_PER_SKILL = 160  # a multiple of 4: every gold letter equally often
 
 MMLU_HEADER = "The following are multiple choice questions (with answers) about {subject}.\n\n"
 
@@ -102,6 +116,17 @@ def _first_letter_vowel(rng: random.Random) -> Item:
     return _binary(f"Does the word {w} start with a vowel ?", w[0] in VOWELS, "yes", "no", ("maybe", "unknown"))
 
 
+def _last_letter_vowel(rng: random.Random) -> Item:
+    w = rng.choice(ANIMALS + THINGS)
+    return _binary(f"Does the word {w} end with a vowel ?", w[-1] in VOWELS, "yes", "no", ("maybe", "unknown"))
+
+
+def _match(rng: random.Random) -> Item:
+    """The multiple-choice format alone: the answer is named in the question."""
+    words = rng.sample(ANIMALS + THINGS, 4)
+    return f"Which word is {words[0]} ?", words[0], words[1:]
+
+
 GENERATORS: dict[str, Callable[[random.Random], Item]] = {
     "parity": _parity,
     "comparison": _comparison,
@@ -111,6 +136,8 @@ GENERATORS: dict[str, Callable[[random.Random], Item]] = {
     "vowel": _vowel,
     "animal": _animal,
     "first_letter_vowel": _first_letter_vowel,
+    "last_letter_vowel": _last_letter_vowel,
+    "match": _match,
 }
 
 
@@ -131,7 +158,7 @@ def mc_record(subject: str, question: str, choices: list[str], answer: int) -> d
     return {"question": question, "subject": subject, "choices": choices, "answer": answer}
 
 
-def benchmark(n_per_skill: int = 60, seed: int = 1234, split: str = "test") -> list[dict]:
+def benchmark(n_per_skill: int = BENCHMARK_PER_SKILL, seed: int = 1234, split: str = "test") -> list[dict]:
     """The held-out built-in multiple-choice benchmark in MMLU's schema.
 
     Gold letters cycle A, B, C, D within each subject, so every letter is gold
@@ -143,6 +170,8 @@ def benchmark(n_per_skill: int = 60, seed: int = 1234, split: str = "test") -> l
     offset = {"test": 0, "dev": 7919}[split]
     records = []
     for s_idx, skill in enumerate(SKILLS):
+        if skill not in BENCHMARK_SKILLS:
+            continue
         rng = random.Random(seed + offset + 1000 * s_idx)
         seen: set[str] = set()
         while len(seen) < n_per_skill:
@@ -169,14 +198,16 @@ def instruction_examples(
     mc_skills: tuple[str, ...] = SKILLS,
     mc_fraction: float = 0.5,
     exclude_prompts: set[str] | None = None,
+    mc_only: tuple[str, ...] = (),
 ) -> list[Example]:
     """Instruction examples with the skill as category.
 
-    A fraction ``mc_fraction`` of the items of each skill in ``mc_skills`` are
-    multiple-choice items whose instruction is exactly the benchmark prompt and
-    whose response is the gold letter; the rest are free-form. Questions in
-    ``exclude_prompts`` (the benchmark's question blocks, see
-    :func:`benchmark_prompts`) are never produced.
+    A fraction ``mc_fraction`` of the items of each skill in ``mc_skills`` (all
+    of them for skills in ``mc_only``) are multiple-choice items whose
+    instruction is exactly the benchmark prompt and whose response is the gold
+    letter; the rest are free-form. Questions in ``exclude_prompts`` (the
+    benchmark's question blocks, see :func:`benchmark_prompts`) are never
+    produced.
     """
     exclude = exclude_prompts or set()
     out: list[Example] = []
@@ -186,7 +217,7 @@ def instruction_examples(
         made = 0
         while made < n_per_skill:
             question, answer, pool = GENERATORS[skill](rng)
-            if skill in mc_skills and rng.random() < mc_fraction:
+            if skill in mc_only or (skill in mc_skills and rng.random() < mc_fraction):
                 gold = rng.randrange(4)
                 block = format_mc_question(question, _choices(rng, answer, pool, gold))
                 if block in exclude:
@@ -209,7 +240,7 @@ def vocabulary() -> list[str]:
     text = " ".join(
         [
             "Is even odd both neither larger than yes no maybe unknown below above equal none plus a multiple of",
-            "three the letter vowel consonant number symbol an animal or thing color Does word start with",
+            "three the letter vowel consonant number symbol an animal or thing color Does word start end with Which",
             "Answer Question Below instruction that describes task",
             "Write response appropriately completes request Instruction Input Response paired with",
             "input provides further context The following are multiple choice questions with answers about",
@@ -231,6 +262,7 @@ ANSWER_PAIRS = {
     "vowel": ("vowel", "consonant"),
     "animal": ("animal", "thing"),
     "first_letter_vowel": ("yes", "no"),
+    "last_letter_vowel": ("yes", "no"),
 }
 # Which skills each hidden group answers the other way round (label shift, as in FLoRAL's experiments).
 SHIFTED_SKILLS = (

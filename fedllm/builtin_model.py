@@ -3,8 +3,16 @@
 A LoRA on a randomly initialized base learns nothing (its frozen random
 lm_head caps the logits), so the built-in base is pretrained here, fully and
 deterministically, on the free-form items of every built-in skill and the
-multiple-choice items of only some of them. The federated LoRA stage then has
-something real to teach: the multiple-choice format of the other skills.
+multiple-choice items of the format skills only. The federated LoRA stage then
+has something real to teach: answering the benchmark skills in that format.
+
+Pretraining is plain causal language modelling on every token (prompt
+included), as a base model is trained, not response-only SFT: the extra signal
+(predicting option lists, copying words) is what makes the multiple-choice
+circuit form early and for every seed, where response-only training left it to
+chance whether it formed within the step budget. Layer widths are multiples of
+64, as in real LLMs, so every quantization kernel can take them (bitsandbytes'
+AVX512-BF16 4-bit path needs out_features % 32 == 0).
 
 The result is saved with ``save_pretrained`` into a cache folder (atomically:
 built in a temporary folder, then renamed) and every run loads it back through
@@ -26,13 +34,13 @@ from pathlib import Path
 import torch
 
 from data_prep import builtin
-from data_prep.prompts import collate, tokenize_examples
+from data_prep.prompts import TokenizedExample, collate, tokenize_examples
 
 log = logging.getLogger(__name__)
 
-BUILTIN_VERSION = 1
+BUILTIN_VERSION = 2
 SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-ARCH = {"hidden_size": 64, "intermediate_size": 168, "num_hidden_layers": 3, "num_attention_heads": 4}
+ARCH = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3, "num_attention_heads": 8}
 
 
 def build_tokenizer():
@@ -111,15 +119,22 @@ def ensure_builtin_base(pretrain_steps: int = 1000, seed: int = 0, cache_dir: Pa
     return path
 
 
-def pretrain(model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3):
-    """Full-parameter pretraining on part of the built-in skills (see module docstring)."""
-    examples = builtin.instruction_examples(
-        n_per_skill=1500,
+def pretraining_examples(seed: int, n_per_skill: int = 1500) -> list:
+    """Free-form items of every skill, multiple-choice items of the format skills (and "match") only."""
+    return builtin.instruction_examples(
+        n_per_skill=n_per_skill,
         seed=10_000 + seed,
+        skills=(*builtin.SKILLS, "match"),
         mc_skills=builtin.PRETRAIN_MC_SKILLS,
+        mc_only=("match",),
         exclude_prompts=builtin.benchmark_prompts(builtin.benchmark()),
     )
-    data = tokenize_examples(examples, tokenizer, "plain", max_seq_len=96)
+
+
+def pretrain(model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3):
+    """Full-parameter causal-LM pretraining (every token) on the built-in skills (see module docstring)."""
+    data = [TokenizedExample(t.input_ids, list(t.input_ids))
+            for t in tokenize_examples(pretraining_examples(seed), tokenizer, "plain", max_seq_len=96)]
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

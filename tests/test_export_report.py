@@ -128,7 +128,7 @@ def test_eval_job_on_run_dir(finished_run, tmp_path):
     out = tmp_path / "res.json"
     assert main(["eval", "--run", str(finished_run), "--limit", "2", "--output", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["n"] == 16 and len(res["records"]) == 16 and 0 <= res["accuracy"] <= 1
+    assert res["n"] == 10 and len(res["records"]) == 10 and 0 <= res["accuracy"] <= 1
     rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
     assert res["accuracy"] == pytest.approx(_acc_limit2(finished_run))
     assert rows
