@@ -170,24 +170,46 @@ def aggregate(records: list[Record], categories: dict[str, str] | None = None) -
     }
 
 
-def evaluate(model, tokenizer, source: str = "builtin", shots: int = 0, subjects: list[str] | None = None,
-             limit: int = 0, batch_size: int = 16, accelerator=None) -> tuple[dict, list[Record]]:
-    """Load, score (split over processes when ``accelerator`` has several) and aggregate."""
+@dataclass
+class Benchmark:
+    """Questions to score, the dev-split shots per subject, and where they came from."""
+
+    source: str
+    questions: list[Question]
+    dev: dict[str, list[Question]]
+    shots: int = 0
+
+
+def load_benchmark(source: str = "builtin", shots: int = 0, subjects: list[str] | None = None,
+                   limit: int = 0) -> Benchmark:
+    """Load (and check) the questions and their shots: bad data fails here, before any model is loaded."""
     questions = load_questions(source, "test", subjects, limit)
-    dev = {}
+    dev: dict[str, list[Question]] = {}
     if shots:
         for q in load_questions(source, "dev", sorted({q.subject for q in questions})):
             dev.setdefault(q.subject, []).append(q)
-    mine = questions
+    return Benchmark(source, questions, dev, shots)
+
+
+def evaluate(model, tokenizer, bench: Benchmark | str = "builtin", shots: int = 0, subjects: list[str] | None = None,
+             limit: int = 0, batch_size: int = 16, accelerator=None) -> tuple[dict, list[Record]]:
+    """Score (split over processes when ``accelerator`` has several) and aggregate.
+
+    ``bench`` is a loaded :class:`Benchmark`, or a source to load with
+    ``shots``, ``subjects`` and ``limit``.
+    """
+    if isinstance(bench, str):
+        bench = load_benchmark(bench, shots, subjects, limit)
+    mine = bench.questions
     if accelerator is not None and accelerator.num_processes > 1:
-        mine = questions[accelerator.process_index:: accelerator.num_processes]
-    records = score_questions(model, tokenizer, mine, dev, shots, batch_size)
+        mine = bench.questions[accelerator.process_index:: accelerator.num_processes]
+    records = score_questions(model, tokenizer, mine, bench.dev, bench.shots, batch_size)
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
         records = list({(r.subject, r.index): r for r in gather_object(records)}.values())
     records.sort(key=lambda r: (r.subject, r.index))  # the same order with any number of processes
-    return aggregate(records, subject_category_map(source)), records
+    return aggregate(records, subject_category_map(bench.source)), records
 
 
 def format_table(result: dict) -> str:
@@ -229,11 +251,11 @@ def run(args: argparse.Namespace) -> dict:
 
     from fedllm.export import load_for_eval
 
+    bench = load_benchmark(args.data, args.shots, args.subjects, args.limit)  # bad data fails before the model loads
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model, tokenizer = load_for_eval(args.model, args.adapter, args.run, args.round, args.client, args.dtype,
                                      accelerator.device)
-    result, records = evaluate(model, tokenizer, args.data, args.shots, args.subjects, args.limit, args.batch_size,
-                               accelerator)
+    result, records = evaluate(model, tokenizer, bench, batch_size=args.batch_size, accelerator=accelerator)
     if accelerator.is_main_process:
         print(format_table(result))
         if args.output:

@@ -56,6 +56,10 @@ class ModelConfig:
     quant_compute_dtype: str = opt("auto", "compute dtype of 4-bit layers (auto: bfloat16 on a GPU that has it, "
                                    "else float32)", lambda x: x in ("auto", "float32", "bfloat16", "float16"),
                                    "one of auto, float32, bfloat16, float16")
+    quant_cpu_kernel: str = opt("dequant", "4-bit bases on CPU: 'dequant' (dequantize, then matmul: the same "
+                                "numbers on every CPU) or 'packed' (bitsandbytes' AVX512-BF16 kernel for evaluation "
+                                "forwards, faster on CPUs that have it; training always dequantizes)",
+                                lambda x: x in ("dequant", "packed"), "one of dequant, packed")
     gradient_checkpointing: bool = opt(False, "trade compute for memory in the base model (recomputes activations "
                                        "in the backward pass)")
     builtin_pretrain_steps: int = opt(1000, "pretraining steps of the built-in base (cached per value)", _positive,
@@ -302,11 +306,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Build a validated :class:`Config` from an optional YAML file and overrides."""
     cfg = Config()
     if path is not None:
+        from data_prep.schema import read_text
+
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        text = read_text(path, "a YAML config file (see configs/)", ConfigError)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):

@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 from data_prep.loaders import load_examples
 from data_prep.partition import client_stats, partition
 from data_prep.prompts import TokenizedExample, collate, tokenize_examples
+from eval.mmlu import evaluate as mmlu_evaluate
+from eval.mmlu import load_benchmark
 from fedllm import checkpoint as ckpt
 from fedllm.aggregation import ClientUpdate, GlobalState, strategy_from_config
 from fedllm.client import ALGORITHMS, LocalPlan
@@ -57,6 +59,7 @@ from fedllm.modeling import (
     is_quantized,
     load_base,
     merge_into_base,
+    restore_dequant_layers,
     set_trainable_modules,
 )
 from fedllm.parallel import evaluation_engine, full_tensors, resolve_layout
@@ -202,6 +205,9 @@ class Federation:
                           cfg.data.dirichlet_alpha, cfg.data.shards_per_client, cfg.data.min_examples_per_client)
         self.partition_stats = client_stats(pool, parts)
 
+        e = cfg.eval
+        self.benchmark = None if e.benchmark == "none" else load_benchmark(e.benchmark, e.shots, e.subjects or None,
+                                                                           e.limit)
         with self.acc.main_process_first():  # the built-in base is built once, by the main process
             self.model, self.tokenizer = load_base(cfg.model, self.acc.device)
         max_ctx = context_length(self.model)
@@ -298,6 +304,7 @@ class Federation:
         name = adapter_name(client.rank)
         activate(self.model, name)
         set_trainable_modules(self.model, cfg.lora.trainable_modules)
+        restore_dequant_layers(self.model)  # the packed CPU 4-bit kernel has no backward
         start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged,
                                            client_id=client.client_id)
         with self.whole_adapters(modify=True):
@@ -526,8 +533,6 @@ class Federation:
                 "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
 
     def evaluate(self) -> dict:
-        from eval.mmlu import evaluate as mmlu_evaluate
-
         t0 = time.perf_counter()
         has_adapter = self.install_global()
         ctx = torch.no_grad() if has_adapter else self.model.disable_adapter()
@@ -536,10 +541,10 @@ class Federation:
         lockstep = self.layout.zero_stage == 3
         with ctx, evaluation_engine(self.acc, self.layout, self.model, self.cfg.eval.batch_size):
             out["eval_loss"], out["eval_token_acc"] = self.heldout(self.eval_data)
-            if self.cfg.eval.benchmark != "none":
-                e = self.cfg.eval
-                result, _ = mmlu_evaluate(self.model, self.tokenizer, e.benchmark, e.shots, e.subjects or None,
-                                          e.limit, e.batch_size, None if lockstep else self.acc)
+            if self.benchmark is not None:
+                result, _ = mmlu_evaluate(self.model, self.tokenizer, self.benchmark,
+                                          batch_size=self.cfg.eval.batch_size,
+                                          accelerator=None if lockstep else self.acc)
                 out["accuracy"] = result["accuracy"]
                 out["accuracy_categories"] = result["categories"]
         out["time_eval_s"] = time.perf_counter() - t0
@@ -657,10 +662,14 @@ class Federation:
         summary["communication"] = self.ledger.totals()
         summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
         summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]
+        if self.cfg.model.quantization != "none":
+            summary["quantization"] = self.cfg.model.quantization
+            kernel = getattr(self.model.get_base_model(), "fedllm_cpu_4bit_kernel", None)
+            if kernel:
+                summary["quant_cpu_kernel"] = kernel
         if self.residual_adapter:
             why = (f"the base is {self.cfg.model.quantization}-quantized" if self.cfg.model.quantization != "none"
                    else "DeepSpeed ZeRO-3 shards the base weights")
-            summary["quantization"] = self.cfg.model.quantization
             summary["residual_adapter_rank"] = self.residual_rank
             summary["note"] = (f"{why}, so the merged global update is kept as a frozen residual adapter (rank "
                                f"{self.residual_rank}) instead of being written into the base weights; the exported "

@@ -7,6 +7,7 @@ the adapter of its rank, never by loading another model.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from pathlib import Path
@@ -112,6 +113,8 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
         raise ModelError(f"model.name: cannot load {model_cfg.name!r}{hint}: {e}") from None
     if qconfig is None:
         model.to(device)
+    elif model_cfg.quantization == "4bit" and torch.device(device).type == "cpu":
+        select_cpu_4bit_kernel(model, model_cfg.quant_cpu_kernel)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ModelError(f"tokenizer of {model_cfg.name!r} has neither a pad nor an eos token; add a pad token")
@@ -121,6 +124,82 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.eval()
     return model, tokenizer
+
+
+PACKED_BLOCK_N = 32  # bitsandbytes packs output rows in blocks of 32 (_convert_weight_packed_for_cpu)
+
+
+def _linear4bit_layers(model) -> dict[str, torch.nn.Module]:
+    import bitsandbytes as bnb
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+
+def packed_kernel_problems(model) -> list[str]:
+    """Layers bitsandbytes' AVX512-BF16 4-bit kernel cannot take, each with its shape and the constraint.
+
+    The kernel repacks a weight in blocks of 32 output rows and reads the
+    block-wise scales as ``out x (in / blocksize)``; other shapes fail inside
+    its first forward with a bare assertion.
+    """
+    problems = []
+    for name, m in _linear4bit_layers(model).items():
+        out_f, in_f = m.out_features, m.in_features
+        block = m.weight.quant_state.blocksize if m.weight.quant_state is not None else 64
+        if out_f % PACKED_BLOCK_N or in_f % block:
+            problems.append(f"{name} ({out_f} x {in_f}, out x in): needs out_features % {PACKED_BLOCK_N} == 0 "
+                            f"and in_features % {block} == 0")
+    return problems
+
+
+def select_cpu_4bit_kernel(model, kernel: str) -> str:
+    """Allow bitsandbytes' packed AVX512-BF16 4-bit kernel on every layer, or forbid it; returns ``kernel``.
+
+    bitsandbytes switches a layer to its packed format on the first inference
+    forward on such CPUs, with constraints on layer shapes and no backward.
+    'dequant' forbids that. 'packed' allows it after checking the shapes (the
+    layer is named when it cannot work) and keeps each layer's exact dequant
+    form aside, so that :func:`restore_dequant_layers` can give training the
+    very weights it had before (bitsandbytes' own inverse re-quantizes the
+    block scales from bfloat16: the frozen base would drift a little with every
+    evaluation). That copy costs the 4-bit weights' memory once more.
+    """
+    from bitsandbytes.functional import has_avx512bf16
+
+    layers = _linear4bit_layers(model)
+    if kernel == "packed":
+        if not has_avx512bf16():
+            raise ModelError("model.quant_cpu_kernel = packed needs a CPU with AVX512-BF16 (this one has none): "
+                             "use model.quant_cpu_kernel=dequant")
+        problems = packed_kernel_problems(model)
+        if problems:
+            raise ModelError(f"model.quant_cpu_kernel = packed: bitsandbytes' AVX512-BF16 4-bit kernel cannot take "
+                             f"{len(problems)} layer(s), e.g. {problems[0]}; use model.quant_cpu_kernel=dequant")
+        for m in layers.values():
+            m.fedllm_dequant = (m.weight.data, copy.deepcopy(m.weight.quant_state))
+    for m in layers.values():
+        m.support_avx512bf16_for_cpu = kernel == "packed"
+    model.fedllm_cpu_4bit_kernel = kernel
+    return kernel
+
+
+def restore_dequant_layers(model) -> int:
+    """Give packed layers back their exact dequant form before training; returns how many were restored.
+
+    The packed kernel computes no gradient for its input, so a LoRA trained
+    through a packed layer would silently miss every gradient that flows
+    through the frozen base weight.
+    """
+    if not is_quantized(model):
+        return 0
+    n = 0
+    for m in _linear4bit_layers(model).values():
+        saved = getattr(m, "fedllm_dequant", None)
+        if saved is not None and getattr(m.weight.quant_state, "packing_format_for_cpu", False):
+            m.weight.data = saved[0]
+            m.weight.quant_state = m.quant_state = copy.deepcopy(saved[1])
+            n += 1
+    return n
 
 
 def context_length(model) -> int | None:
