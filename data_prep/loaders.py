@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from data_prep.schema import DataError, Example
+from data_prep.schema import DataError, Example, check_readable, read_text
 
 HUB_IDS = {
     "dolly": "databricks/databricks-dolly-15k",
@@ -53,6 +53,14 @@ def detect_format(record: dict, where: str) -> str:
     )
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def to_example(record: dict, fmt: str, where: str) -> Example:
     """Map one record to the schema; ``where`` is 'file, line N' for messages."""
     if not isinstance(record, dict):
@@ -64,6 +72,11 @@ def to_example(record: dict, fmt: str, where: str) -> Example:
             raise DataError(f"{where}: missing required field '{f}' ({fmt} format)")
         if not isinstance(value, str) or not value.strip():
             raise DataError(f"{where}: field '{f}' must be a non-empty string, got {value!r}")
+    for f in (inst_f, input_f, resp_f):
+        value = record.get(f) if f else None
+        if isinstance(value, str) and not _encodable(value):
+            raise DataError(f"{where}: field '{f}' holds text that is not valid Unicode (a lone surrogate, e.g. "
+                            "from a JSON \\ud800 escape)")
     extra = record.get(input_f) if input_f else ""
     if extra is not None and not isinstance(extra, str):
         raise DataError(f"{where}: field '{input_f}' must be a string, got {type(extra).__name__}")
@@ -71,37 +84,40 @@ def to_example(record: dict, fmt: str, where: str) -> Example:
     return Example(record[inst_f], extra or "", record[resp_f], str(category) if category else None)
 
 
+EXPECTED_FILE = "a .json, .jsonl or .parquet file of instruction records (dolly, alpaca or wizard fields)"
+
+
 def _records_from_file(path: Path) -> Iterable[tuple[dict, str]]:
     suffix = path.suffix.lower()
+    if suffix not in (".json", ".jsonl", ".parquet"):
+        raise DataError(f"{path}: unsupported file type '{suffix}'; expected .json, .jsonl or .parquet")
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line), f"{path}, line {i + 1}"
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
+        for i, line in enumerate(read_text(path, EXPECTED_FILE).splitlines()):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line), f"{path}, line {i + 1}"
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
     elif suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_text(path, EXPECTED_FILE))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(data, list):
             raise DataError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
         for i, rec in enumerate(data):
             yield rec, f"{path}, record {i}"
-    elif suffix == ".parquet":
+    else:
         import pyarrow.parquet as pq
 
+        check_readable(path, EXPECTED_FILE)
         try:
             table = pq.read_table(path)
-        except Exception as e:  # pyarrow raises several types for corrupt files
-            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        except Exception as e:  # pyarrow raises several types for corrupt or truncated files
+            raise DataError(f"{path}: not a readable parquet file ({e}); expected {EXPECTED_FILE}") from None
         for i, rec in enumerate(table.to_pylist()):
             yield rec, f"{path}, row {i}"
-    else:
-        raise DataError(f"{path}: unsupported file type '{suffix}'; expected .json, .jsonl or .parquet")
 
 
 def _records_from_hub(hub_id: str) -> Iterable[tuple[dict, str]]:
@@ -127,9 +143,12 @@ def load_examples(dataset: str, fmt: str = "auto", max_examples: int = 0, builti
         examples = builtin.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
         return examples[:max_examples] if max_examples else examples
     path = Path(dataset).expanduser()
-    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or (os.sep in dataset and dataset.count("/") != 1):
-        if not path.is_file():
-            raise DataError(f"data.dataset: file {path} does not exist")
+    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or (os.sep in dataset and dataset.count("/") != 1) \
+            or path.exists():
+        try:
+            check_readable(path, EXPECTED_FILE)
+        except DataError as e:
+            raise DataError(f"data.dataset: {e}") from None
         records = _records_from_file(path)
     else:
         records = _records_from_hub(HUB_IDS.get(dataset, dataset))

@@ -7,7 +7,9 @@ are written once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 class DataError(ValueError):
@@ -29,3 +31,31 @@ class Example:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_readable(path: Path, expected: str, error: type[Exception] = DataError) -> Path:
+    """``path`` if it is a file this process can read; else ``error`` naming it and what was expected."""
+    if not path.exists():
+        raise error(f"{path} does not exist; expected {expected}")
+    if path.is_dir():
+        raise error(f"{path} is a directory; expected {expected}")
+    if not os.access(path, os.R_OK):
+        raise error(f"{path} cannot be read (permission denied); expected {expected}")
+    return path
+
+
+def read_text(path: Path, expected: str, error: type[Exception] = DataError) -> str:
+    """The UTF-8 text of a user's file, or one ``error`` line naming the file and what is wrong with it.
+
+    Undecodable bytes (a binary or differently encoded file passed by
+    mistake), a folder or an unreadable file would otherwise surface as a
+    codec or OS traceback that does not say which file it was.
+    """
+    check_readable(path, expected, error)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                    f"expected {expected}") from None
+    except OSError as e:
+        raise error(f"{path} cannot be read ({e.strerror or e}); expected {expected}") from None

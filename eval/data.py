@@ -14,6 +14,7 @@ its file and row number.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -56,10 +57,16 @@ def _check(rec: dict, where: str, subject: str | None, index: int) -> Question:
     return Question(str(subj), index, str(rec["question"]), tuple(str(c) for c in choices), answer)
 
 
+def _text(path: Path, expected: str) -> str:
+    from data_prep.schema import read_text
+
+    return read_text(path, expected, MMLUDataError)
+
+
 def _read_csv(path: Path, subject: str) -> list[Question]:
     out = []
-    with path.open(newline="", encoding="utf-8") as fh:
-        for i, row in enumerate(csv.reader(fh)):
+    text = _text(path, "a CSV file of rows question, A, B, C, D, answer (the original MMLU release)")
+    for i, row in enumerate(csv.reader(io.StringIO(text, newline=""))):
             where = f"{path}, row {i + 1}"
             if len(row) != 6:
                 raise MMLUDataError(f"{where}: expected question, 4 choices and an answer (6 columns), got {len(row)}")
@@ -69,16 +76,30 @@ def _read_csv(path: Path, subject: str) -> list[Question]:
 
 def _read_jsonl(path: Path) -> list[Question]:
     out = []
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MMLUDataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
-            out.append(_check(rec, f"{path}, line {i + 1}", None, i))
+    text = _text(path, "a .jsonl file of MMLU records (question, subject, choices, answer)")
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MMLUDataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
+        out.append(_check(rec, f"{path}, line {i + 1}", None, i))
     return out
+
+
+def _read_parquet(path: Path) -> list[Question]:
+    import pyarrow.parquet as pq
+
+    from data_prep.schema import check_readable
+
+    expected = "a parquet file of MMLU records (the Hub's cais/mmlu layout)"
+    check_readable(path, expected, MMLUDataError)
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for corrupt or truncated files
+        raise MMLUDataError(f"{path}: not a readable parquet file ({e}); expected {expected}") from None
+    return _from_records(table.to_pylist(), str(path))
 
 
 def _from_records(records, where: str) -> list[Question]:
@@ -103,9 +124,7 @@ def _local(root: Path, split: str) -> list[Question]:
             return [q for f in files for q in _read_csv(f, f.name[: -len(f"_{split}.csv")])]
     parquet = sorted(root.glob(f"all/{split}-*.parquet")) or sorted(root.glob(f"*/{split}-*.parquet"))
     if parquet:
-        import pyarrow.parquet as pq
-
-        return [q for f in parquet for q in _from_records(pq.read_table(f).to_pylist(), str(f))]
+        return [q for f in parquet for q in _read_parquet(f)]
     jsonl = sorted(root.glob(f"{split}.jsonl")) or sorted(root.glob(f"*_{split}.jsonl"))
     if jsonl:
         return [q for f in jsonl for q in _read_jsonl(f)]
@@ -128,8 +147,9 @@ def load_questions(source: str, split: str = "test", subjects: list[str] | None 
         qs = _from_records(builtin.benchmark(split=split), f"builtin:{split}")
     elif Path(source).expanduser().is_dir():
         qs = _local(Path(source).expanduser(), split)
-    elif Path(source).expanduser().is_file():
-        qs = _read_jsonl(Path(source).expanduser())
+    elif Path(source).expanduser().exists():
+        path = Path(source).expanduser()
+        qs = _read_parquet(path) if path.suffix.lower() == ".parquet" else _read_jsonl(path)
     else:
         qs = _hub(source, split)
     qs = _reindex(qs)

@@ -138,6 +138,18 @@ def test_builtin_benchmark_is_balanced_and_held_out():
             block = ex.instruction.split("\n\n", 1)[1]
             assert block not in prompts
     assert {ex.category for ex in train} == set(builtin.SKILLS)
+    assert {r["subject"] for r in recs} == set(builtin.BENCHMARK_SKILLS) and len(recs) == 5 * 160
+
+
+def test_pretraining_never_shows_the_benchmark_skills_as_multiple_choice():
+    """The base learns the format on the format skills only: the benchmark skills' format is the federated lesson."""
+    from fedllm.builtin_model import pretraining_examples
+
+    examples = pretraining_examples(seed=0, n_per_skill=50)
+    mc = {ex.category for ex in examples if ex.instruction.endswith("Answer:")}
+    free = {ex.category for ex in examples if not ex.instruction.endswith("Answer:")}
+    assert mc == set(builtin.FORMAT_SKILLS) | {"match"}
+    assert free == set(builtin.SKILLS)  # every answer is known to the base
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +183,78 @@ def test_alpaca_template_with_and_without_input():
     with_input = build_prompt(Example("Add.", "2 and 3", "5"), "alpaca")
     assert "### Input:\n2 and 3" in with_input and with_input.endswith("### Response:\n")
     assert "### Input" not in build_prompt(Example("Add.", "", "5"), "alpaca")
+
+
+def _refused(argv, capsys) -> str:
+    """Run the CLI in-process; it must exit 2 with one line on stderr and no traceback."""
+    from fedllm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2, err
+    assert "Traceback" not in err and err.startswith("fedllm: error: ")
+    return err.splitlines()[-1]
+
+
+def _unreadable_files(tmp_path):
+    """A file of each unreadable kind, with the words the error must say."""
+    import os
+
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(bytes([0xA1, 0xFF, 0x00, 0x9C]) * 50)
+    truncated = tmp_path / "data.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(DOLLY * 20), truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    folder = tmp_path / "folder.jsonl"
+    folder.mkdir()
+    cases = [(garbage, "is not UTF-8 text (byte 0xa1 at offset 0)"), (truncated, "not a readable parquet file"),
+             (folder, "is a directory")]
+    if os.geteuid() != 0:  # root reads any file: no permission error to provoke
+        locked = write_jsonl(tmp_path / "locked.jsonl", DOLLY)
+        locked.chmod(0)
+        cases.append((locked, "cannot be read (permission denied)"))
+    return cases
+
+
+def test_unreadable_data_files_are_refused_naming_the_file(tmp_path, capsys):
+    for path, words in _unreadable_files(tmp_path):
+        line = _refused(["run", "--output-dir", str(tmp_path / "r"), f"data.dataset={path}"], capsys)
+        assert str(path) in line and words in line, line
+        assert "expected a .json, .jsonl or .parquet file" in line
+        assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_unreadable_config_and_mmlu_files_are_refused(tmp_path, capsys):
+    for path, words in _unreadable_files(tmp_path):
+        if path.suffix != ".parquet":
+            line = _refused(["run", "--config", str(path)], capsys)
+            assert str(path) in line and words in line and "expected a YAML config file" in line, line
+        line = _refused(["eval", "--data", str(path)], capsys)
+        if path.is_dir():  # a folder is a valid MMLU source: it must hold a split
+            words = "no 'test' split found (looked for data/test/*_test.csv"
+        assert str(path) in line and words in line, line
+
+
+def test_read_errors_other_than_decoding_name_the_file(tmp_path, monkeypatch):
+    """An OS error while reading (e.g. EACCES where root is not the reader, or EIO) still names the file."""
+    from pathlib import Path
+
+    path = write_jsonl(tmp_path / "d.jsonl", DOLLY)
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(DataError, match=r"d.jsonl cannot be read \(Permission denied\); expected a .json"):
+        load_examples(str(path))
+
+
+def test_lone_surrogate_is_refused_with_file_line_and_field(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps(DOLLY[0]) + "\n" + '{"instruction": "hi \\ud800", "context": "", "response": "x"}\n')
+    with pytest.raises(DataError, match=r"s.jsonl, line 2: field 'instruction' holds text that is not valid Unicode"):
+        load_examples(str(path))

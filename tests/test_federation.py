@@ -85,7 +85,7 @@ def cli(*args, cwd=None):
     [
         (["aggregation.name=nope"], "aggregation.name = 'nope' is unknown; valid choices: fedit, flexlora"),
         (["lora.ranks=[4,0]"], "lora.ranks: rank 0 is invalid"),
-        (["data.dataset=/nonexistent/data.jsonl"], "file /nonexistent/data.jsonl does not exist"),
+        (["data.dataset=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl does not exist"),
         (["model.name=meta-llama/Llama-3.2-1B"], "is a Hub id but HF_HUB_OFFLINE=1"),
         (["federation.num_clients=5000"], "federation.num_clients = 5000 with data.min_examples_per_client"),
     ],
