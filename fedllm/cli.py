@@ -116,6 +116,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from fedllm.compare import compare, format_summary, parse_variant
+    from fedllm.config import load_config
+
+    variants = [parse_variant(v) for v in args.variant]
+    for v in variants:  # every variant's config is checked before the first run starts
+        load_config(args.config, [*args.overrides, *v.overrides])
+    seeds = args.seed_list or list(range(args.seeds))
+    summary = compare(args.config, variants, seeds, Path(args.output_dir), args.jobs, args.overrides)
+    print(format_summary(summary))
+    print(json.dumps(summary))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fedllm.report import report
 
@@ -151,6 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the export (token from HF_TOKEN or login)")
     x.add_argument("--private", action="store_true", help="create the Hub repo as private")
     x.set_defaults(func=cmd_export)
+
+    c = sub.add_parser("compare", help="run variants of a config over several seeds: mean +/- std, paired 95%% "
+                                       "intervals against the first variant")
+    c.add_argument("--config", help="experiment YAML every variant starts from (default: the built-in default)")
+    c.add_argument("--variant", action="append", required=True, metavar="NAME[:key=value,...]",
+                   help="a variant: its name and its overrides; the first is the baseline (repeat the option)")
+    c.add_argument("--seeds", type=int, default=3, help="run federation.seed = 0..N-1 (default 3)")
+    c.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of 0..N-1")
+    c.add_argument("--output-dir", default="runs/compare", help="runs go to DIR/<variant>/seed-<s> (reused if done)")
+    c.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
+    c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides common to every variant")
+    c.set_defaults(func=cmd_compare)
 
     rep = sub.add_parser("report", help="compare runs: table and PNG plots")
     rep.add_argument("run_dirs", nargs="+")

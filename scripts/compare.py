@@ -1,62 +1,47 @@
-"""Run a built-in comparison and print its table; last line: one JSON object.
+"""Built-in comparisons over seeds: mean +/- std and paired 95% intervals; last line: one JSON object.
 
-    python scripts/compare.py floral    # FLoRAL vs FedIT vs local-only on the clustered config
-    python scripts/compare.py clients   # sft, fedprox, scaffold, perfedavg on a non-IID split
+    python scripts/compare.py default  [--seeds 3] [--jobs 2]  # the default run: gain over the base
+    python scripts/compare.py strategies                          # fedit, flora, flexlora, florist
+    python scripts/compare.py floral                              # FLoRAL vs FedIT vs local-only, clustered
+    python scripts/compare.py clients                             # sft, fedprox, scaffold, perfedavg, non-IID
 
-Each variant is one `fedllm run` of the same config and seed, so the
-partition is identical; only the named override changes.
+Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
+runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import argparse
 import sys
-from pathlib import Path
 
-SUITES = {
-    "floral": ("configs/builtin_clustered.yaml",
-               {"floral": ["aggregation.name=floral"], "fedit": ["aggregation.name=fedit"],
-                "local": ["aggregation.name=local"]}),
-    "clients": ("configs/builtin_noniid_clients.yaml",
-                {name: [f"client.algorithm={name}"] for name in ("sft", "fedprox", "scaffold", "perfedavg")}),
+from fedllm.cli import main as fedllm_main
+
+SUITES: dict[str, tuple[str | None, list[str]]] = {
+    "default": (None, ["default"]),
+    "strategies": ("configs/builtin_fedit.yaml", [f"{s}:aggregation.name={s}" for s in
+                                                  ("fedit", "flora", "flexlora", "florist")]),
+    "floral": ("configs/builtin_clustered.yaml", ["fedit:aggregation.name=fedit", "floral:aggregation.name=floral",
+                                                  "local:aggregation.name=local"]),
+    "clients": ("configs/builtin_noniid_clients.yaml", [f"{a}:client.algorithm={a}" for a in
+                                                        ("sft", "fedprox", "scaffold", "perfedavg")]),
 }
 
 
-def main() -> None:
-    suite = sys.argv[1] if len(sys.argv) > 1 else "floral"
-    out_root = Path(sys.argv[2] if len(sys.argv) > 2 else f"runs/compare-{suite}")
-    config, variants = SUITES[suite]
-    results = {}
-    for name, overrides in variants.items():
-        run_dir = out_root / name
-        subprocess.run([sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run", "--config", config,
-                        "--output-dir", str(run_dir), *overrides], check=True, stdout=subprocess.DEVNULL)
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        last = rows[-1]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        comm = summary["communication"]
-        routers = {}
-        if name == "floral":
-            from safetensors.torch import load_file
-
-            from fedllm.checkpoint import latest_checkpoint
-
-            tensors = load_file(str(latest_checkpoint(run_dir) / "state.safetensors"))
-            for key, t in sorted(tensors.items()):
-                if key.startswith("client.") and ".router." in key:
-                    cid = int(key.split(".")[1])
-                    routers[cid] = [round(float(x), 3) for x in t.softmax(-1)]
-        results[name] = {
-            "benchmark_acc": last.get("accuracy"), "global_client_acc": last.get("global_client_acc"),
-            "personal_acc": last.get("personal_acc"), "up_params": comm["total_up_params"],
-            "down_params": comm["total_down_params"], "wall_s": summary["wall_s"], "routers": routers or None,
-        }
-        print(f"{name:10s} benchmark {last.get('accuracy'):.4f}  client-test global {last.get('global_client_acc'):.4f}"
-              f"  personalized {last.get('personal_acc'):.4f}  up {comm['total_up_params']:,}"
-              f"  down {comm['total_down_params']:,}" + (f"  routers {routers}" if routers else ""), flush=True)
-    print(json.dumps({"suite": suite, "results": results}))
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("suite", choices=sorted(SUITES))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--output-dir")
+    args, overrides = p.parse_known_args()
+    config, variants = SUITES[args.suite]
+    argv = ["--log-level", "WARNING", "compare", "--seeds", str(args.seeds), "--jobs", str(args.jobs),
+            "--output-dir", args.output_dir or f"runs/compare-{args.suite}"]
+    argv += ["--config", config] if config else []
+    for v in variants:
+        argv += ["--variant", v]
+    return fedllm_main(argv + overrides)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
