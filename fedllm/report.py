@@ -1,14 +1,22 @@
-"""``fedllm report``: compare runs in a table and two PNG plots.
+"""``fedllm report``: compare runs in a table and PNG plots.
 
-Plots: accuracy against round, and accuracy against cumulative communication
-(upload + download bytes), one line per run. The data behind each plot is
-also written to ``report.json`` so it can be checked and re-plotted.
+Runs that differ only in ``federation.seed`` are one *group* (seeds of one
+variant, e.g. ``fedllm compare``'s ``OUT/<variant>/seed-<s>``): the table gives
+their mean +/- std and each plot their mean with a +/- std band, because one
+seed's curve is one draw. Plots: benchmark accuracy against round, accuracy
+against cumulative communication (upload + download bytes) and held-out loss
+against round (the one figure every run has, whatever its benchmark). The
+data behind each plot is written to ``report.json`` so it can be checked and
+re-plotted.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
+
+import yaml
 
 from fedllm.checkpoint import atomic_write_text, read_jsonl
 
@@ -19,6 +27,8 @@ def load_run(run_dir: Path) -> dict:
         raise ValueError(f"{run_dir}: no metrics.jsonl rows (not a fedllm run directory, or no round finished)")
     summary_path = Path(run_dir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    config_path = Path(run_dir) / "config.yaml"
+    config = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
     evals = [r for r in rows if r.get("accuracy") is not None]
     comm = 0
     curve_comm = []
@@ -29,7 +39,11 @@ def load_run(run_dir: Path) -> dict:
     last = rows[-1]
     return {
         "name": Path(run_dir).name,
-        "strategy": summary.get("strategy", "?"),
+        "dir": str(run_dir),
+        "strategy": summary.get("strategy", config.get("aggregation", {}).get("name", "?")),
+        "benchmark": summary.get("benchmark", config.get("eval", {}).get("benchmark")),
+        "seed": config.get("federation", {}).get("seed"),
+        "config": config,
         "final_accuracy": evals[-1]["accuracy"] if evals else None,
         "best_accuracy": max((r["accuracy"] for r in evals), default=None),
         "final_loss": next((r["eval_loss"] for r in reversed(rows) if r.get("eval_loss") is not None), None),
@@ -38,42 +52,109 @@ def load_run(run_dir: Path) -> dict:
         "wall_s": summary.get("wall_s"),
         "accuracy_by_round": [(r["round"], r["accuracy"]) for r in evals],
         "accuracy_by_comm": curve_comm,
+        "loss_by_round": [(r["round"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None],
     }
 
 
-def _fmt(x, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
+def _variant_key(config: dict) -> str:
+    """The config without what differs between seeds of one variant."""
+    c = json.loads(json.dumps(config))
+    c.get("federation", {}).pop("seed", None)
+    c.get("output", {}).pop("dir", None)
+    return json.dumps(c, sort_keys=True)
 
 
-def table(runs: list[dict]) -> str:
-    head = (f"{'run':<24} {'strategy':<9} {'final acc':>9} {'best acc':>9} {'loss':>8} {'up MB':>9} "
-            f"{'down MB':>9} {'wall s':>8}")
-    lines = [head, "-" * len(head)]
+def group_runs(runs: list[dict]) -> list[dict]:
+    """Runs grouped by config except the seed, in first-seen order; each group named and summarized."""
+    groups: dict[str, list[dict]] = {}
     for r in runs:
+        groups.setdefault(_variant_key(r["config"]), []).append(r)
+    out = []
+    for members in groups.values():
+        parents = {Path(m["dir"]).resolve().parent.name for m in members}
+        name = parents.pop() if len(members) > 1 and len(parents) == 1 else members[0]["name"]
+        out.append({"name": name, "strategy": members[0]["strategy"], "benchmark": members[0]["benchmark"],
+                    "runs": [m["dir"] for m in members], "seeds": [m["seed"] for m in members],
+                    **{k: _stats([m[k] for m in members]) for k in
+                       ("final_accuracy", "best_accuracy", "final_loss", "up_bytes", "down_bytes", "wall_s")},
+                    **{k: _curve([m[k] for m in members]) for k in
+                       ("accuracy_by_round", "accuracy_by_comm", "loss_by_round")}})
+    return out
+
+
+def _stats(values: list) -> dict | None:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+
+
+def _curve(curves: list[list]) -> list[tuple[float, float, float]]:
+    """Point-wise (x, mean, std) over the runs' curves, on the points they all have (x: mean of their x)."""
+    n = min((len(c) for c in curves), default=0)
+    out = []
+    for i in range(n):
+        xs, ys = [c[i][0] for c in curves], [c[i][1] for c in curves]
+        out.append((statistics.fmean(xs), statistics.fmean(ys), statistics.stdev(ys) if len(ys) > 1 else 0.0))
+    return out
+
+
+def _fmt(s: dict | None, spec: str, scale: float = 1.0) -> str:
+    if s is None:
+        return "n/a"
+    text = format(s["mean"] * scale, spec)
+    return text + (f"±{format(s['std'] * scale, spec)}" if s["n"] > 1 else "")
+
+
+def table(groups: list[dict]) -> str:
+    head = (f"{'run (seeds)':<26} {'strategy':<9} {'benchmark':<10} {'final acc':>15} {'best acc':>15} "
+            f"{'loss':>15} {'up MB':>9} {'down MB':>9} {'wall s':>8}")
+    lines = [head, "-" * len(head)]
+    for g in groups:
+        label = g["name"] + (f" ({len(g['runs'])})" if len(g["runs"]) > 1 else "")
         lines.append(
-            f"{r['name'][:24]:<24} {r['strategy']:<9} {_fmt(r['final_accuracy'], '.4f'):>9} "
-            f"{_fmt(r['best_accuracy'], '.4f'):>9} {_fmt(r['final_loss'], '.4f'):>8} {r['up_bytes'] / 1e6:>9.2f} "
-            f"{r['down_bytes'] / 1e6:>9.2f} {_fmt(r['wall_s'], '.1f'):>8}"
+            f"{label[:26]:<26} {g['strategy']:<9} {str(g['benchmark'])[:10]:<10} "
+            f"{_fmt(g['final_accuracy'], '.4f'):>15} {_fmt(g['best_accuracy'], '.4f'):>15} "
+            f"{_fmt(g['final_loss'], '.4f'):>15} "
+            f"{_fmt(g['up_bytes'], '.2f', 1e-6):>9} {_fmt(g['down_bytes'], '.2f', 1e-6):>9} "
+            f"{_fmt(g['wall_s'], '.1f'):>8}"
         )
+    if any(len(g["runs"]) > 1 for g in groups):
+        lines.append("(mean±std over the seeds of each group)")
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], out_dir: Path) -> list[Path]:
+PLOTS = (
+    ("accuracy_by_round", "round", "benchmark accuracy", "accuracy_vs_round.png"),
+    ("accuracy_by_comm", "cumulative communication (bytes, up + down)", "benchmark accuracy",
+     "accuracy_vs_communication.png"),
+    ("loss_by_round", "round", "held-out loss", "loss_vs_round.png"),
+)
+
+
+def plot(groups: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for key, xlabel, fname in (("accuracy_by_round", "round", "accuracy_vs_round.png"),
-                               ("accuracy_by_comm", "cumulative communication (bytes, up + down)",
-                                "accuracy_vs_communication.png")):
+    for key, xlabel, ylabel, fname in PLOTS:
+        if not any(g[key] for g in groups):
+            continue  # e.g. no benchmark in any run: no accuracy plots
         fig, ax = plt.subplots(figsize=(6, 4))
-        for r in runs:
-            xs, ys = zip(*r[key], strict=True) if r[key] else ((), ())
-            ax.plot(xs, ys, marker="o", label=f"{r['name']} ({r['strategy']})")
+        for g in groups:
+            if not g[key]:
+                continue
+            xs, ys, sd = zip(*g[key], strict=True)
+            n = len(g["runs"])
+            line, = ax.plot(xs, ys, marker="o", label=f"{g['name']} ({g['strategy']})" + (f", {n} seeds" if n > 1
+                                                                                          else ""))
+            if n > 1:
+                ax.fill_between(xs, [y - s for y, s in zip(ys, sd, strict=True)],
+                                [y + s for y, s in zip(ys, sd, strict=True)], color=line.get_color(), alpha=0.2)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel(ylabel + (" (mean ± std over seeds)" if any(len(g["runs"]) > 1 for g in groups) else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -87,8 +168,12 @@ def plot(runs: list[dict], out_dir: Path) -> list[Path]:
 def report(run_dirs: list[Path], out_dir: Path | None = None) -> str:
     """Table text; writes the plots and report.json into ``out_dir`` (default: the first run)."""
     runs = [load_run(d) for d in run_dirs]
+    groups = group_runs(runs)
     out = Path(out_dir or run_dirs[0])
     out.mkdir(parents=True, exist_ok=True)
-    paths = plot(runs, out)
-    atomic_write_text(out / "report.json", json.dumps({"runs": runs, "plots": [str(p) for p in paths]}, indent=1))
-    return table(runs) + "\n\nplots: " + ", ".join(str(p) for p in paths)
+    paths = plot(groups, out)
+    for r in runs:
+        r.pop("config")
+    atomic_write_text(out / "report.json", json.dumps({"groups": groups, "runs": runs,
+                                                       "plots": [str(p) for p in paths]}, indent=1))
+    return table(groups) + "\n\nplots: " + ", ".join(str(p) for p in paths)

@@ -149,19 +149,53 @@ def test_report_table_and_plots(finished_run, tmp_path):
 
     from fedllm.report import report
 
-    text = report([finished_run, finished_run], tmp_path)
+    text = report([finished_run], tmp_path)
     assert "final acc" in text and "fedit" in text
     data = json.loads((tmp_path / "report.json").read_text())
-    assert len(data["runs"]) == 2
+    assert len(data["runs"]) == 1 and len(data["groups"]) == 1
     rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
     expected = [[r["round"], r["accuracy"]] for r in rows if r.get("accuracy") is not None]
     assert data["runs"][0]["accuracy_by_round"] == expected
+    assert [[x, y] for x, y, _ in data["groups"][0]["loss_by_round"]] == [[r["round"], r["eval_loss"]] for r in rows]
     comm = [c for c, _ in data["runs"][0]["accuracy_by_comm"]]
     assert comm == sorted(comm) and len(comm) == len(expected)
-    for name in ("accuracy_vs_round.png", "accuracy_vs_communication.png"):
+    for name in ("accuracy_vs_round.png", "accuracy_vs_communication.png", "loss_vs_round.png"):
         with Image.open(tmp_path / name) as im:
             im.verify()
             assert im.format == "PNG"
+
+
+def _fake_run(path, seed, accs, losses, strategy="fedit"):
+    """A run directory with hand-made numbers (report only reads files)."""
+    import yaml
+
+    path.mkdir(parents=True)
+    cfg = {"aggregation": {"name": strategy}, "federation": {"seed": seed}, "output": {"dir": str(path)},
+           "eval": {"benchmark": "builtin"}}
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rows = [{"round": i, "accuracy": a, "eval_loss": lo, "up_bytes": 10, "down_bytes": 20,
+             "cumulative": {"total_up_bytes": 10 * i, "total_down_bytes": 20 * i}}
+            for i, (a, lo) in enumerate(zip(accs, losses, strict=True))]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "summary.json").write_text(json.dumps({"strategy": strategy, "wall_s": 1.0 + seed}))
+    return path
+
+
+def test_report_groups_seeds_into_mean_and_band(tmp_path):
+    """Seeds of one variant are one line: mean +/- std per round; another strategy is another group."""
+    from fedllm.report import report
+
+    runs = [_fake_run(tmp_path / "fedit" / f"seed-{s}", s, accs, [0.5, 0.4]) for s, accs in
+            enumerate([[0.3, 0.5], [0.3, 0.7], [0.3, 0.6]])]
+    runs.append(_fake_run(tmp_path / "flora" / "seed-0", 0, [0.3, 0.9], [0.5, 0.3], strategy="flora"))
+    text = report(runs, tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    g = {x["name"]: x for x in data["groups"]}
+    assert set(g) == {"fedit", "seed-0"} and g["fedit"]["seeds"] == [0, 1, 2]
+    assert g["fedit"]["final_accuracy"]["mean"] == pytest.approx(0.6)
+    assert g["fedit"]["final_accuracy"]["std"] == pytest.approx(0.1)  # sample std of 0.5, 0.7, 0.6
+    assert g["fedit"]["accuracy_by_round"][1] == pytest.approx([1, 0.6, 0.1])
+    assert "0.6000±0.1000" in text and "fedit (3)" in text and "mean±std over the seeds" in text
 
 
 def test_tensorboard_tracker_logs_rounds(tmp_path):
