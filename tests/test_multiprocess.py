@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_overrides
+from tests.conftest import assert_close_updates, tiny_overrides
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -38,22 +37,26 @@ def run_files(run_dir) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
 
 
+# FLoRIST keeps the smallest rank holding tau of the energy: a discontinuous choice, so float noise of
+# order 1e-7 (kernels differ with memory layout and machine) can keep another rank, after which the runs
+# part ways. The layout equivalence is therefore checked on its continuous variant (a fixed rank); the
+# energy threshold itself is unit-tested in test_aggregation.py.
+LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.fixed_rank=4"]}
+
+
 @pytest.mark.parametrize("strategy", ["fedit", "flora", "flexlora", "florist", "floral"])
 def test_two_processes_equal_one(tmp_path, strategy):
-    extra = [f"aggregation.name={strategy}", "eval.limit=2"] + (["lora.ranks=[4]"] if strategy == "floral" else [])
+    """The same model within float tolerance (often bit-identical, but that is not promised)."""
+    extra = [f"aggregation.name={strategy}", "eval.limit=2", *LAYOUT_EXTRA.get(strategy, [])]
     one, two = run_one_and_two(tmp_path, extra)
-    assert json.loads((two / "summary.json").read_text())["processes"] == 2  # really two ranks
-    assert json.loads((one / "summary.json").read_text())["processes"] == 1
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert s2["processes"] == 2 and s1["processes"] == 1  # really two ranks
     assert run_files(two) == run_files(one)  # the same run directory, written by the main process only
-    a = load_file(one / "global_adapter" / "adapter_model.safetensors")
-    b = load_file(two / "global_adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    assert_close_updates(one, two, 1e-4)  # every module's delta W, relative Frobenius distance
+    assert s2["loss_after"] == pytest.approx(s1["loss_after"], rel=1e-4)
     rows1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     rows2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows2] == [r["round"] for r in rows1]  # written once, by the main process
-    assert rows2[-1]["accuracy"] == pytest.approx(rows1[-1]["accuracy"])
     assert rows2[-1]["cumulative"] == rows1[-1]["cumulative"]
 
 
