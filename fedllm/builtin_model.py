@@ -21,6 +21,7 @@ the same ``from_pretrained`` path as a Hub checkpoint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -90,9 +91,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FEDLLM_CACHE", Path.home() / ".cache" / "fedllm"))
 
 
+@functools.cache
+def _data_digest(seed: int) -> str:
+    return hashlib.sha256(repr([*pretraining_examples(seed), builtin.vocabulary()]).encode()).hexdigest()
+
+
 def builtin_base_path(pretrain_steps: int, seed: int = 0, cache_dir: Path | None = None) -> Path:
-    """Where the pretrained built-in base with these settings is cached."""
-    key = json.dumps({"v": BUILTIN_VERSION, "steps": pretrain_steps, "seed": seed, "arch": ARCH}, sort_keys=True)
+    """Where the pretrained built-in base with these settings is cached.
+
+    The key covers the pretraining data itself (and the vocabulary), so a
+    change to the built-in skills or benchmark can never reuse a stale base.
+    """
+    key = json.dumps({"v": BUILTIN_VERSION, "steps": pretrain_steps, "seed": seed, "arch": ARCH,
+                      "data": _data_digest(seed)}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return (cache_dir or default_cache_dir()) / f"builtin-base-{digest}"
 
