@@ -19,6 +19,7 @@ from pathlib import Path
 log = logging.getLogger("fedllm")
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
 
 
 @contextlib.contextmanager
@@ -36,6 +37,11 @@ def friendly_errors() -> Iterator[None]:
     except (ConfigError, DataError, MMLUDataError, ModelError, CheckpointError, ExportError, ValueError) as e:
         print(f"fedllm: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except OSError as e:  # disk full, permissions, ...: one line naming the file, the traceback at DEBUG
+        log.debug("traceback", exc_info=True)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"fedllm: error: {where}{e.strerror or e}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -51,29 +57,71 @@ def _setup_logging(level: str = "INFO") -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedllm.config import help_text, load_config
+    from fedllm.config import help_text, load_config, save_config
 
     if args.help_config:
         print(help_text())
         return 0
-    from fedllm.federation import Federation
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    from fedllm import rundir
+    from fedllm.checkpoint import clean_temporaries
 
     if args.resume:
         run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").exists():
-            print(f"fedllm: error: --resume {run_dir}: no config.yaml there (not a run directory)", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        if not rundir.is_run_dir(run_dir):
+            raise rundir.RunDirError(f"--resume {run_dir}: no config.yaml there (not a fedllm run directory)")
+        stored = load_config(run_dir / "config.yaml")
         cfg = load_config(run_dir / "config.yaml", args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(args.output_dir or cfg.output.dir or f"runs/{cfg.aggregation.name}-{stamp}")
-        cfg.output.dir = str(run_dir)
-    fed = Federation(cfg, run_dir)
-    fed.setup()
-    summary = fed.run(resume=bool(args.resume))
+    cfg.output.dir = str(run_dir)
+
+    # Only the main process decides (and locks); the others follow its decision.
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads the launch
+    action, lock = None, None
+    if state.is_main_process:
+        if args.resume:
+            rewrite = rundir.check_resume(run_dir, stored, cfg)
+            done = rundir.rounds_done(run_dir) >= cfg.federation.rounds and (run_dir / "summary.json").exists()
+            action = "done" if done else "continue"
+        else:
+            action, rewrite = rundir.check_new_run(run_dir, cfg, args.overwrite), False
+        if action != "done":
+            lock = rundir.RunLock(run_dir).acquire()
+            if action == "overwrite":
+                rundir.clear_run(run_dir)
+            clean_temporaries(run_dir)
+            if rewrite:  # e.g. more rounds: config.yaml says what the run now is
+                save_config(cfg, run_dir / "config.yaml")
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        action = broadcast_object_list([action])[0]
+    try:
+        if action == "done":
+            print(f"nothing to do: {run_dir} has finished all {cfg.federation.rounds} rounds; pass "
+                  f"federation.rounds=N (N > {cfg.federation.rounds}) to train it further", file=sys.stderr)
+            return 0
+        if action == "continue":
+            log.info("continuing the run in %s", run_dir)
+        from fedllm.federation import Federation
+
+        fed = Federation(cfg, run_dir)
+        fed.setup()
+        summary = fed.run(resume=action == "continue")
+    finally:
+        if lock is not None:
+            lock.release()
     if fed.acc.is_main_process:
         print_summary(summary)
+    if summary.get("global_adapter") is None:
+        print("fedllm: error: no round produced a global update (every round was skipped: see 'failed' in "
+              f"{run_dir / 'metrics.jsonl'}); no adapter was written", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -94,7 +142,8 @@ def print_summary(s: dict) -> None:
     print(f"wall time          {s['wall_s']:.1f} s")
     if s.get("note"):
         print(f"note               {s['note']}")
-    print(f"global adapter     {Path(s['run_dir']) / 'global_adapter'}")
+    if s.get("global_adapter"):
+        print(f"global adapter     {s['global_adapter']}")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -108,7 +157,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from fedllm.export import export_run, push_to_hub
 
     out = Path(args.output or Path(args.run_dir) / ("export-merged" if args.merge else "export"))
-    export_run(Path(args.run_dir), out, args.round, args.merge, args.client)
+    export_run(Path(args.run_dir), out, args.round, args.merge, args.client, args.overwrite)
     print(f"exported to {out}")
     if args.push_to_hub:
         push_to_hub(out, args.push_to_hub, args.private)
@@ -147,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a federated fine-tuning")
     r.add_argument("--config", help="experiment YAML (default: the built-in offline default)")
     r.add_argument("--output-dir", help="run directory (default: runs/<strategy>-<time>)")
-    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round (may add rounds: "
+                   "federation.rounds=N)")
+    r.add_argument("--overwrite", action="store_true", help="replace the previous fedllm run in --output-dir")
     r.add_argument("--help-config", action="store_true", help="list every config key with its help")
     r.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. federation.rounds=3")
     r.set_defaults(func=cmd_run)
@@ -163,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--round", type=int, help="round to export (default: the last)")
     x.add_argument("--client", type=int, help="a client's personalized adapter")
     x.add_argument("--merge", action="store_true", help="write a full merged model instead of an adapter")
-    x.add_argument("--output", help="output folder (default: RUN_DIR/export)")
+    x.add_argument("--output", help="output folder (default: RUN_DIR/export); must be new or empty")
+    x.add_argument("--overwrite", action="store_true", help="replace an existing --output (never the run itself)")
     x.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the export (token from HF_TOKEN or login)")
     x.add_argument("--private", action="store_true", help="create the Hub repo as private")
     x.set_defaults(func=cmd_export)
@@ -187,7 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends the process like Ctrl-C does: cleanup handlers run, the run lock is released."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

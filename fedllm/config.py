@@ -180,6 +180,9 @@ class OutputConfig:
     dir: str = opt("", "run directory (empty: runs/<strategy>-<time>)")
     log_with: list[str] = opt([], "accelerate trackers, e.g. tensorboard, wandb, mlflow")
     save_every_round: bool = opt(True, "write a checkpoint after every round (needed for --resume)")
+    keep_checkpoints: int = opt(2, "checkpoints kept (the newest; 0: all). Each is a resume point and can be "
+                                "exported with fedllm export --round N; two let a damaged newest one fall back",
+                                _nonneg, ">= 0")
 
 
 @dataclass

@@ -187,6 +187,9 @@ class Federation:
         self.state = GlobalState()
         self.last_merged: Adapter = {}
         self.start_round = 1
+        self.wall_before = 0.0
+        self.t_start = time.perf_counter()
+        self.updated_rounds = 0  # rounds whose aggregate changed the global state
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
     # ---------------------------------------------------------------- set-up
@@ -339,6 +342,9 @@ class Federation:
             batch_size=cfg.client.batch_size, grad_accum=cfg.client.grad_accum, scheduler=cfg.client.scheduler,
             warmup_ratio=cfg.client.warmup_ratio, weight_decay=cfg.client.weight_decay,
             max_grad_norm=cfg.client.max_grad_norm, layout=self.layout,
+            # stopped between steps; not in the data layout, where every process must take every step
+            deadline=(time.monotonic() + cfg.federation.client_timeout_s
+                      if cfg.federation.client_timeout_s and not self.layout.data_parallel else None),
         )
 
     def train_client(self, client: ClientData, round_idx: int) -> ClientUpdate:
@@ -421,6 +427,7 @@ class Federation:
         else:
             updates.sort(key=lambda u: u.client_id)
             result = self.strategy.aggregate(updates, self.state)
+            self.updated_rounds += 1
             self.algorithm.server_update(updates, cfg.federation.num_clients)
             self.state, self.last_merged = result.state, result.merged
             info.update(result.info)
@@ -550,6 +557,10 @@ class Federation:
         out["time_eval_s"] = time.perf_counter() - t0
         return out
 
+    def elapsed(self) -> float:
+        """Seconds this run has spent so far, over every attempt (resumes add to it)."""
+        return self.wall_before + time.perf_counter() - self.t_start
+
     # -------------------------------------------------------- checkpointing
     def checkpoint(self, round_idx: int) -> None:
         if not self.acc.is_main_process or not self.cfg.output.save_every_round:
@@ -567,17 +578,18 @@ class Federation:
         for c in self.clients:
             tensors.update({f"client.{c.client_id}.{k}": v for k, v in c.state.items()})
         meta = {"round": round_idx, "scales": scales, "ledger": self.ledger.state(), "strategy": self.strategy.name,
-                "seed": self.cfg.federation.seed, "rng": "derived from (seed, round, client)"}
+                "seed": self.cfg.federation.seed, "rng": "derived from (seed, round, client)",
+                "wall_s": self.elapsed(), "updated": self.updated_rounds}
         ckpt.save_checkpoint(self.run_dir, round_idx, tensors, meta)
-        ckpt.prune_checkpoints(self.run_dir, keep=2)
+        ckpt.prune_checkpoints(self.run_dir, keep=self.cfg.output.keep_checkpoints)
 
     def restore(self) -> None:
-        """Continue after the last complete checkpoint of ``run_dir``."""
-        path = ckpt.latest_checkpoint(self.run_dir)
-        if path is None:
+        """Continue after the newest intact checkpoint of ``run_dir`` (a damaged newer one is passed over)."""
+        found = ckpt.load_latest(self.run_dir)
+        if found is None:
             log.info("no checkpoint in %s: starting from round 1", self.run_dir)
             return
-        tensors, meta = ckpt.load_checkpoint(path)
+        path, tensors, meta = found
         if meta["strategy"] != self.strategy.name:
             raise ckpt.CheckpointError(f"{path}: written by strategy {meta['strategy']!r}, "
                                        f"config says {self.strategy.name!r}")
@@ -596,6 +608,8 @@ class Federation:
             self.absorb(self.state.residual)
         self.ledger = Ledger.from_state(meta["ledger"])
         self.start_round = meta["round"] + 1
+        self.wall_before = meta.get("wall_s", 0.0)
+        self.updated_rounds = meta.get("updated", meta["round"])
         log.info("resuming %s after round %d", self.run_dir, meta["round"])
 
     # ------------------------------------------------------------------ run
@@ -610,6 +624,7 @@ class Federation:
         cfg = self.cfg
         if cfg.output.log_with:
             self.acc.init_trackers("fedllm", config=_flat_config(cfg))
+        rows: list[dict] = []
         if resume:
             self.restore()
             rows = [r for r in ckpt.read_jsonl(self.metrics_path) if r["round"] < self.start_round]
@@ -617,12 +632,12 @@ class Federation:
                 ckpt.atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
         else:
             self.write_run_files()
-        if self.start_round == 1:
+        self.t_start = time.perf_counter()
+        if not rows:  # the evaluation before round 1 (kept from the first attempt when there was one)
             row = {"round": 0, **self.evaluate()}
             self.log_metrics(row)
             log.info("before round 1: eval loss %s, accuracy %s", _fmt(row.get("eval_loss")),
                      _fmt(row.get("accuracy")))
-        t_start = time.perf_counter()
         for r in tqdm(range(self.start_round, cfg.federation.rounds + 1), desc="rounds",
                       disable=not self.acc.is_main_process):
             row = self.run_round(r)
@@ -636,7 +651,7 @@ class Federation:
             log.info("round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params",
                      r, _fmt(row["train_loss"]), _fmt(row.get("eval_loss")), _fmt(row.get("accuracy")),
                      row["up_params"], row["down_params"])
-        summary = self.finish(time.perf_counter() - t_start)
+        summary = self.finish(self.elapsed())
         if cfg.output.log_with:
             self.acc.end_training()
         return summary
@@ -676,8 +691,13 @@ class Federation:
                                "adapter holds it")
         elif self.strategy.merges_into_base:
             summary["note"] = "the global update is merged into the base; the exported adapter holds the residual"
+        summary["global_adapter"] = str(self.run_dir / "global_adapter") if self.updated_rounds else None
+        if not self.updated_rounds:
+            log.error("no round produced a global update (all %d were skipped): no adapter is written",
+                      self.cfg.federation.rounds)
         if self.acc.is_main_process:
-            save_global_adapter(self, self.run_dir / "global_adapter")
+            if self.updated_rounds:
+                save_global_adapter(self, self.run_dir / "global_adapter")
             ckpt.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         self.acc.wait_for_everyone()
         return summary

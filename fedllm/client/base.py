@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -23,6 +24,10 @@ from data_prep.prompts import TokenizedExample, collate
 from fedllm.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
 
 ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
+
+
+class ClientTimeout(RuntimeError):
+    """A client ran past its time budget; it is stopped between two steps and its update is not used."""
 Params = dict[str, torch.nn.Parameter]
 
 
@@ -43,6 +48,7 @@ class LocalPlan:
     max_grad_norm: float = 1.0
     param_lrs: dict[str, float] = field(default_factory=dict)  # per-parameter learning rates (routers)
     layout: Any = None  # fedllm.parallel.Layout: data-parallel wrapping of the model (None: as is)
+    deadline: float | None = None  # time.monotonic() after which the client stops (federation.client_timeout_s)
 
 
 @dataclass
@@ -171,6 +177,9 @@ class ClientAlgorithm(abc.ABC):
                 optimizer.step()
                 scheduler.step()
                 losses.append(loss)
+                if plan.deadline is not None and time.monotonic() > plan.deadline:
+                    raise ClientTimeout(f"stopped after {len(losses)} of {plan.steps} steps: past its time budget "
+                                        "(federation.client_timeout_s)")
             optimizer.zero_grad(set_to_none=True)
         model.eval()
         if layout is not None and layout.data_parallel:  # each process saw a share of every batch
