@@ -230,7 +230,8 @@ def write_results(path: Path, result: dict, records: list[Record], meta: dict) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin", help="base model: 'builtin', Hub id, local or merged folder")
+    p.add_argument("--model", help="base model: 'builtin' (the default), a Hub id, a local or merged folder; "
+                   "with --run: the run's own base (another is refused)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--adapter", help="a peft adapter folder to apply on the base")
     src.add_argument("--run", help="a fedllm run directory: evaluates its latest global adapter")

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from fedllm.aggregation._linalg import compact, pad_rank
-from fedllm.checkpoint import atomic_write_text, save_tensors_atomic
+from fedllm.checkpoint import atomic_write_text, honour_umask, save_tensors_atomic
 from fedllm.factors import PEFT_PREFIX, Adapter, concat
 
 log = logging.getLogger(__name__)
@@ -87,16 +87,27 @@ def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapt
     from fedllm.aggregation import STRATEGIES, GlobalState
 
     run_dir = Path(run_dir)
-    path = ckpt.latest_checkpoint(run_dir) if round_idx is None else run_dir / "checkpoints" / f"round-{round_idx:04d}"
-    if path is None or not (path / "meta.json").exists():
-        have = sorted(p.name for p in (run_dir / "checkpoints").glob("round-*"))
-        raise ExportError(f"{run_dir}: no checkpoint for round {round_idx if round_idx else 'latest'} (have {have})")
-    tensors, meta = ckpt.load_checkpoint(path)
+    have = [ckpt.checkpoint_round(p) for p in ckpt.round_checkpoints(run_dir)]
+    if round_idx is None:
+        found = ckpt.load_latest(run_dir)
+        if found is None:
+            raise ExportError(f"{run_dir}: no checkpoint yet (no round finished)")
+        path, tensors, meta = found
+    else:
+        path = run_dir / "checkpoints" / f"round-{round_idx:04d}"
+        if round_idx < 1 or not (path / "meta.json").exists():
+            raise ExportError(f"{run_dir}: no checkpoint for round {round_idx} (kept: rounds {have}; rounds start at "
+                              "1 and only the newest output.keep_checkpoints are kept)")
+        tensors, meta = ckpt.load_checkpoint(path)
     state = GlobalState(ckpt.adapter_from_tensors(tensors, meta["scales"], "global."),
                         ckpt.adapter_from_tensors(tensors, meta["scales"], "residual."))
     strategy = STRATEGIES[meta["strategy"]]()
     dense = {k[len("dense."):]: v for k, v in tensors.items() if k.startswith("dense.")}
-    return concat(strategy.global_adapter(state), state.residual), dense
+    adapter = concat(strategy.global_adapter(state), state.residual)
+    if not adapter:
+        raise ExportError(f"{path}: the run has no global update at round {meta['round']} (every round so far was "
+                          "skipped): nothing to export")
+    return adapter, dense
 
 
 def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str, torch.Tensor]]:
@@ -132,31 +143,67 @@ def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str,
     return concat(mine, fed.state.residual), read_dense(fed.model, fed.dense_names)
 
 
+def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
+    """Refuse an ``--output`` that would destroy the run or a user's files (see ``fedllm export --help``)."""
+    from fedllm.rundir import RUN_ENTRIES, check_writable_folder
+
+    run, target = Path(run_dir).resolve(), Path(out).resolve()
+    if target == run or run.is_relative_to(target):
+        raise ExportError(f"--output {out} would replace the run directory {run_dir} itself: choose another folder")
+    if target.is_relative_to(run) and target.relative_to(run).parts[0] in RUN_ENTRIES:
+        raise ExportError(f"--output {out} is inside the run's own files ({target.relative_to(run).parts[0]}): "
+                          "choose another folder")
+    try:
+        check_writable_folder(target, "--output")
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ExportError(f"--output {out} is not empty: pass --overwrite to replace it, or choose another folder")
+
+
 def export_run(run_dir: Path, out: Path, round_idx: int | None = None, merge: bool = False,
-               client: int | None = None) -> Path:
-    """``fedllm export``: adapter folder (or merged model) + model card."""
+               client: int | None = None, overwrite: bool = False) -> Path:
+    """``fedllm export``: adapter folder (or merged model) + model card.
+
+    Written into a temporary sibling of ``out`` and renamed into place, so a
+    failed export leaves ``out`` as it was; an existing ``out`` is replaced
+    only with ``overwrite`` and never when it is (or holds) the run itself.
+    """
+    check_export_target(run_dir, out, overwrite)
     cfg = run_config(run_dir)
+    if client is not None and round_idx is not None:
+        raise ExportError("--client exports a client's personalization of the latest round: leave --round out")
     if client is not None:
         adapter, dense = personalized_adapter(run_dir, client)
     else:
         adapter, dense = adapter_from_run(run_dir, round_idx)
     base = base_model_reference(cfg)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=Path(out).parent if Path(out).parent.exists() else None))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
+    old: Path | None = None
     try:
         write_peft_adapter(tmp, adapter, dense, base, cfg.lora.target_modules, cfg.lora.trainable_modules)
         if merge:
-            merged_dir = Path(tempfile.mkdtemp(prefix=".merged-", dir=tmp.parent))
+            merged_dir = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
             _merge(base, tmp, merged_dir, cfg)
             shutil.rmtree(tmp)
             tmp = merged_dir
-        write_model_card(tmp, run_dir, cfg, base, merged=merge, client=client)
-        if Path(out).exists():
-            shutil.rmtree(out)
+        write_model_card(tmp, run_dir, cfg, base, merged=merge, client=client, round_idx=round_idx)
+        honour_umask(tmp, directory=True)
+        if out.exists():  # only with overwrite (checked above): swap, then remove the old export
+            old = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
+            os.replace(out, old / out.name)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            os.replace(old / out.name, out)  # put the previous export back
         raise
-    return Path(out)
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def _merge(base: str, adapter_dir: Path, out: Path, cfg) -> None:
@@ -171,43 +218,101 @@ def _merge(base: str, adapter_dir: Path, out: Path, cfg) -> None:
         merged.generation_config.save_pretrained(out)
 
 
-def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, client: int | None = None) -> None:
-    """README.md with YAML metadata (base_model, library_name, tags, metrics) for the Hub."""
-    summary_path = Path(run_dir) / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    base_id = "builtin-tiny-llama" if cfg.model.name == "builtin" else cfg.model.name
-    meta = {
-        "base_model": base_id,
-        "library_name": "transformers" if merged else "peft",
-        "license": "apache-2.0",
-        "datasets": [cfg.data.dataset],
-        "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm],
-    }
-    if summary.get("accuracy_after") is not None:
+def hub_id(name: str) -> str | None:
+    """``name`` if it reads as a Hub repository id (owner/name, not a path on this machine), else None."""
+    if name == "builtin" or Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+        return None
+    return name if name.count("/") == 1 and all(name.split("/")) else None
+
+
+def card_facts(run_dir: Path, cfg, round_idx: int | None) -> dict:
+    """What the card says about the exported round: metrics of that round, cumulative traffic up to it."""
+    from fedllm import checkpoint as ckpt
+    from fedllm.rundir import rounds_done
+
+    rows = ckpt.read_jsonl(Path(run_dir) / "metrics.jsonl")
+    upto = round_idx if round_idx is not None else rounds_done(run_dir)
+    rows = [r for r in rows if r["round"] <= upto]
+    evals = [r for r in rows if r.get("eval_loss") is not None or r.get("accuracy") is not None]
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    comm = next((r["cumulative"] for r in reversed(rows) if "cumulative" in r), {})
+    return {"round": upto, "eval_round": last.get("round"), "accuracy_before": first.get("accuracy"),
+            "accuracy": last.get("accuracy"), "loss_before": first.get("eval_loss"), "loss": last.get("eval_loss"),
+            "up_params": comm.get("total_up_params"), "down_params": comm.get("total_down_params"),
+            "up_bytes": comm.get("total_up_bytes"), "down_bytes": comm.get("total_down_bytes")}
+
+
+def benchmark_name(source: str) -> str:
+    if source == "builtin":
+        return "fedllm built-in MMLU-format benchmark"
+    return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
+
+
+def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, client: int | None = None,
+                     round_idx: int | None = None) -> None:
+    """README.md with the Hub's metadata and what was exported (the round, its metrics and traffic).
+
+    ``base_model`` and ``datasets`` name Hub ids only: a base or data set that
+    was a local path (or the built-in one) is left out, with a warning, since a
+    path of this machine means nothing on the Hub.
+    """
+    from data_prep.loaders import HUB_IDS
+    from fedllm.federation import assign_ranks
+
+    facts = card_facts(run_dir, cfg, round_idx)
+    kind = "merged model" if merged else "LoRA adapter"
+    base_id = hub_id(cfg.model.name)
+    if base_id is None:
+        log.warning("model card: the base %r is not a Hub id, so base_model is left out of the card", cfg.model.name)
+    data_id = hub_id(HUB_IDS.get(cfg.data.dataset, cfg.data.dataset))
+    meta: dict = {"base_model": base_id, "library_name": "transformers" if merged else "peft",
+                  "license": "apache-2.0", "datasets": [data_id] if data_id else None,
+                  "pipeline_tag": "text-generation",
+                  "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm]}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    bench = benchmark_name(cfg.eval.benchmark) if cfg.eval.benchmark != "none" else None
+    if bench and facts["accuracy"] is not None:
         meta["model-index"] = [{
-            "name": f"fedllm-{cfg.aggregation.name}",
+            "name": f"fedllm-{cfg.aggregation.name}-round-{facts['round']}",
             "results": [{
-                "task": {"type": "multiple-choice", "name": "MMLU-format benchmark"},
-                "dataset": {"type": cfg.eval.benchmark, "name": cfg.eval.benchmark},
-                "metrics": [{"type": "accuracy", "value": round(summary["accuracy_after"], 4)}],
+                "task": {"type": "multiple-choice", "name": "Multiple-choice question answering"},
+                "dataset": {"type": cfg.eval.benchmark, "name": bench},
+                "metrics": [{"type": "accuracy", "value": round(facts["accuracy"], 4),
+                             "name": f"accuracy ({cfg.eval.shots}-shot)"}],
             }],
         }]
-    comm = summary.get("communication", {})
+    base_text = f"`{base_id}`" if base_id else ("the fedllm built-in base" if cfg.model.name == "builtin" else
+                                                 "a local base model")
+
+    def num(x, spec=".4f"):
+        return "n/a" if x is None else format(x, spec)
+
     body = [
-        f"# fedllm {cfg.aggregation.name} adapter",
+        f"# fedllm {cfg.aggregation.name} {kind}" + (f" (client {client}, personalized)" if client is not None else ""),
         "",
-        f"Federated fine-tuning of `{base_id}` with **{cfg.aggregation.name}** aggregation and "
-        f"**{cfg.client.algorithm}** clients: {cfg.federation.num_clients} clients, {cfg.federation.rounds} rounds, "
-        f"LoRA ranks {summary.get('ranks', cfg.lora.ranks)}."
-        + (f" Personalized for client {client}." if client is not None else ""),
+        f"Federated fine-tuning of {base_text} with **{cfg.aggregation.name}** aggregation and "
+        f"**{cfg.client.algorithm}** clients: {cfg.federation.num_clients} clients with LoRA ranks "
+        f"{assign_ranks(cfg)}, exported after round **{facts['round']}** of {cfg.federation.rounds}"
+        + (f", then personalized for client {client}." if client is not None else "."),
         "",
-        "| metric | value |",
+        "| | value |",
         "|---|---|",
-        f"| accuracy before | {summary.get('accuracy_before')} |",
-        f"| accuracy after | {summary.get('accuracy_after')} |",
-        f"| held-out loss after | {summary.get('loss_after')} |",
-        f"| total upload (params) | {comm.get('total_up_params')} |",
-        f"| total download (params) | {comm.get('total_down_params')} |",
+        f"| strategy / client algorithm | {cfg.aggregation.name} / {cfg.client.algorithm} |",
+        f"| rounds (exported / configured) | {facts['round']} / {cfg.federation.rounds} |",
+        f"| held-out loss (before round 1 -> round {facts['eval_round']}) | {num(facts['loss_before'])} -> "
+        f"{num(facts['loss'])} |",
+    ]
+    if bench:
+        body.append(f"| {bench} accuracy (before round 1 -> round {facts['eval_round']}) | "
+                    f"{num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |")
+    body += [
+        f"| communication up to round {facts['round']} | up {num(facts['up_params'], ',')} params "
+        f"({num(facts['up_bytes'] and facts['up_bytes'] / 1e6, '.2f')} MB), down {num(facts['down_params'], ',')} "
+        f"params ({num(facts['down_bytes'] and facts['down_bytes'] / 1e6, '.2f')} MB) |",
+        "",
+        "Load it with " + ("`AutoModelForCausalLM.from_pretrained(...)`." if merged else
+                           "`peft.AutoPeftModelForCausalLM.from_pretrained(...)` (or `PeftModel.from_pretrained` on "
+                           "the base)."),
     ]
     text = "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(body) + "\n"
     atomic_write_text(folder / "README.md", text)
@@ -224,9 +329,15 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
     return repo_id
 
 
-def load_for_eval(model: str, adapter: str | None, run: str | None, round_idx: int | None, client: int | None,
-                  dtype: str, device):
-    """A model for ``fedllm eval``: base, base + adapter, merged folder, or a run's global model."""
+def load_for_eval(model: str | None, adapter: str | None, run: str | None, round_idx: int | None,
+                  client: int | None, dtype: str, device):
+    """A model for ``fedllm eval``: base, base + adapter, merged folder, or a run's global model.
+
+    With ``run`` the base is the run's own (``model.name`` in its config.yaml);
+    a different ``model`` is refused, since the run's adapter means nothing on
+    another base. The run's adapter goes through a temporary folder that is
+    removed once peft has read it.
+    """
     from peft import PeftModel
 
     from fedllm.config import ModelConfig
@@ -234,22 +345,33 @@ def load_for_eval(model: str, adapter: str | None, run: str | None, round_idx: i
 
     if run is not None:
         cfg = run_config(Path(run))
+        if model is not None and model != cfg.model.name and \
+                resolve_base(model, cfg) != base_model_reference(cfg):
+            raise ExportError(f"--model {model} is not the base of run {run} ({cfg.model.name!r}, model.name in its "
+                              "config.yaml): leave --model out to evaluate the run on its own base")
+        sub = personalized_adapter(Path(run), client) if client is not None else adapter_from_run(Path(run), round_idx)
         model_cfg = cfg.model
         model_cfg.dtype = dtype
-        tmp = Path(tempfile.mkdtemp(prefix="fedllm-eval-"))
-        sub = personalized_adapter(Path(run), client) if client is not None else adapter_from_run(Path(run), round_idx)
-        write_peft_adapter(tmp, *sub, base_model_reference(cfg), cfg.lora.target_modules,
-                           cfg.lora.trainable_modules)
-        adapter = str(tmp)
-    else:
-        model_cfg = ModelConfig(name=model, dtype=dtype)
-        if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():
-            raise ExportError(f"--adapter {adapter}: no adapter_config.json there")
-    base, tokenizer = load_base(model_cfg, device)
+        base, tokenizer = load_base(model_cfg, device)
+        with tempfile.TemporaryDirectory(prefix="fedllm-eval-") as tmp:
+            write_peft_adapter(Path(tmp), *sub, base_model_reference(cfg), cfg.lora.target_modules,
+                               cfg.lora.trainable_modules)
+            base = PeftModel.from_pretrained(base, tmp).to(device)
+        return base.eval(), tokenizer
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():
+        raise ExportError(f"--adapter {adapter}: no adapter_config.json there")
+    base, tokenizer = load_base(ModelConfig(name=model or "builtin", dtype=dtype), device)
     if adapter is not None:
-        base = PeftModel.from_pretrained(base, adapter).to(device)
-        base.eval()
+        base = PeftModel.from_pretrained(base, adapter).to(device).eval()
     return base, tokenizer
+
+
+def resolve_base(model: str, cfg) -> str:
+    """What ``--model`` names, resolved the way the run's base was (the built-in base by its cache path)."""
+    from fedllm.modeling import resolve_model_path
+
+    return resolve_model_path(model, cfg.model.builtin_pretrain_steps) if model == "builtin" else \
+        str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
 
 
 __all__ = ["export_run", "load_for_eval", "push_to_hub", "save_global_adapter", "write_peft_adapter"]

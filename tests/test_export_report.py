@@ -63,7 +63,7 @@ def test_merged_export_equals_base_plus_adapter(finished_run, tmp_path):
     torch.testing.assert_close(logits(m, ids), logits(ref, ids), rtol=1e-4, atol=1e-5)
 
 
-def test_model_card_parses_and_carries_metrics(finished_run, tmp_path):
+def test_model_card_parses_and_carries_metrics(finished_run, tmp_path, caplog):
     from huggingface_hub import ModelCard
 
     from fedllm.export import export_run
@@ -73,10 +73,50 @@ def test_model_card_parses_and_carries_metrics(finished_run, tmp_path):
     data = card.data.to_dict()
     assert data["library_name"] == "peft" and data["license"] == "apache-2.0"
     assert "federated-learning" in data["tags"] and "fedit" in data["tags"]
+    assert "base_model" not in data and "datasets" not in data  # built-in base and data: no Hub ids to name
+    assert "base_model is left out" in caplog.text
+    assert str(finished_run) not in card.content and "/tmp" not in card.content  # no path of this machine
     summary = json.loads((finished_run / "summary.json").read_text())
-    value = data["model-index"][0]["results"][0]["metrics"][0]["value"]
-    assert value == pytest.approx(summary["accuracy_after"], abs=1e-4)
-    assert str(summary["communication"]["total_up_params"]) in card.text
+    result = data["model-index"][0]["results"][0]
+    assert result["metrics"][0]["value"] == pytest.approx(summary["accuracy_after"], abs=1e-4)
+    assert result["dataset"]["name"] == "fedllm built-in MMLU-format benchmark"
+    assert card.text.splitlines()[1].startswith("# fedllm fedit LoRA adapter")
+    assert f"{summary['communication']['total_up_params']:,} params" in card.text
+    assert "| rounds (exported / configured) | 2 / 2 |" in card.text
+
+
+def test_model_card_of_an_earlier_round_describes_that_round(finished_run, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from fedllm.export import export_run
+
+    rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    card = ModelCard.load(export_run(finished_run, tmp_path / "r1", round_idx=1) / "README.md")
+    assert "| rounds (exported / configured) | 1 / 2 |" in card.text
+    value = card.data.to_dict()["model-index"][0]["results"][0]["metrics"][0]["value"]
+    assert value == pytest.approx(rows[1]["accuracy"], abs=1e-4)  # round 1's accuracy, not the last round's
+    assert f"{rows[1]['cumulative']['total_up_params']:,} params" in card.text
+
+
+def test_model_card_names_hub_ids_only(finished_run, tmp_path):
+    """A Hub base and a Hub data set are named as the Hub knows them; the title says what was exported."""
+    from huggingface_hub import ModelCard
+
+    from fedllm.config import load_config
+    from fedllm.export import write_model_card
+
+    cfg = load_config(finished_run / "config.yaml")
+    cfg.model.name, cfg.data.dataset = "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "dolly"
+    write_model_card(tmp_path, finished_run, cfg, cfg.model.name, merged=True)
+    card = ModelCard.load(tmp_path / "README.md")
+    data = card.data.to_dict()
+    assert data["base_model"] == "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+    assert data["datasets"] == ["databricks/databricks-dolly-15k"] and data["library_name"] == "transformers"
+    assert "# fedllm fedit merged model" in card.text
+    cfg.model.name, cfg.data.dataset = str(tmp_path), str(tmp_path / "d.jsonl")  # local paths: left out
+    write_model_card(tmp_path, finished_run, cfg, cfg.model.name, merged=False)
+    data = ModelCard.load(tmp_path / "README.md").data.to_dict()
+    assert "base_model" not in data and "datasets" not in data
 
 
 def test_push_uses_exact_repo_and_files_and_never_writes_the_token(finished_run, tmp_path, monkeypatch):
