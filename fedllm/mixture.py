@@ -7,9 +7,19 @@ computes ``sum_c pi_c * s * B_c A_c x`` exactly, and the router logits get
 gradients. Baking the router into B (block c times pi_c) gives a plain LoRA of
 rank ``C*r`` with the same forward: that is the personalized export.
 
-Routers are shared by the whole model, or one per layer (``layers.N.``).
-Optional LoRA preconditioning replaces the adaptor gradients with
-``(B^T B + eps I)^-1 grad A`` and ``grad B (A A^T + eps I)^-1`` per block.
+Routers are shared by the whole model, or one per layer (``layers.N.``). The
+router is the client's own: its parameters never leave the client; what the
+server receives is, per target module, the probabilities its router gives
+that module's adaptors, so each layer is weighted by its own router.
+
+Options of the reference implementation (zeligism/FLoRAL):
+
+* LoRA preconditioning replaces the adaptor gradients with
+  ``(B^T B + eps I)^-1 grad A`` and ``grad B (A A^T + eps I)^-1`` per block;
+* bias adaptors: C bias vectors per module, mixed by the router
+  (``s * sum_c pi_c b_c`` added to the LoRA branch, peft's ``lora_bias``
+  placement). The reference adds them only to layers that have a bias;
+  here every target module gets them, since Llama's projections have none.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ class MixtureSpec:
     stateful: bool = True
     router_lr: float = 1e-2
     precondition_eps: float = 0.0
+    bias: bool = False
 
 
 def router_group(module_key: str, per_layer: bool) -> str:
@@ -47,9 +58,10 @@ def router_probs(logits: Tensor, temperature: float) -> Tensor:
 
 
 class MixtureSession:
-    """Hooks that turn a client's rank C*r adapter into its router-weighted mixture."""
+    """Hooks that turn a client's rank C*r adapter into its router-weighted mixture (see module docstring)."""
 
-    def __init__(self, model, adapter: str, spec: MixtureSpec, router: dict[str, Tensor] | None):
+    def __init__(self, model, adapter: str, spec: MixtureSpec, router: dict[str, Tensor] | None,
+                 biases: dict[str, Tensor] | None = None):
         self.spec = spec
         self.modules = lora_modules(model, adapter)
         self.adapter = adapter
@@ -60,10 +72,20 @@ class MixtureSession:
                                   .to(device, torch.float32))
             for g in groups
         }
+        # bias adaptors travel as their effective value s * b (s: the layer's LoRA scale), like folded factors
+        self.biases, self._scales = {}, {key: float(m.scaling[adapter]) for key, m in self.modules.items()}
+        if spec.bias:
+            for key, m in self.modules.items():
+                start = biases.get(key) if biases else None
+                value = start / self._scales[key] if start is not None else torch.zeros(spec.num_adaptors,
+                                                                                        m.out_features)
+                self.biases[key] = torch.nn.Parameter(value.to(device, torch.float32))
         self._handles = []
         for key, module in self.modules.items():
             group = router_group(key, spec.per_layer)
             self._handles.append(module.lora_A[adapter].register_forward_hook(self._scale_hook(group)))
+            if spec.bias:
+                self._handles.append(module.lora_B[adapter].register_forward_hook(self._bias_hook(group, key)))
             if spec.precondition_eps > 0:
                 self._handles += self._precondition(module)
 
@@ -77,6 +99,13 @@ class MixtureSession:
         def hook(module, inputs, output):
             pi = self.weights(group, module.training).to(output.dtype)
             return output * pi.repeat_interleave(self.spec.rank)
+
+        return hook
+
+    def _bias_hook(self, group: str, key: str):
+        def hook(module, inputs, output):
+            pi = self.weights(group, module.training).to(output.dtype)
+            return output + pi @ self.biases[key].to(output.dtype)
 
         return hook
 
@@ -103,23 +132,38 @@ class MixtureSession:
         return [wa.register_hook(grad_a), wb.register_hook(grad_b)]
 
     def params(self) -> dict[str, torch.nn.Parameter]:
+        """The router logits: trained on the client, never uploaded."""
         return {f"router.{g}": p for g, p in self.logits.items()}
 
-    def probs(self) -> Tensor:
-        """Mean router probabilities over the routers (what the server weights by)."""
+    def bias_params(self) -> dict[str, torch.nn.Parameter]:
+        """The bias adaptors: shared like the LoRA adaptors (uploaded and averaged per adaptor)."""
+        return {f"bias.{k}": p for k, p in self.biases.items()}
+
+    def module_probs(self) -> dict[str, Tensor]:
+        """Each target module's router probabilities (noise-free): what the server weights its adaptors by."""
         with torch.no_grad():
-            return torch.stack([router_probs(p, self.spec.temperature) for p in self.logits.values()]).mean(0).cpu()
+            return {key: router_probs(self.logits[router_group(key, self.spec.per_layer)], self.spec.temperature)
+                    .detach().cpu() for key in self.modules}
+
+    def upload(self) -> dict[str, Tensor]:
+        """What the server receives besides the factors: per-module router probabilities, and the bias adaptors."""
+        out = {f"router_probs.{k}": p for k, p in self.module_probs().items()}
+        out.update({f"bias.{k}": self._scales[k] * b.detach().cpu() for k, b in self.biases.items()})
+        return out
 
     def router_state(self) -> dict[str, Tensor]:
         return {g: p.detach().cpu().clone() for g, p in self.logits.items()}
 
-    def bake(self, factors: Adapter) -> Adapter:
-        """Factors of a plain LoRA with this mixture's forward (router folded into B)."""
-        out = {}
+    def bake(self, factors: Adapter) -> tuple[Adapter, dict[str, Tensor]]:
+        """A plain LoRA with this mixture's forward: the router folded into B (and into one bias per module)."""
+        probs = self.module_probs()
+        out, biases = {}, {}
         for key, f in factors.items():
-            pi = self.weights(router_group(key, self.spec.per_layer), training=False).detach().cpu()
+            pi = probs[key]
             out[key] = LoraFactors(f.A, f.B * pi.repeat_interleave(self.spec.rank)[None, :], f.scale)
-        return out
+            if key in self.biases:
+                biases[key] = self._scales[key] * (pi @ self.biases[key].detach().cpu())
+        return out, biases
 
     def close(self) -> None:
         for h in self._handles:

@@ -14,7 +14,6 @@ from fedllm.aggregation.fedit import FedIT
 from fedllm.aggregation.flexlora import FlexLoRA
 from fedllm.aggregation.flora import FLoRA
 from fedllm.aggregation.florist import FLoRIST
-from fedllm.config import ConfigError
 from fedllm.factors import LoraFactors, concat
 from tests.conftest import random_factors
 
@@ -187,7 +186,7 @@ def test_florist_tau_one_is_exact_and_tau_threshold(gen):
 
 @pytest.mark.parametrize("bad", [{"tau": 0.0}, {"tau": 1.5}, {"tau": -1}, {"fixed_rank": -2}])
 def test_florist_rejects_bad_options(bad):
-    with pytest.raises(ConfigError, match="tau|fixed_rank"):
+    with pytest.raises(ValueError, match="tau|fixed_rank"):
         FLoRIST(**bad)
 
 
@@ -231,3 +230,28 @@ def test_registry_rejects_bad_names():
         type("Again", (FedIT,), {"name": "fedit"})
     with pytest.raises(TypeError, match="identifier"):
         type("Bad", (Strategy,), {"name": "not-valid"})
+
+
+@pytest.mark.parametrize("split", ["us", "sqrt"])
+def test_flexlora_client_factors_follow_the_split(gen, split):
+    """'us' (the reference's default): B = U S, A = V^T with orthonormal rows; 'sqrt': balanced. Same product."""
+    updates = make_updates(gen, ranks=[8, 4, 8], counts=[10, 30, 60], modules=("m.q_proj",))
+    strategy = FlexLoRA(split=split)
+    res = strategy.aggregate(updates, GlobalState())
+    start = strategy.client_start(res.state, 4, 1.0, {}).factors["m.q_proj"]
+    u, s, vh = torch.linalg.svd(dense_sum(updates, "m.q_proj"), full_matrices=False)
+    assert_close(start.delta(), (u[:, :4] * s[:4]) @ vh[:4], rtol=1e-6, atol=1e-8)  # the truncated SVD either way
+    gram_a = start.A @ start.A.T
+    if split == "us":
+        assert_close(gram_a, torch.eye(4, dtype=gram_a.dtype), rtol=1e-8, atol=1e-8)
+        assert_close(torch.linalg.norm(start.B, dim=0), s[:4], rtol=1e-6, atol=1e-8)
+    else:
+        assert_close(torch.linalg.norm(start.A, dim=1), s[:4].sqrt(), rtol=1e-6, atol=1e-8)
+        assert_close(torch.linalg.norm(start.B, dim=0), s[:4].sqrt(), rtol=1e-6, atol=1e-8)
+
+
+def test_flexlora_default_split_is_the_reference():
+    from fedllm.aggregation import strategy_from_config
+    from fedllm.config import load_config
+
+    assert strategy_from_config(load_config(None, ["aggregation.name=flexlora"]).aggregation).split == "us"

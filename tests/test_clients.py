@@ -32,9 +32,10 @@ class LeastSquares(nn.Module):
         return SimpleNamespace(loss=0.5 * (r @ r) / len(y))
 
 
-def plan(steps, lr, seed=0):
-    return LocalPlan(round=1, client_id=0, steps=steps, seed=seed, lr=lr, batch_size=1, scheduler="constant",
-                     max_grad_norm=0.0)
+def plan(steps, lr, seed=0, scheduler="constant", clip=0.0, grad_accum=1):
+    """A plan whose AdamW and SGD learning rates are both ``lr``."""
+    return LocalPlan(round=1, client_id=0, steps=steps, seed=seed, lr=lr, sgd_lr=lr, batch_size=1,
+                     scheduler=scheduler, max_grad_norm=clip, grad_accum=grad_accum)
 
 
 def test_fedprox_mu_zero_equals_sft():
@@ -64,22 +65,27 @@ def test_fedprox_gradient_hand_made():
     assert_close(model.theta.grad, expected.double())
 
 
-def heterogeneous_problem(k=4, n=30, dim=3, seed=0):
+def heterogeneous_problem(sizes=(30, 30, 30, 30), dim=3, seed=0):
+    """Clients with different curvature and optima; returns their data and the optimum of sum_k p_k f_k."""
     gen = torch.Generator().manual_seed(seed)
     data = []
-    for i in range(k):
+    for i, n in enumerate(sizes):
         X = torch.randn(n, dim, generator=gen, dtype=torch.float64) * (1 + i)  # different curvature
         opt_i = torch.randn(dim, generator=gen, dtype=torch.float64) * 3  # different client optima
         data.append((X, X @ opt_i))
-    H = sum(X.T @ X / len(y) for X, y in data)
-    b = sum(X.T @ y / len(y) for X, y in data)
-    return data, torch.linalg.solve(H, b)
+    p = [n / sum(sizes) for n in sizes]
+    H = sum(pk * X.T @ X / len(y) for pk, (X, y) in zip(p, data, strict=True))
+    b = sum(pk * X.T @ y / len(y) for pk, (X, y) in zip(p, data, strict=True))
+    H_uniform = sum(X.T @ X / len(y) for X, y in data)
+    b_uniform = sum(X.T @ y / len(y) for X, y in data)
+    return data, torch.linalg.solve(H, b), torch.linalg.solve(H_uniform, b_uniform)
 
 
-def federate(algo, data, rounds, local_steps, lr):
-    """Equal-weight FedAvg of the clients' parameters around ``algo``."""
+def federate(algo, data, rounds, local_steps, lr, **plan_kw):
+    """FedAvg of the clients' parameters around ``algo``, weighted by example counts (p_k = n_k / n)."""
     theta = torch.zeros(data[0][0].shape[1], dtype=torch.float64)
     states = [{} for _ in data]
+    n = sum(len(y) for _, y in data)
     for r in range(rounds):
         new, updates = [], []
         for k, (X, y) in enumerate(data):
@@ -87,16 +93,16 @@ def federate(algo, data, rounds, local_steps, lr):
             with torch.no_grad():
                 model.theta.copy_(theta)
             res = algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}),
-                             plan(local_steps, lr, seed=r), None, states[k])
+                             plan(local_steps, lr, seed=r, **plan_kw), None, states[k])
             new.append(model.theta.detach().clone())
-            updates.append(SimpleNamespace(extras=res.extras))
-        theta = sum(new) / len(new)
-        algo.server_update(updates, len(data))
+            updates.append(SimpleNamespace(extras=res.extras, num_examples=len(y)))
+        theta = sum(len(y) / n * t for (_, y), t in zip(data, new, strict=True))
+        algo.server_update(updates, n)
     return theta
 
 
 def test_scaffold_removes_heterogeneity_bias():
-    data, optimum = heterogeneous_problem()
+    data, optimum, _ = heterogeneous_problem()
     lr, local_steps, rounds = 0.01, 50, 150
     plain = federate(SFT(optimizer="sgd"), data, rounds, local_steps, lr)
     scaffold = federate(Scaffold(), data, rounds, local_steps, lr)
@@ -105,6 +111,24 @@ def test_scaffold_removes_heterogeneity_bias():
     assert d_scaffold < 1e-6, d_scaffold
     assert d_plain > 1e-2, d_plain  # plain local training stops at a biased point
     assert d_plain > 1e4 * d_scaffold
+
+
+def test_scaffold_with_unequal_sizes_cosine_and_clip_finds_the_weighted_optimum():
+    """Control variate and models weighted alike: the minimizer of sum_k p_k f_k, not of (1/N) sum_k f_k."""
+    data, weighted, uniform = heterogeneous_problem(sizes=(10, 20, 40, 130))
+    assert torch.linalg.norm(weighted - uniform) > 1.0  # the two objectives really differ here
+    theta = federate(Scaffold(), data, 200, 50, 0.01, scheduler="cosine", clip=1.0)
+    assert torch.linalg.norm(theta - weighted).item() < 1e-6
+    assert torch.linalg.norm(theta - uniform).item() > 0.5
+
+
+def test_scaffold_control_variate_averages_with_example_weights():
+    """Server step by hand: c += sum_k (n_k / n) dc_k with n over all clients (sampled or not)."""
+    algo = Scaffold()
+    ups = [SimpleNamespace(extras={"dc.w": torch.tensor([1.0, 0.0])}, num_examples=10),
+           SimpleNamespace(extras={"dc.w": torch.tensor([0.0, 4.0])}, num_examples=30)]
+    algo.server_update(ups, 80)  # 40 more examples sit with clients not sampled this round
+    assert_close(algo.server_state()["w"], torch.tensor([10 / 80, 30 / 80 * 4]))
 
 
 def quadratic_batches(dim=3, seed=0):
@@ -126,12 +150,76 @@ def test_perfedavg_update_hand_computed(variant):
     with torch.no_grad():
         model.theta.copy_(theta0)
     algo = PerFedAvg(alpha=alpha, variant=variant)
-    algo.train(model, {"theta": model.theta}, iter([d1, d2, d3]), plan(1, beta), None, {})
+    algo.train(model, {"theta": model.theta}, iter([d1, d2, d3]), plan(1, beta), None, {})  # beta = client.sgd_lr
     inner = theta0 - alpha * (d1["H"] @ theta0 - d1["b"])
     g = d2["H"] @ inner - d2["b"]
     if variant == "hf":
         g = g - alpha * d3["H"] @ g
     assert_close(model.theta.detach(), theta0 - beta * g, rtol=1e-7, atol=1e-8)
+
+
+class DropoutSquares(nn.Module):
+    """1/(2n) ||dropout(X) theta - y||^2: a quadratic whose Hessian depends on the dropout mask."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.theta = nn.Parameter(torch.zeros(dim, dtype=torch.float64))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, X, y):
+        r = self.drop(X) @ self.theta - y
+        return SimpleNamespace(loss=0.5 * (r @ r) / len(y))
+
+
+def test_perfedavg_hessian_vector_product_sees_one_dropout_mask():
+    """With one mask on both sides the central difference of a quadratic's gradients is exact for any step d.
+
+    With two masks the difference mostly measures the masks (it grows like 1/d): the step would
+    then depend on perfedavg_fd_delta.
+    """
+    gen = torch.Generator().manual_seed(0)
+    X, y = torch.randn(40, 5, generator=gen, dtype=torch.float64), torch.randn(40, generator=gen, dtype=torch.float64)
+    results = []
+    for delta in (1e-4, 1e-1):
+        model = DropoutSquares(5)
+        with torch.no_grad():
+            model.theta.copy_(torch.linspace(-1, 1, 5, dtype=torch.float64))
+        model.train()
+        algo = PerFedAvg(alpha=0.05, variant="hf", fd_delta=delta)
+        algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), plan(1, 0.1, seed=3), None, {})
+        results.append(model.theta.detach().clone())
+    assert_close(results[0], results[1], rtol=1e-8, atol=1e-10)
+
+
+def test_perfedavg_gradients_average_the_accumulated_micro_batches():
+    d = quadratic_batches(seed=1) * 3  # six batches: (inner, outer) x grad_accum 2, then the next step's
+    theta0 = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    model = LeastSquares(3)
+    with torch.no_grad():
+        model.theta.copy_(theta0)
+    PerFedAvg(alpha=0.05, variant="fo").train(model, {"theta": model.theta}, iter(d), plan(1, 0.1, grad_accum=2),
+                                              None, {})
+
+    def grad(batch, t):
+        return batch["H"] @ t - batch["b"]
+
+    inner = theta0 - 0.05 * (grad(d[0], theta0) + grad(d[1], theta0)) / 2
+    outer = (grad(d[2], inner) + grad(d[3], inner)) / 2
+    assert_close(model.theta.detach(), theta0 - 0.1 * outer, rtol=1e-7, atol=1e-8)
+
+
+def test_sgd_steps_take_client_sgd_lr_and_personalization_too():
+    """client.lr is AdamW's; every plain-SGD step (SCAFFOLD, sft with sgd, personalization) takes client.sgd_lr."""
+    X, y = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64)
+    for algo in (Scaffold(), SFT(optimizer="sgd")):
+        model = LeastSquares(2)
+        p = LocalPlan(round=1, client_id=0, steps=1, seed=0, lr=1e-9, sgd_lr=0.5, batch_size=1,
+                      scheduler="constant", max_grad_norm=0.0)
+        algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), p, None, {})
+        assert_close(model.theta.detach(), 0.5 * torch.tensor([0.5, 1.0], dtype=torch.float64))  # -0.5 * grad
+    model = LeastSquares(2)
+    SFT().personalize(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), 1, p, None)
+    assert_close(model.theta.detach(), 0.5 * torch.tensor([0.5, 1.0], dtype=torch.float64))
 
 
 def test_algorithms_are_registered_and_scaffold_refuses_merging_strategies():

@@ -1,4 +1,4 @@
-"""FLoRAL: mixture forward, aggregation weights, routers, uploads, personalized export."""
+"""FLoRAL: mixture forward, aggregation weights, routers, uploads, bias adaptors, personalized export."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from fedllm.modeling import attach_lora, install_adapter
 from tests.conftest import random_factors, tiny_overrides
 
 
-def test_mixture_forward_equals_stacked_lora(builtin_base):
+@pytest.mark.parametrize("bias", [False, True])
+def test_mixture_forward_equals_stacked_lora(builtin_base, bias):
     from transformers import AutoModelForCausalLM
 
     lora = LoraConfig(ranks=[6], target_modules=["q_proj", "v_proj", "down_proj"])
@@ -28,35 +29,40 @@ def test_mixture_forward_equals_stacked_lora(builtin_base):
     factors = {k: LoraFactors(f.A, 0.2 * torch.randn(f.B.shape, generator=gen), f.scale)
                for k, f in fresh_factors(model, "r6", 1).items()}
     write_factors(model, "r6", factors)
-    spec = MixtureSpec(num_adaptors=3, rank=2, temperature=0.7, per_layer=True)
+    spec = MixtureSpec(num_adaptors=3, rank=2, temperature=0.7, per_layer=True, bias=bias)
     router = {g: torch.randn(3, generator=gen) for g in ("layer0", "layer1", "layer2")}
+    biases = {k: 0.1 * torch.randn(3, f.B.shape[0], generator=gen) for k, f in factors.items()} if bias else None
     ids = torch.tensor([[1, 30, 40, 50, 60, 7]])
-    session = MixtureSession(model, "r6", spec, router)
+    session = MixtureSession(model, "r6", spec, router, biases)
     with torch.no_grad():
         mixed = model(input_ids=ids).logits
-        # by hand for one module: sum_c pi_c s B_c A_c equals the baked LoRA
-        baked = session.bake(read_factors(model, "r6"))
+        baked, baked_bias = session.bake(read_factors(model, "r6"))
     session.close()
     key = next(iter(factors))
     pi = torch.softmax(router["layer0"] / 0.7, -1)
     f = factors[key]
     by_hand = sum(pi[c] * f.scale * f.B[:, 2 * c:2 * c + 2] @ f.A[2 * c:2 * c + 2] for c in range(3))
     assert_close(baked[key].delta(), by_hand)
-    install_adapter(model, "baked", baked, lora)
+    if bias:  # the bias adaptors travel as s * b: the mixed bias is pi @ (s b)
+        assert_close(baked_bias[key], pi @ biases[key])
+    install_adapter(model, "baked", baked, lora, biases=baked_bias)
     model.set_adapter("baked")
     with torch.no_grad():
         plain = model(input_ids=ids).logits
     assert_close(plain, mixed, rtol=1e-4, atol=1e-5)
 
 
+def probs_extras(probs: dict[str, list[float]]) -> dict[str, torch.Tensor]:
+    return {f"router_probs.{k}": torch.tensor(v) for k, v in probs.items()}
+
+
 def test_aggregation_weights_hand_computed():
     p = [0.25, 0.75]
-    u = [ClientUpdate(0, 1, {}, extras={"router_probs": torch.tensor([0.8, 0.2])}),
-         ClientUpdate(1, 3, {}, extras={"router_probs": torch.tensor([0.4, 0.6])})]
-    w = adaptor_weights(u, p, 2)
+    u = [ClientUpdate(0, 1, {}, extras=probs_extras({"m": [0.8, 0.2]})),
+         ClientUpdate(1, 3, {}, extras=probs_extras({"m": [0.4, 0.6]}))]
+    w = adaptor_weights(u, p, "m")
     # adaptor 0: 0.25*0.8 = 0.2 vs 0.75*0.4 = 0.3 -> 0.4 / 0.6; adaptor 1: 0.05 vs 0.45 -> 0.1 / 0.9
     assert_close(w, torch.tensor([[0.4, 0.1], [0.6, 0.9]], dtype=torch.float64))
-    # and the adaptors follow those weights
     a = [torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)]  # C=2, r=1
     b = [torch.full((4, 2), 1.0), torch.full((4, 2), 2.0)]
     ups = [ClientUpdate(k, n, {"m": LoraFactors(a[k], b[k], 1.0)}, extras=u[k].extras) for k, n in ((0, 1), (1, 3))]
@@ -66,9 +72,36 @@ def test_aggregation_weights_hand_computed():
     assert_close(g.B[:, 1], torch.full((4,), 0.1 * 1 + 0.9 * 2))
 
 
+def test_each_layer_is_weighted_by_its_own_router():
+    """Per-layer routers: layer 0's adaptors follow layer 0's probabilities, layer 1's its own (not their mean)."""
+    probs = [{"layers.0.q": [0.9, 0.1], "layers.1.q": [0.1, 0.9]}, {"layers.0.q": [0.1, 0.9], "layers.1.q": [0.9, 0.1]}]
+    a = [torch.full((2, 3), 1.0), torch.full((2, 3), 3.0)]
+    ups = [ClientUpdate(k, 1, {m: LoraFactors(a[k], torch.ones(4, 2), 1.0) for m in probs[k]},
+                        extras=probs_extras(probs[k])) for k in range(2)]
+    g = FLoRAL(num_adaptors=2).aggregate(ups, GlobalState()).state.factors
+    # equal p_k: layer 0, adaptor 0: weights 0.9 / 0.1 -> 0.9 * 1 + 0.1 * 3 = 1.2; layer 1, adaptor 0: 0.1 / 0.9 -> 2.8
+    assert_close(g["layers.0.q"].A[0], torch.full((3,), 1.2))
+    assert_close(g["layers.1.q"].A[0], torch.full((3,), 2.8))
+
+
+def test_an_adaptor_nobody_uses_is_kept_not_nan():
+    """Softmax underflow (logits [0, -200]) leaves adaptor 1 with no mass: it keeps its previous value."""
+    pi = torch.softmax(torch.tensor([0.0, -200.0]), -1)
+    assert pi[1] == 0
+    before = GlobalState({"m": LoraFactors(torch.full((2, 3), 5.0), torch.full((4, 2), 7.0), 1.0)})
+    ups = [ClientUpdate(k, n, {"m": LoraFactors(torch.full((2, 3), float(k)), torch.ones(4, 2), 1.0)},
+                        extras={"router_probs.m": pi}, start=before.factors) for k, n in ((0, 3), (1, 5))]
+    res = FLoRAL(num_adaptors=2).aggregate(ups, before)
+    g = res.state.factors["m"]
+    assert torch.isfinite(g.A).all() and torch.isfinite(g.B).all()
+    assert_close(g.A[1], torch.full((3,), 5.0)) and assert_close(g.B[:, 1], torch.full((4,), 7.0))
+    assert_close(g.A[0], torch.full((3,), 5 / 8))  # adaptor 0: the p_k average (0 * 3 + 1 * 5) / 8
+    assert res.info["unused_adaptors"] == 1
+
+
 def test_one_adaptor_is_fedit():
     gen = torch.Generator().manual_seed(3)
-    ups = [ClientUpdate(k, n, {"m": random_factors(4, 6, 5, 2.0, gen)}, extras={"router_probs": torch.ones(1)})
+    ups = [ClientUpdate(k, n, {"m": random_factors(4, 6, 5, 2.0, gen)}, extras={"router_probs.m": torch.ones(1)})
            for k, n in enumerate([3, 9, 4])]
     a = FLoRAL(num_adaptors=1).aggregate(ups, GlobalState()).state.factors["m"]
     b = FedIT().aggregate(ups, GlobalState()).state.factors["m"]
@@ -76,9 +109,21 @@ def test_one_adaptor_is_fedit():
     assert_close(a.B, b.B)
 
 
-def test_floral_needs_one_rank():
+def test_floral_needs_one_rank_and_refuses_perfedavg():
     with pytest.raises(ConfigError, match="floral mixes C adaptors of one rank"):
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4,8]"])
+    with pytest.raises(ConfigError, match="client.algorithm = perfedavg cannot run with aggregation.name = floral"):
+        load_config(None, ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=perfedavg"])
+
+
+def floral_run(tmp_path, *extra, hook=None):
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", "aggregation.name=floral", "lora.ranks=[4]",
+                                           "aggregation.num_adaptors=2", "data.client_test_fraction=0.3",
+                                           "client.local_steps=3", *extra))
+    fed = Federation(cfg, tmp_path / "r", client_hook=hook)
+    fed.setup()
+    fed.run()
+    return fed
 
 
 @pytest.mark.parametrize("stateful", [True, False])
@@ -86,27 +131,18 @@ def test_routers_stay_local_and_follow_statefulness(tmp_path, monkeypatch, state
     starts = []
     real_init = MixtureSession.__init__
 
-    def spy(self, model, adapter, spec, router):
+    def spy(self, model, adapter, spec, router, biases=None):
         if model.training:
             starts.append(None if router is None else {k: v.clone() for k, v in router.items()})
-        real_init(self, model, adapter, spec, router)
+        real_init(self, model, adapter, spec, router, biases)
 
     monkeypatch.setattr(MixtureSession, "__init__", spy)
     uploads = []
-
-    def hook(r, k, u):
-        uploads.append(u)
-        return u
-
-    cfg = load_config(None, tiny_overrides(tmp_path / "r", "aggregation.name=floral", "lora.ranks=[4]",
-                                           "aggregation.num_adaptors=2", f"aggregation.stateful_routers={stateful}",
-                                           "data.client_test_fraction=0.3", "client.local_steps=3"))
-    fed = Federation(cfg, tmp_path / "r", client_hook=hook)
-    fed.setup()
-    fed.run()
-    for u in uploads:  # no router parameter travels: only its probabilities
-        assert set(u.extras) == {"router_probs"}
-        assert not any("router" in k for k in u.factors) and u.extras["router_probs"].shape == (2,)
+    fed = floral_run(tmp_path, f"aggregation.stateful_routers={stateful}", hook=lambda r, k, u: uploads.append(u) or u)
+    modules = set(uploads[0].factors)
+    for u in uploads:  # no router parameter travels: only the probabilities it gives each module
+        assert set(u.extras) == {f"router_probs.{m}" for m in modules}
+        assert all(t.shape == (2,) for t in u.extras.values())
     assert starts[:4] == [None] * 4  # round 1: no router yet
     if stateful:
         assert all(s is not None and not torch.equal(s["all"], torch.zeros(2)) for s in starts[4:8])
@@ -115,6 +151,56 @@ def test_routers_stay_local_and_follow_statefulness(tmp_path, monkeypatch, state
     assert all("router.all" in c.state for c in fed.clients)  # kept by the client (and the checkpoint)
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert "personal_acc" in rows[-1] and "agg_router_mass" in rows[-1]
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "fedprox", "scaffold"])
+def test_nothing_router_shaped_is_uploaded_or_corrected_by_any_algorithm(tmp_path, algorithm):
+    """The router is outside every algorithm: no control variate, no proximal pull, no upload, no state clash."""
+    uploads = []
+    fed = floral_run(tmp_path, f"client.algorithm={algorithm}", "client.mu=10",
+                     hook=lambda r, k, u: uploads.append(u) or u)
+    for u in uploads:
+        assert all(k.startswith(("router_probs.", "dc.")) for k in u.extras), sorted(u.extras)
+        assert not any("router" in k.removeprefix("dc.") for k in u.extras if k.startswith("dc.")), sorted(u.extras)
+        assert not any("router" in k for k in u.factors)
+    for c in fed.clients:
+        router = c.state["router.all"]
+        assert router.shape == (2,) and not torch.equal(router, torch.zeros(2))  # trained, and not overwritten
+        assert not any(k.startswith("algo.router") for k in c.state)
+        if algorithm == "scaffold":
+            assert any(k.startswith("algo.") for k in c.state)  # c_k kept under its own names
+    assert not any("router" in k for k in fed.algorithm.server_state())
+
+
+def test_bias_adaptors_are_averaged_and_exported(tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    from fedllm.export import export_run
+
+    uploads = []
+    fed = floral_run(tmp_path, "aggregation.bias_adaptors=true", "aggregation.router_lr=0.5",
+                     hook=lambda r, k, u: uploads.append(u) or u)
+    biases = {k: v for k, v in fed.state.extras.items() if k.startswith("bias.")}
+    modules = {k.removeprefix("bias.") for k in biases}
+    assert modules == set(fed.state.factors) and all(v.shape[0] == 2 for v in biases.values())
+    last = uploads[-4:]  # the last round's uploads: bias.<module> (C x out) beside the probabilities
+    key = next(iter(modules))
+    w = adaptor_weights(last, [u.num_examples / sum(x.num_examples for x in last) for u in last], key)
+    by_hand = sum(w[k, :, None].float() * u.extras[f"bias.{key}"] for k, u in enumerate(last))
+    assert_close(biases[f"bias.{key}"], by_hand, rtol=1e-5, atol=1e-7)
+    assert float(by_hand.abs().sum()) > 0  # they trained
+    out = export_run(tmp_path / "r", tmp_path / "c1", client=1)
+    assert json.loads((out / "adapter_config.json").read_text())["lora_bias"] is True
+    exported = AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    c = fed.clients[1]
+    fed.load_client(c, fed.start_round)
+    fed.model.eval()
+    session = fed.open_mixture(c, own_router=True)
+    ids = torch.tensor([[1, 11, 22, 33, 44]])
+    with torch.no_grad():
+        mixed, theirs = fed.model(input_ids=ids).logits, exported(input_ids=ids).logits
+    session.close()
+    assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)
 
 
 def test_personalized_export_matches_mixture(tmp_path):

@@ -55,9 +55,18 @@ def low_rank_svd(f: LoraFactors) -> tuple[Tensor, Tensor, Tensor]:
     return qb @ uc.to(dtype), s.to(dtype), vch.to(dtype) @ qa.T
 
 
-def svd_factors(u: Tensor, s: Tensor, vh: Tensor, rank: int) -> LoraFactors:
-    """Rank-``rank`` factors ``B = U sqrt(S)``, ``A = sqrt(S) Vh`` (scale 1)."""
-    root = s[:rank].clamp_min(0).sqrt()
+def svd_factors(u: Tensor, s: Tensor, vh: Tensor, rank: int, split: str = "sqrt") -> LoraFactors:
+    """Rank-``rank`` factors of ``U S Vh`` (scale 1): ``B = U sqrt(S), A = sqrt(S) Vh`` or ``B = U S, A = Vh``.
+
+    The product is the same; the split is not: it decides the scale of each
+    factor a client starts training from ('us' gives A orthonormal rows).
+    """
+    s = s[:rank].clamp_min(0)
+    if split == "us":
+        return LoraFactors(vh[:rank], u[:, :rank] * s[None, :], 1.0)
+    if split != "sqrt":
+        raise ValueError(f"split = {split!r}: expected 'us' or 'sqrt'")
+    root = s.sqrt()
     return LoraFactors(root[:, None] * vh[:rank], u[:, :rank] * root[None, :], 1.0)
 
 

@@ -62,13 +62,15 @@ class GlobalState:
 
 @dataclass
 class ClientStart:
-    """What a client downloads: factors to load (None: fresh LoRA) and an update to merge."""
+    """What a client downloads: factors to load (None: fresh LoRA), an update to merge, strategy extras."""
 
     factors: Adapter | None
     merge: Adapter = field(default_factory=dict)
+    extras: dict[str, Tensor] = field(default_factory=dict)  # e.g. FLoRAL's bias adaptors
 
     def numel(self) -> int:
-        return (adapter_numel(self.factors) if self.factors else 0) + adapter_numel(self.merge)
+        return ((adapter_numel(self.factors) if self.factors else 0) + adapter_numel(self.merge)
+                + sum(t.numel() for t in self.extras.values()))
 
 
 @dataclass
@@ -147,6 +149,10 @@ class Strategy(abc.ABC):
     def global_adapter(self, state: GlobalState) -> Adapter:
         """The adapter evaluated and exported as 'the global model' (on top of the residual)."""
         return state.factors
+
+    def global_biases(self, state: GlobalState) -> dict[str, Tensor]:
+        """Per-module output biases of the global model's LoRA branch (FLoRAL's bias adaptors); usually none."""
+        return {}
 
 
 def leading_start(state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:

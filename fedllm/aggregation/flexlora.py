@@ -17,19 +17,32 @@ from fedllm.factors import Adapter
 class FlexLoRA(Strategy):
     """Global update = exact weighted sum, kept in SVD form (singular values sorted).
 
-    Client: loads the leading ``r_k`` SVD components (its truncated SVD, split
-    as ``B = U sqrt(S)``, ``A = sqrt(S) Vh`` and re-scaled to its own scale).
+    Client: loads the leading ``r_k`` SVD components (its truncated SVD,
+    re-scaled to its own scale), split as ``B = U S``, ``A = Vh`` as in the
+    reference implementation (FederatedScope's FlexLoRA branch), or
+    ``B = U sqrt(S)``, ``A = sqrt(S) Vh`` (``split="sqrt"``). The product is the
+    same, the training that follows is not: the split sets the factors' scales.
     """
 
     name = "flexlora"
     averages_parameters = False
+
+    def __init__(self, split: str = "us") -> None:
+        if split not in ("us", "sqrt"):
+            raise ValueError(f"split = {split!r}: expected 'us' or 'sqrt'")
+        super().__init__(split=split)
+        self.split = split
+
+    @classmethod
+    def from_config(cls, agg) -> FlexLoRA:
+        return cls(split=agg.flexlora_split)
 
     def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
         out: Adapter = {}
         for key in updates[0].factors:
             stacked = stack([u.factors[key] for u in updates], weights)
             u, s, vh = low_rank_svd(stacked)
-            out[key] = svd_factors(u, s, vh, s.numel())
+            out[key] = svd_factors(u, s, vh, s.numel(), self.split)
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
     def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,

@@ -1,37 +1,50 @@
 """FLoRAL: federated mixtures of LoRA adaptors with client-specific routers.
 
 Almansoori et al., "Collaborative and Efficient Personalization with Mixtures
-of Adaptors" (FLoRAL). Each target module has C adaptors of rank r; client k
-mixes them with its own router ``pi_k = softmax(logits_k / T)``, which never
-leaves the client. The server averages adaptor c over the round's clients with
-weights ``p(k|c) = p_k pi_kc / sum_j p_j pi_jc``, so a client contributes to
-the adaptors its router actually uses. With C = 1 this is FedIT.
+of Adaptors" (FLoRAL, arXiv 2410.03497). Each target module has C adaptors of
+rank r; client k mixes them with its own router ``pi_k = softmax(logits_k / T)``,
+which never leaves the client. The server averages adaptor c of a module over
+the round's clients with weights ``p(k|c) = p_k pi_kc / sum_j p_j pi_jc``,
+where ``pi_kc`` is the router probability client k gives that module (with
+per-layer routers, each layer's own), so a client contributes to the adaptors
+its router actually uses. An adaptor that no client of the round uses (all
+``p_j pi_jc`` zero, e.g. softmax underflow) is kept as it was. Optional bias
+adaptors (C vectors per module) are averaged with the same weights. With
+C = 1 this is FedIT.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from torch import Tensor
 
 from fedllm.aggregation._linalg import weighted_mean
 from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
-from fedllm.config import ConfigError
 from fedllm.factors import Adapter, LoraFactors
 
+log = logging.getLogger(__name__)
 
-def adaptor_weights(updates: list[ClientUpdate], weights: list[float], num_adaptors: int) -> torch.Tensor:
-    """``K x C`` matrix of p(k|c): columns sum to one."""
-    probs = torch.stack([u.extras["router_probs"].double() for u in updates])  # K x C
+PROBS = "router_probs."
+BIAS = "bias."
+
+
+def adaptor_weights(updates: list[ClientUpdate], weights: list[float], key: str) -> Tensor:
+    """``K x C`` matrix of p(k|c) for module ``key``; a column is all-NaN where no client uses adaptor c."""
+    probs = torch.stack([u.extras[PROBS + key].double() for u in updates])  # K x C
     joint = torch.tensor(weights, dtype=torch.float64)[:, None] * probs
-    return joint / joint.sum(0, keepdim=True)
+    mass = joint.sum(0, keepdim=True)
+    return torch.where(mass > 0, joint / mass.clamp_min(torch.finfo(torch.float64).tiny), torch.nan)
 
 
 class FLoRAL(Strategy):
     """Average each adaptor with router-weighted example weights.
 
-    Client: loads the C global adaptors (a rank C*r adapter), mixes them with
-    its local router (stateful across rounds, or re-learned from zero), trains
-    adaptors and router, and uploads the adaptors and its mean router
-    probabilities, never the router logits.
+    Client: loads the C global adaptors (a rank C*r adapter, and the C bias
+    adaptors if enabled), mixes them with its local router (stateful across
+    rounds, or re-learned from zero), trains adaptors and router, and uploads
+    the adaptors and its per-module router probabilities, never the router.
     """
 
     name = "floral"
@@ -39,7 +52,7 @@ class FLoRAL(Strategy):
 
     def __init__(self, num_adaptors: int = 2) -> None:
         if num_adaptors < 1:
-            raise ConfigError(f"aggregation.num_adaptors = {num_adaptors} is invalid: expected an integer >= 1")
+            raise ValueError(f"num_adaptors = {num_adaptors} is invalid: expected an integer >= 1")
         super().__init__(num_adaptors=num_adaptors)
         self.num_adaptors = num_adaptors
 
@@ -47,41 +60,61 @@ class FLoRAL(Strategy):
     def from_config(cls, agg) -> FLoRAL:
         return cls(num_adaptors=agg.num_adaptors)
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        ranks = set(cfg.lora.ranks) | set(cfg.lora.rank_distribution)
-        if len(ranks) != 1:
-            raise ConfigError(
-                f"aggregation.name = floral mixes C adaptors of one rank r: set lora.ranks to a single rank "
-                f"(got {sorted(ranks)})"
-            )
-
     def adapter_rank(self, rank: int) -> int:
         return self.num_adaptors * rank
 
     def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
         c = self.num_adaptors
-        w = adaptor_weights(updates, weights, c)
         out: Adapter = {}
+        extras = dict(state.extras)
+        unused: dict[str, list[int]] = {}
         for key in updates[0].factors:
+            w = adaptor_weights(updates, weights, key)
             folded = [u.factors[key].folded() for u in updates]
+            before = state.factors.get(key) or updates[0].start.get(key)  # the clients' common start
             r = folded[0].rank // c
             a_blocks, b_blocks = [], []
             for i in range(c):
-                wi = [float(x) for x in w[:, i]]
-                a_blocks.append(weighted_mean([f.A[i * r:(i + 1) * r] for f in folded], wi))
-                b_blocks.append(weighted_mean([f.B[:, i * r:(i + 1) * r] for f in folded], wi))
+                rows = slice(i * r, (i + 1) * r)
+                if torch.isnan(w[0, i]) and before is not None:  # nobody's router uses it this round: keep it
+                    unused.setdefault(key, []).append(i)
+                    a_blocks.append(before.folded().A[rows])
+                    b_blocks.append(before.folded().B[:, rows])
+                    continue
+                wi = [float(x) for x in w[:, i]] if not torch.isnan(w[0, i]) else weights
+                a_blocks.append(weighted_mean([f.A[rows] for f in folded], wi))
+                b_blocks.append(weighted_mean([f.B[:, rows] for f in folded], wi))
             out[key] = LoraFactors(torch.cat(a_blocks), torch.cat(b_blocks, dim=1), 1.0)
-        return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)),
-                           info={"router_mass": [float(x) for x in torch.stack(
-                               [u.extras["router_probs"] for u in updates]).mean(0)]})
+            if BIAS + key in updates[0].extras:
+                extras[BIAS + key] = self._average_bias(key, updates, w, state.extras.get(BIAS + key))
+        if unused:
+            log.warning("FLoRAL: %d module(s) had adaptors no client's router used this round (kept unchanged), "
+                        "e.g. %s adaptor(s) %s", len(unused), *next(iter(unused.items())))
+        mass = torch.stack([torch.stack([u.extras[PROBS + k] for k in updates[0].factors]).mean(0) for u in updates])
+        info = {"router_mass": [float(x) for x in mass.mean(0)], "unused_adaptors": sum(map(len, unused.values()))}
+        return RoundResult(GlobalState(out, dict(state.residual), extras=extras), info=info)
+
+    @staticmethod
+    def _average_bias(key: str, updates: list[ClientUpdate], w: Tensor, before: Tensor | None) -> Tensor:
+        """Bias adaptor c of module ``key`` averaged with p(k|c); an unused one kept (zeros before round 1)."""
+        stacked = torch.stack([u.extras[BIAS + key].double() for u in updates])  # K x C x out
+        out = torch.einsum("kc,kco->co", torch.nan_to_num(w), stacked).to(stacked.dtype)
+        unused = torch.isnan(w[0])
+        if unused.any():
+            out[unused] = (before.double() if before is not None else torch.zeros_like(out))[unused]
+        return out.float()
 
     def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
                      client_id: int | None = None) -> ClientStart:
+        biases = {k: v for k, v in state.extras.items() if k.startswith(BIAS)}
         if not state.factors:
-            return ClientStart(None, merged)
-        return ClientStart({k: f.with_scale(scale) for k, f in state.factors.items()}, merged)
+            return ClientStart(None, merged, biases)
+        return ClientStart({k: f.with_scale(scale) for k, f in state.factors.items()}, merged, biases)
 
     def global_adapter(self, state: GlobalState) -> Adapter:
         """The global model: the uniform mixture (every adaptor weighted 1/C)."""
         return {k: LoraFactors(f.A, f.B / self.num_adaptors, f.scale) for k, f in state.factors.items()}
+
+    def global_biases(self, state: GlobalState) -> dict[str, Tensor]:
+        """The uniform mixture's bias per module (the mean of its C bias adaptors)."""
+        return {k[len(BIAS):]: v.mean(0) for k, v in state.extras.items() if k.startswith(BIAS)}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from fedllm.aggregation._linalg import energy_rank, low_rank_svd, stack, svd_factors
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, new_residual
-from fedllm.config import ConfigError
 from fedllm.factors import Adapter
 
 
@@ -30,9 +29,9 @@ class FLoRIST(Strategy):
 
     def __init__(self, tau: float = 0.9, fixed_rank: int = 0) -> None:
         if not 0 < tau <= 1:
-            raise ConfigError(f"aggregation.tau = {tau} is invalid: expected a value in (0, 1]")
+            raise ValueError(f"tau = {tau} is invalid: expected a value in (0, 1]")
         if fixed_rank < 0:
-            raise ConfigError(f"aggregation.fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
+            raise ValueError(f"fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
         super().__init__(tau=tau, fixed_rank=fixed_rank)
         self.tau, self.fixed_rank = tau, fixed_rank
 

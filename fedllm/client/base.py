@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from data_prep.prompts import TokenizedExample, collate
 from fedllm.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
@@ -39,16 +40,21 @@ class LocalPlan:
     client_id: int
     steps: int
     seed: int
-    lr: float
+    lr: float  # AdamW's learning rate
     batch_size: int
     grad_accum: int = 1
     scheduler: str = "cosine"
     warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    param_lrs: dict[str, float] = field(default_factory=dict)  # per-parameter learning rates (routers)
+    sgd_lr: float = 0.1  # plain SGD's learning rate (SGD needs a far larger step than AdamW)
+    # Parameters that stay on the client and are trained by plain optimizer steps at their own learning rate
+    # (FLoRAL's routers): never part of what an algorithm corrects, pulls back, meta-learns or uploads.
+    local_params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    local_lr: float = 1e-2
     layout: Any = None  # fedllm.parallel.Layout: data-parallel wrapping of the model (None: as is)
     deadline: float | None = None  # time.monotonic() after which the client stops (federation.client_timeout_s)
+    progress: bool = False  # a progress bar over the local steps (on a terminal)
 
 
 @dataclass
@@ -80,6 +86,9 @@ class ClientAlgorithm(abc.ABC):
     """One local-training algorithm; subclasses register by ``name``."""
 
     name: ClassVar[str] = ""
+    # what the config layer checks against the strategy (clients never look at the strategy themselves)
+    needs_parameter_averaging: ClassVar[bool] = False  # its state refers to parameters that persist across rounds
+    trains_local_params: ClassVar[bool] = True  # can train client-only parameters beside its own (FLoRAL routers)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -103,24 +112,33 @@ class ClientAlgorithm(abc.ABC):
     def check_config(cls, cfg) -> None:
         """Refuse combinations this algorithm cannot run, before any work starts."""
 
+    def step_size(self, plan: LocalPlan) -> float:
+        """The learning rate of this algorithm's optimizer: ``client.lr`` (AdamW) or ``client.sgd_lr`` (SGD)."""
+        return plan.sgd_lr if self.optimizer == "sgd" else plan.lr
+
     def make_optimizer(self, params: Params, plan: LocalPlan) -> torch.optim.Optimizer:
-        """AdamW or SGD; parameters named in ``plan.param_lrs`` get their own learning rate."""
-        groups = [{"params": [p for k, p in params.items() if k not in plan.param_lrs], "lr": plan.lr}]
-        groups += [{"params": [params[k]], "lr": lr, "weight_decay": 0.0} for k, lr in plan.param_lrs.items()
-                   if k in params]
+        """AdamW or SGD over ``params``; ``plan.local_params`` form their own group at ``plan.local_lr``."""
+        groups = [{"params": list(params.values()), "lr": self.step_size(plan)}]
+        if plan.local_params:
+            groups.append({"params": list(plan.local_params.values()), "lr": plan.local_lr, "weight_decay": 0.0})
         if self.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=plan.lr, weight_decay=plan.weight_decay)
-        return torch.optim.AdamW(groups, lr=plan.lr, weight_decay=plan.weight_decay)
+            return torch.optim.SGD(groups, lr=self.step_size(plan), weight_decay=plan.weight_decay)
+        return torch.optim.AdamW(groups, lr=self.step_size(plan), weight_decay=plan.weight_decay)
 
     def begin(self, params: Params, state: dict[str, Any]) -> None:
         """Hook before the first local step (e.g. remember the starting point)."""
 
-    def finish(self, params: Params, plan: LocalPlan, state: dict[str, Any]) -> dict[str, Tensor]:
-        """Hook after the last local step; returns extra tensors to upload."""
+    def finish(self, params: Params, plan: LocalPlan, state: dict[str, Any],
+               step_sizes: list[float]) -> dict[str, Tensor]:
+        """Hook after the last local step (``step_sizes``: the learning rate of each step); returns extra uploads."""
         return {}
 
-    def server_update(self, updates: list, num_clients: int) -> None:
-        """Server-side state of the algorithm after a round (SCAFFOLD's control variate)."""
+    def server_update(self, updates: list, population_examples: int) -> None:
+        """Server-side state of the algorithm after a round (SCAFFOLD's control variate).
+
+        ``population_examples`` is the example count of *all* clients, sampled
+        or not, so a client's weight ``n_k / n`` is the one of the objective.
+        """
 
     def download_numel(self, params: Params) -> int:
         """Extra parameters a client downloads for this algorithm (e.g. the server control)."""
@@ -136,16 +154,20 @@ class ClientAlgorithm(abc.ABC):
                     accelerator) -> None:
         """Adapt the global model to a client with ``steps`` plain SGD steps (for personalized evaluation)."""
         opt = torch.optim.SGD(list(params.values()), lr=self.personal_lr(plan))
+        torch.manual_seed(plan.seed + 1)
         model.train()
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
             accumulate(model, batches, plan, accelerator)
+            if plan.max_grad_norm > 0:  # the same step rule as local training
+                torch.nn.utils.clip_grad_norm_(list(params.values()), plan.max_grad_norm)
             opt.step()
         opt.zero_grad(set_to_none=True)
         model.eval()
 
     def personal_lr(self, plan: LocalPlan) -> float:
-        return plan.lr
+        """Personalization takes plain SGD steps: ``client.sgd_lr``."""
+        return plan.sgd_lr
 
     @abc.abstractmethod
     def local_step(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan,
@@ -165,26 +187,32 @@ class ClientAlgorithm(abc.ABC):
         scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
         layout = plan.layout
         self.begin(params, state)
-        losses = []
+        losses, step_sizes = [], []
         with wrapped_for_training(accelerator, layout, model, optimizer, plan.max_grad_norm,
                                   plan.batch_size) as (wrapped, optimizer):
             wrapped.train()
+            bar = tqdm(total=plan.steps, desc=f"client {plan.client_id}", leave=False, disable=None if plan.progress
+                       else True)
             for _ in range(plan.steps):
                 optimizer.zero_grad(set_to_none=True)
                 loss = self.local_step(wrapped, params, batches, plan, accelerator)
                 if plan.max_grad_norm > 0 and not clips_gradients_itself(layout):
                     torch.nn.utils.clip_grad_norm_(list(params.values()), plan.max_grad_norm)
+                step_sizes.append(optimizer.param_groups[0]["lr"])
                 optimizer.step()
                 scheduler.step()
                 losses.append(loss)
+                bar.update()
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 if plan.deadline is not None and time.monotonic() > plan.deadline:
                     raise ClientTimeout(f"stopped after {len(losses)} of {plan.steps} steps: past its time budget "
                                         "(federation.client_timeout_s)")
             optimizer.zero_grad(set_to_none=True)
+            bar.close()
         model.eval()
         if layout is not None and layout.data_parallel:  # each process saw a share of every batch
             losses = mean_over_processes(accelerator, losses)
-        return LocalResult(losses, self.finish(params, plan, state))
+        return LocalResult(losses, self.finish(params, plan, state, step_sizes))
 
 
 def lm_loss(model, batch: dict[str, Tensor], accelerator) -> Tensor:

@@ -8,13 +8,20 @@ local step draws three batches D, D', D'':
 * FO:  ``theta <- theta - beta * grad f(theta'; D')``
 * HF:  ``theta <- theta - beta * (I - alpha * H(theta; D'')) grad f(theta'; D')``,
   with the Hessian-vector product from a central difference of gradients
-  (``(grad f(theta + d v) - grad f(theta - d v)) / 2d``), as in the paper.
+  (``(grad f(theta + d v) - grad f(theta - d v)) / 2d``), as in the paper. Both
+  gradients of the difference see the same dropout masks (one RNG state), or
+  the quotient would measure the masks' difference instead of the curvature.
 
-Personalization = the global model plus one (or k) plain steps on the
-client's own data, which is what the objective trains it to be good for.
+Steps are plain SGD: ``beta`` is ``client.sgd_lr`` and ``alpha`` is
+``client.perfedavg_alpha`` (default: ``beta``). Every gradient averages
+``client.grad_accum`` micro-batches. Personalization = the global model plus
+one (or k) steps of size alpha on the client's own data, which is what the
+objective trains it to be good for.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -22,37 +29,56 @@ from torch import Tensor
 from fedllm.client.base import ClientAlgorithm, Params, backward, lm_loss
 
 
-def _grads(model, params: Params, batch, accelerator) -> tuple[dict[str, Tensor], float]:
-    for p in params.values():
-        p.grad = None
-    loss = lm_loss(model, batch, accelerator)
-    backward(loss, accelerator)
-    grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for k, p in params.items()}
-    for p in params.values():
-        p.grad = None
-    return grads, loss.item()
+def _rng_state() -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 class PerFedAvg(ClientAlgorithm):
-    """MAML-style local steps; the outer step size beta is ``client.lr`` (SGD).
+    """MAML-style local steps with SGD.
 
     Server: any parameter-averaging strategy (the meta-model is averaged).
     """
 
     name = "perfedavg"
+    trains_local_params = False  # the meta-objective is over the shared parameters only (no FLoRAL routers)
 
-    def __init__(self, alpha: float = 1e-3, variant: str = "fo", fd_delta: float = 1e-3) -> None:
+    def __init__(self, alpha: float = 0.0, variant: str = "fo", fd_delta: float = 1e-3) -> None:
         if variant not in ("fo", "hf"):
             raise ValueError(f"client.perfedavg_variant = {variant!r}: expected fo or hf")
-        super().__init__("sgd", alpha=alpha, variant=variant)
+        super().__init__("sgd", alpha=alpha, variant=variant, fd_delta=fd_delta)
         self.alpha, self.variant, self.fd_delta = alpha, variant, fd_delta
 
     @classmethod
     def from_config(cls, client_cfg) -> PerFedAvg:
-        return cls(alpha=client_cfg.perfedavg_alpha, variant=client_cfg.perfedavg_variant)
+        return cls(alpha=client_cfg.perfedavg_alpha, variant=client_cfg.perfedavg_variant,
+                   fd_delta=client_cfg.perfedavg_fd_delta)
+
+    def inner_lr(self, plan) -> float:
+        return self.alpha or plan.sgd_lr
 
     def personal_lr(self, plan) -> float:
-        return self.alpha  # the inner step the meta-objective trained for
+        return self.inner_lr(plan)  # the inner step the meta-objective trained for
+
+    def _grads(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan, accelerator,
+               ) -> tuple[dict[str, Tensor], float]:
+        """Gradient of the mean loss over ``grad_accum`` micro-batches, and that loss."""
+        for p in params.values():
+            p.grad = None
+        total = 0.0
+        for _ in range(plan.grad_accum):
+            loss = lm_loss(model, next(batches), accelerator) / plan.grad_accum
+            backward(loss, accelerator)
+            total += loss.item()
+        grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for k, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        return grads, total
 
     @torch.no_grad()
     def _shift(self, params: Params, direction: dict[str, Tensor], step: float) -> None:
@@ -60,25 +86,28 @@ class PerFedAvg(ClientAlgorithm):
             p.add_(direction[k].to(p.device), alpha=step)
 
     def local_step(self, model, params, batches, plan, accelerator) -> float:
+        alpha = self.inner_lr(plan)
         start = {k: p.detach().clone() for k, p in params.items()}
-        g_inner, loss = _grads(model, params, next(batches), accelerator)
-        self._shift(params, g_inner, -self.alpha)
-        g_outer, _ = _grads(model, params, next(batches), accelerator)
+        g_inner, loss = self._grads(model, params, batches, plan, accelerator)
+        self._shift(params, g_inner, -alpha)
+        g_outer, _ = self._grads(model, params, batches, plan, accelerator)
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(start[k])
         update = g_outer
         if self.variant == "hf":
-            batch = next(batches)
+            hvp_batches = [next(batches) for _ in range(plan.grad_accum)]  # D'' for both sides
             d = self.fd_delta
+            rng = _rng_state()  # the same dropout masks on both sides of the difference
             self._shift(params, g_outer, d)
-            g_plus, _ = _grads(model, params, batch, accelerator)
+            g_plus, _ = self._grads(model, params, iter(hvp_batches), plan, accelerator)
+            _set_rng_state(rng)
             self._shift(params, g_outer, -2 * d)
-            g_minus, _ = _grads(model, params, batch, accelerator)
+            g_minus, _ = self._grads(model, params, iter(hvp_batches), plan, accelerator)
             with torch.no_grad():
                 for k, p in params.items():
                     p.copy_(start[k])
-            update = {k: g_outer[k] - self.alpha * (g_plus[k] - g_minus[k]) / (2 * d) for k in params}
+            update = {k: g_outer[k] - alpha * (g_plus[k] - g_minus[k]) / (2 * d) for k in params}
         for k, p in params.items():
             p.grad = update[k].to(p.device)
         return loss

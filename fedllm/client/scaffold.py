@@ -5,12 +5,21 @@ Learning" (ICML 2020); the SCAFFLSA analysis of federated linear stochastic
 approximation shows that control variates remove the heterogeneity bias of
 local training while keeping the linear speed-up in the number of clients.
 
-Each local step uses the corrected gradient ``g - c_k + c``. After ``K``
-steps with step size ``eta`` the client sets (option II)
-``c_k+ = c_k - c + (theta_0 - theta_K) / (K * eta)`` and uploads
-``delta c_k = c_k+ - c_k``; the server sets ``c += |S|/N * mean(delta c_k)``.
-Controls of clients with smaller ranks are the leading rows/columns of the
-server's (largest-rank) control, as with FedIT's zero-padding.
+The objective is ``sum_k p_k f_k`` with ``p_k = n_k / n`` (``n``: the examples
+of all clients), the one the server's example-weighted average of the models
+descends. Each local step uses the corrected gradient ``g - c_k + c``. After
+``K`` steps of sizes ``eta_1..eta_K`` the client sets (option II)
+``c_k+ = c_k - c + (theta_0 - theta_K) / sum_t eta_t`` and uploads
+``delta c_k = c_k+ - c_k``; the server keeps ``c = sum_k p_k c_k`` over all
+clients by adding ``sum_{k in S} p_k delta c_k``. (Weighting ``c`` uniformly
+while averaging the models by ``p_k``, as the paper's equal-size setting
+does, would converge to the minimizer of ``(1/N) sum f_k`` instead.) Controls
+of clients with smaller ranks are the leading rows/columns of the server's
+(largest-rank) control, as with FedIT's zero-padding.
+
+With ``client.scaffold_optimizer=adamw`` the corrected gradient goes through
+AdamW instead of SGD, as OpenFedLLM does: a practical variant outside the
+analysis (``sum_t eta_t`` then only approximates the step taken).
 """
 
 from __future__ import annotations
@@ -21,7 +30,6 @@ import torch
 from torch import Tensor
 
 from fedllm.client.base import ClientAlgorithm, Params, accumulate
-from fedllm.config import ConfigError
 
 
 def _fit(t: Tensor, shape: torch.Size) -> Tensor:
@@ -33,37 +41,25 @@ def _fit(t: Tensor, shape: torch.Size) -> Tensor:
 
 
 class Scaffold(ClientAlgorithm):
-    """Drift-corrected local steps with SGD (the setting of the analysis).
+    """Drift-corrected local steps (SGD by default, the setting of the analysis).
 
     Server: a strategy that averages parameters (FedIT); the control variate
     deltas travel as extra uploads and the server control as extra download.
     """
 
     name = "scaffold"
+    needs_parameter_averaging = True
 
-    def __init__(self) -> None:
-        super().__init__("sgd")
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__(optimizer)
         self.server_c: dict[str, Tensor] = {}
         self._start: dict[str, Tensor] = {}
         self._c: dict[str, Tensor] = {}
         self._ck: dict[str, Tensor] = {}
 
     @classmethod
-    def check_config(cls, cfg) -> None:
-        from fedllm.aggregation import STRATEGIES
-
-        strategy = STRATEGIES[cfg.aggregation.name]
-        if not strategy.averages_parameters:
-            raise ConfigError(
-                f"client.algorithm = scaffold needs a strategy that averages parameters (fedit); "
-                f"aggregation.name = {cfg.aggregation.name} changes the parameter space every round "
-                f"(merged, stacked or re-factorized updates), so control variates would refer to parameters "
-                f"that no longer exist"
-            )
-
-    @classmethod
     def from_config(cls, client_cfg) -> Scaffold:
-        return cls()
+        return cls(optimizer=client_cfg.scaffold_optimizer)
 
     def download_numel(self, params: Params) -> int:
         return sum(p.numel() for p in params.values()) if self.server_c else 0
@@ -82,23 +78,25 @@ class Scaffold(ClientAlgorithm):
                 p.grad = correction if p.grad is None else p.grad.add_(correction)
         return loss
 
-    def finish(self, params: Params, plan, state: dict[str, Any]) -> dict[str, Tensor]:
-        denom = plan.steps * plan.lr
-        new_ck = {k: self._ck[k] - self._c[k] + (self._start[k] - p.detach().cpu()) / denom for k, p in params.items()}
+    def finish(self, params: Params, plan, state: dict[str, Any], step_sizes: list[float]) -> dict[str, Tensor]:
+        travelled = sum(step_sizes)  # sum_t eta_t: the schedule's real steps, not K * peak lr
+        new_ck = {k: self._ck[k] - self._c[k] + (self._start[k] - p.detach().cpu()) / travelled
+                  for k, p in params.items()}
         deltas = {f"dc.{k}": new_ck[k] - self._ck[k] for k in params}
         state.clear()
         state.update(new_ck)  # c_k stays with the client
         return deltas
 
-    def server_update(self, updates: list, num_clients: int) -> None:
+    def server_update(self, updates: list, population_examples: int) -> None:
+        """``c += sum_{k in S} (n_k / n) delta c_k``: keeps ``c = sum_k p_k c_k`` over all clients."""
         keys = {k for u in updates for k in u.extras if k.startswith("dc.")}
         for key in keys:
             name = key[3:]
-            deltas = [u.extras[key] for u in updates if key in u.extras]
-            shape = torch.Size(max(d.shape[i] for d in deltas) for i in range(deltas[0].dim()))
-            mean = sum(_fit(d, shape) for d in deltas) / len(deltas)
+            mine = [u for u in updates if key in u.extras]
+            shape = torch.Size(max(u.extras[key].shape[i] for u in mine) for i in range(mine[0].extras[key].dim()))
+            step = sum((u.num_examples / population_examples) * _fit(u.extras[key], shape) for u in mine)
             current = _fit(self.server_c[name], shape) if name in self.server_c else torch.zeros(shape)
-            self.server_c[name] = current + (len(deltas) / num_clients) * mean
+            self.server_c[name] = current + step
 
     def server_state(self) -> dict[str, Tensor]:
         return dict(self.server_c)
