@@ -44,16 +44,48 @@ def friendly_errors() -> Iterator[None]:
         sys.exit(EXIT_FAILED)
 
 
+# third-party loggers whose warnings say nothing a fedllm user can act on (shown with --log-level DEBUG)
+QUIET_LOGGERS = ("bitsandbytes", "httpx", "urllib3", "filelock", "accelerate", "torch.distributed", "DeepSpeed",
+                 "transformers", "peft", "datasets", "huggingface_hub")
+
+
 def _setup_logging(level: str = "INFO") -> None:
-    """One console log per launch: processes other than rank 0 only report warnings and errors."""
+    """One clean console log per launch.
+
+    Processes other than rank 0 report warnings and errors only. Unless the
+    level is DEBUG, third-party deprecation notices and advisories (e.g.
+    bitsandbytes' "pip install kernels", transformers' FutureWarnings) are
+    dropped, and progress bars are drawn only on a terminal: a log redirected
+    to a file gets no carriage returns or cursor codes.
+    """
+    import warnings
+
     rank = os.environ.get("RANK", "0")
     if rank != "0" and getattr(logging, level) < logging.WARNING:
         level = "WARNING"
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else \
         f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s"
     logging.basicConfig(level=getattr(logging, level), format=fmt, datefmt="%H:%M:%S")
-    for noisy in ("httpx", "urllib3", "filelock", "accelerate", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if level == "DEBUG":
+        return
+    for noisy in QUIET_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", message=".*lora_bias=True.*")  # peft, for FLoRAL's bias adaptors
+    if not _has_cuda():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would find it too, after a warning
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -126,6 +158,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def print_summary(s: dict) -> None:
+    from fedllm.export import benchmark_name
+
     def f(x):
         return "n/a" if x is None else f"{x:.4f}"
 
@@ -134,8 +168,11 @@ def print_summary(s: dict) -> None:
     print(f"run dir            {s['run_dir']}")
     print(f"strategy / client  {s['strategy']} / {s['algorithm']}, ranks {s['ranks']}")
     print(f"held-out loss      {f(s.get('loss_before'))} -> {f(s.get('loss_after'))}")
-    print(f"accuracy           {f(s.get('accuracy_before'))} -> {f(s.get('accuracy_after'))}"
-          f" (best {f(s.get('accuracy_best'))})")
+    if s.get("benchmark"):
+        print(f"accuracy           {f(s.get('accuracy_before'))} -> {f(s.get('accuracy_after'))}"
+              f" (best {f(s.get('accuracy_best'))}) on {benchmark_name(s['benchmark'])}")
+    else:
+        print("accuracy           n/a (no benchmark: eval.benchmark=none)")
     print(f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
           f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)")
     print(f"failed client calls {s['failed_client_calls']}, skipped rounds {s['skipped_rounds']}")

@@ -126,10 +126,17 @@ class FederationConfig:
 
 @dataclass
 class ClientConfig:
-    algorithm: str = opt("sft", "local training algorithm: sft, fedprox, scaffold, perfedavg")
-    lr: float = opt(3e-3, "adaptor learning rate (Per-FedAvg: the outer step beta)", _positive, "> 0")
-    optimizer: str = opt("adamw", "local optimizer of sft/fedprox (scaffold and perfedavg use SGD, as analysed)",
+    algorithm: str = opt("sft", "local training algorithm (one file each in fedllm/client/)")
+    lr: float = opt(3e-3, "AdamW learning rate of the local steps", _positive, "> 0")
+    sgd_lr: float = opt(0.1, "plain-SGD learning rate: SCAFFOLD's local steps, Per-FedAvg's outer step beta, "
+                        "personalization, and sft/fedprox with client.optimizer=sgd. SGD needs a far larger step "
+                        "than AdamW: on a real LLM's LoRA start near 30x client.lr and halve it while the loss "
+                        "diverges", _positive, "> 0")
+    optimizer: str = opt("adamw", "local optimizer of sft/fedprox (perfedavg always takes SGD steps)",
                          lambda x: x in ("adamw", "sgd"), "one of adamw, sgd")
+    scaffold_optimizer: str = opt("sgd", "SCAFFOLD's optimizer: sgd (the analysed setting) or adamw (the corrected "
+                                  "gradient through AdamW, as OpenFedLLM does)", lambda x: x in ("adamw", "sgd"),
+                                  "one of adamw, sgd")
     batch_size: int = opt(8, "micro-batch size", _positive, "an integer >= 1")
     grad_accum: int = opt(1, "micro-batches per optimizer step", _positive, "an integer >= 1")
     local_steps: int = opt(150, "optimizer steps per round (0: use local_epochs)", _nonneg, ">= 0")
@@ -142,13 +149,18 @@ class ClientConfig:
     max_grad_norm: float = opt(1.0, "gradient clipping (0: off)", _nonneg, ">= 0")
     mu: float = opt(0.01, "FedProx proximal coefficient", _nonneg, ">= 0")
     perfedavg_variant: str = opt("fo", "Per-FedAvg variant", lambda x: x in ("fo", "hf"), "one of fo, hf")
-    perfedavg_alpha: float = opt(1e-3, "Per-FedAvg inner step size", _positive, "> 0")
-    personalize_steps: int = opt(1, "local steps for personalized evaluation (Per-FedAvg)", _nonneg, ">= 0")
+    perfedavg_alpha: float = opt(0.0, "Per-FedAvg inner step size alpha (0: the same as client.sgd_lr)", _nonneg,
+                                 ">= 0")
+    perfedavg_fd_delta: float = opt(1e-3, "Per-FedAvg HF: the finite-difference step of the Hessian-vector product",
+                                    _positive, "> 0")
+    personalize_steps: int = opt(1, "plain-SGD steps (client.sgd_lr; Per-FedAvg: alpha) on a client's own data "
+                                 "for its personalized evaluation and export", _nonneg, ">= 0")
 
 
 @dataclass
 class AggregationConfig:
-    name: str = opt("fedit", "server strategy: fedit, flora, flexlora, florist, floral")
+    name: str = opt("fedit", "server strategy (one file each in fedllm/aggregation/; 'local' is the local-only "
+                    "baseline)")
     tau: float = opt(0.9, "FLoRIST: energy fraction of singular values kept", _fraction, "in (0, 1]")
     fixed_rank: int = opt(0, "FLoRIST: keep exactly this rank instead of using tau (0: use tau)", _nonneg,
                           "an integer >= 1, or 0 to use tau")
@@ -159,13 +171,19 @@ class AggregationConfig:
     router_per_layer: bool = opt(False, "FLoRAL: one router per layer instead of one per client")
     stateful_routers: bool = opt(True, "FLoRAL: keep routers across rounds (else re-learn each round)")
     precondition_eps: float = opt(0.0, "FLoRAL: LoRA preconditioning epsilon (0: off)", _nonneg, ">= 0")
+    bias_adaptors: bool = opt(False, "FLoRAL: also C bias adaptors per target module, mixed by the router")
+    flexlora_split: str = opt("us", "FlexLoRA: how a client's truncated SVD U S V^T is split into its factors: 'us' "
+                              "(B = U S, A = V^T, as the reference) or 'sqrt' (B = U sqrt(S), A = sqrt(S) V^T)",
+                              lambda x: x in ("us", "sqrt"), "one of us, sqrt")
     clip_norm_ratio: float = opt(0.0, "clip each update's norm to this multiple of the round median (0: off)",
                                  _nonneg, ">= 0")
 
 
 @dataclass
 class EvalConfig:
-    benchmark: str = opt("builtin", "'builtin', 'none', cais/mmlu, or a local MMLU copy")
+    benchmark: str = opt("auto", "multiple-choice benchmark scored each evaluation: 'builtin', cais/mmlu, a local MMLU "
+                         "copy, 'none' (held-out loss only), or 'auto' (builtin for the built-in data, else MMLU "
+                         "when a copy can be loaded, else none)")
     every: int = opt(1, "evaluate every N rounds (and always before round 1 and after the last)", _positive,
                      "an integer >= 1")
     shots: int = opt(0, "few-shot examples from the dev split", _nonneg, ">= 0")
@@ -213,13 +231,30 @@ def valid_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _section_classes().items() for f in dataclasses.fields(cls)]
 
 
+def choices(key: str) -> list[str] | None:
+    """The valid values of an enumerated key (registries for strategies and algorithms), else None."""
+    from fedllm.aggregation import STRATEGIES
+    from fedllm.client import ALGORITHMS
+
+    if key == "aggregation.name":
+        return sorted(STRATEGIES)
+    if key == "client.algorithm":
+        return sorted(ALGORITHMS)
+    section, name = key.split(".")
+    f = {f.name: f for f in dataclasses.fields(_section_classes()[section])}[name]
+    expect = f.metadata.get("expect", "")
+    return [c.strip() for c in expect[len("one of "):].split(",")] if expect.startswith("one of ") else None
+
+
 def help_text() -> str:
-    """One line per option: key, default and help."""
+    """One line per option: key, default, help and, for enumerated keys, the valid values."""
     lines = []
     for section, cls in _section_classes().items():
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"{section}.{f.name} (default {default!r}): {f.metadata['help']}")
+            valid = choices(f"{section}.{f.name}")
+            lines.append(f"{section}.{f.name} (default {default!r}{'; one of ' + ', '.join(valid) if valid else ''})"
+                         f": {f.metadata['help']}")
     return "\n".join(lines)
 
 
@@ -373,8 +408,25 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"client.algorithm = {cfg.client.algorithm!r} is unknown; valid choices: {', '.join(sorted(ALGORITHMS))}"
         )
-    STRATEGIES[cfg.aggregation.name].check_config(cfg)
-    ALGORITHMS[cfg.client.algorithm].check_config(cfg)
+    strategy, algorithm = STRATEGIES[cfg.aggregation.name], ALGORITHMS[cfg.client.algorithm]
+    if algorithm.needs_parameter_averaging and not strategy.averages_parameters:
+        raise ConfigError(
+            f"client.algorithm = {cfg.client.algorithm} needs a strategy that averages parameters (fedit, floral); "
+            f"aggregation.name = {cfg.aggregation.name} changes the parameter space every round (merged, stacked or "
+            "re-factorized updates), so control variates would refer to parameters that no longer exist"
+        )
+    if strategy.uses_routers and not algorithm.trains_local_params:
+        raise ConfigError(
+            f"client.algorithm = {cfg.client.algorithm} cannot run with aggregation.name = {cfg.aggregation.name}: "
+            "its meta-objective covers the shared parameters only, and FLoRAL's routers are the client's own "
+            "personalization; use client.algorithm=sft, fedprox or scaffold"
+        )
+    ranks = sorted(set(cfg.lora.ranks) | set(cfg.lora.rank_distribution))
+    if strategy.uses_routers and len(ranks) != 1:
+        raise ConfigError(f"aggregation.name = {cfg.aggregation.name} mixes C adaptors of one rank r: set lora.ranks "
+                          f"to a single rank (got {ranks})")
+    strategy.check_config(cfg)
+    algorithm.check_config(cfg)
 
 
 def save_config(cfg: Config, path: Path) -> None:

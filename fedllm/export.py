@@ -33,8 +33,12 @@ class ExportError(RuntimeError):
 
 
 def write_peft_adapter(path: Path, adapter: Adapter, dense: dict[str, torch.Tensor], base_model: str,
-                       target_modules: list[str], modules_to_save: list[str]) -> None:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (scale 1: lora_alpha = r)."""
+                       target_modules: list[str], modules_to_save: list[str],
+                       biases: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (scale 1: lora_alpha = r).
+
+    ``biases`` (FLoRAL's mixed bias adaptors) become peft's ``lora_B`` biases (``lora_bias``).
+    """
     from peft import LoraConfig
 
     adapter = compact(adapter)
@@ -44,11 +48,13 @@ def write_peft_adapter(path: Path, adapter: Adapter, dense: dict[str, torch.Tens
         g = pad_rank(f, rank)
         tensors[f"{PEFT_PREFIX}{key}.lora_A.weight"] = g.A.contiguous()
         tensors[f"{PEFT_PREFIX}{key}.lora_B.weight"] = g.B.contiguous()
+        if biases:
+            tensors[f"{PEFT_PREFIX}{key}.lora_B.bias"] = biases[key].contiguous()
     for key, t in dense.items():
         tensors[f"{PEFT_PREFIX}{key}"] = t.contiguous()
     config = LoraConfig(r=rank, lora_alpha=rank, target_modules=sorted(target_modules), lora_dropout=0.0,
                         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model,
-                        modules_to_save=sorted(modules_to_save) or None)
+                        modules_to_save=sorted(modules_to_save) or None, lora_bias=bool(biases))
     path.mkdir(parents=True, exist_ok=True)
     save_tensors_atomic(path / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
     atomic_write_text(path / "adapter_config.json", json.dumps(config.to_dict(), indent=2, default=list))
@@ -69,7 +75,7 @@ def save_global_adapter(fed, path: Path) -> None:
         return
     dense = {k: v for k, v in fed.state.dense.items()}
     write_peft_adapter(path, adapter, dense, base_model_reference(fed.cfg), fed.cfg.lora.target_modules,
-                       fed.cfg.lora.trainable_modules)
+                       fed.cfg.lora.trainable_modules, fed.strategy.global_biases(fed.state))
 
 
 def run_config(run_dir: Path):
@@ -81,8 +87,9 @@ def run_config(run_dir: Path):
     return load_config(path)
 
 
-def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapter, dict[str, torch.Tensor]]:
-    """Global adapter (+ residual) and dense modules of a run's round (latest if None)."""
+def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapter, dict[str, torch.Tensor],
+                                                                           dict[str, torch.Tensor]]:
+    """Global adapter (+ residual), dense modules and LoRA biases of a run's round (latest if None)."""
     from fedllm import checkpoint as ckpt
     from fedllm.aggregation import STRATEGIES, GlobalState
 
@@ -99,18 +106,21 @@ def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapt
             raise ExportError(f"{run_dir}: no checkpoint for round {round_idx} (kept: rounds {have}; rounds start at "
                               "1 and only the newest output.keep_checkpoints are kept)")
         tensors, meta = ckpt.load_checkpoint(path)
+    cfg = run_config(run_dir)
     state = GlobalState(ckpt.adapter_from_tensors(tensors, meta["scales"], "global."),
-                        ckpt.adapter_from_tensors(tensors, meta["scales"], "residual."))
-    strategy = STRATEGIES[meta["strategy"]]()
+                        ckpt.adapter_from_tensors(tensors, meta["scales"], "residual."),
+                        extras={k[len("extra."):]: v for k, v in tensors.items() if k.startswith("extra.")})
+    strategy = STRATEGIES[meta["strategy"]].from_config(cfg.aggregation)
     dense = {k[len("dense."):]: v for k, v in tensors.items() if k.startswith("dense.")}
     adapter = concat(strategy.global_adapter(state), state.residual)
     if not adapter:
         raise ExportError(f"{path}: the run has no global update at round {meta['round']} (every round so far was "
                           "skipped): nothing to export")
-    return adapter, dense
+    return adapter, dense, strategy.global_biases(state)
 
 
-def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str, torch.Tensor]]:
+def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str, torch.Tensor],
+                                                                dict[str, torch.Tensor]]:
     """A client's personalized model: the global model plus its algorithm's personalization steps.
 
     The run is rebuilt from its directory (same data split, same seed) and the
@@ -132,15 +142,16 @@ def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str,
     params, _, _ = fed.load_client(c, fed.start_round)
     fed.model.eval()
     session = fed.open_mixture(c, own_router=True)
-    if session is not None:  # FLoRAL: bake the client's router into its stacked adaptors
-        mine = session.bake(read_factors(fed.model, adapter_name(c.rank)))
+    biases: dict[str, torch.Tensor] = {}
+    if session is not None:  # FLoRAL: bake the client's router into its stacked adaptors (and bias adaptors)
+        mine, biases = session.bake(read_factors(fed.model, adapter_name(c.rank)))
         session.close()
     else:
         plan = fed.plan_for(c, fed.start_round)
         batches = batch_stream(c.train, plan.batch_size, fed.tokenizer.pad_token_id, plan.seed + 1)
         fed.algorithm.personalize(fed.model, params, batches, cfg.client.personalize_steps, plan, fed.acc)
         mine = read_factors(fed.model, adapter_name(c.rank))
-    return concat(mine, fed.state.residual), read_dense(fed.model, fed.dense_names)
+    return concat(mine, fed.state.residual), read_dense(fed.model, fed.dense_names), biases
 
 
 def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
@@ -173,17 +184,18 @@ def export_run(run_dir: Path, out: Path, round_idx: int | None = None, merge: bo
     cfg = run_config(run_dir)
     if client is not None and round_idx is not None:
         raise ExportError("--client exports a client's personalization of the latest round: leave --round out")
-    if client is not None:
-        adapter, dense = personalized_adapter(run_dir, client)
-    else:
-        adapter, dense = adapter_from_run(run_dir, round_idx)
+    adapter, dense, biases = (personalized_adapter(run_dir, client) if client is not None else
+                              adapter_from_run(run_dir, round_idx))
+    if merge and biases:
+        raise ExportError("--merge cannot fold FLoRAL's bias adaptors into a base whose layers have no bias: export "
+                          "the adapter (without --merge)")
     base = base_model_reference(cfg)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
     old: Path | None = None
     try:
-        write_peft_adapter(tmp, adapter, dense, base, cfg.lora.target_modules, cfg.lora.trainable_modules)
+        write_peft_adapter(tmp, adapter, dense, base, cfg.lora.target_modules, cfg.lora.trainable_modules, biases)
         if merge:
             merged_dir = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
             _merge(base, tmp, merged_dir, cfg)
@@ -270,13 +282,15 @@ def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, 
                   "pipeline_tag": "text-generation",
                   "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm]}
     meta = {k: v for k, v in meta.items() if v is not None}
-    bench = benchmark_name(cfg.eval.benchmark) if cfg.eval.benchmark != "none" else None
+    summary_path = Path(run_dir) / "summary.json"
+    source = json.loads(summary_path.read_text()).get("benchmark") if summary_path.exists() else None
+    bench = benchmark_name(source) if source else None
     if bench and facts["accuracy"] is not None:
         meta["model-index"] = [{
             "name": f"fedllm-{cfg.aggregation.name}-round-{facts['round']}",
             "results": [{
                 "task": {"type": "multiple-choice", "name": "Multiple-choice question answering"},
-                "dataset": {"type": cfg.eval.benchmark, "name": bench},
+                "dataset": {"type": source, "name": bench},
                 "metrics": [{"type": "accuracy", "value": round(facts["accuracy"], 4),
                              "name": f"accuracy ({cfg.eval.shots}-shot)"}],
             }],
@@ -319,13 +333,26 @@ def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, 
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
-    """Create the repo and upload the folder; the token comes from the environment or login only."""
+    """Create the repo and upload the folder; the token comes from the environment or login only.
+
+    Failures (offline, no token, no permission, a bad repo id) become one
+    ExportError line; the export on disk is kept either way.
+    """
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import OfflineModeIsEnabled
 
     api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                      commit_message="Upload fedllm export")
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                          commit_message="Upload fedllm export")
+    except OfflineModeIsEnabled:
+        raise ExportError(f"--push-to-hub {repo_id}: HF_HUB_OFFLINE=1 is set; the export is in {folder}: push it "
+                          f"later with `hf upload {repo_id} {folder}`") from None
+    except Exception as e:  # HTTP errors, the HTTP client's own network errors, bad ids: all one line here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"--push-to-hub {repo_id} failed ({first}); the export is in {folder}: push it later with "
+                          f"`hf upload {repo_id} {folder}`") from None
     return repo_id
 
 
@@ -349,13 +376,14 @@ def load_for_eval(model: str | None, adapter: str | None, run: str | None, round
                 resolve_base(model, cfg) != base_model_reference(cfg):
             raise ExportError(f"--model {model} is not the base of run {run} ({cfg.model.name!r}, model.name in its "
                               "config.yaml): leave --model out to evaluate the run on its own base")
-        sub = personalized_adapter(Path(run), client) if client is not None else adapter_from_run(Path(run), round_idx)
+        adapter_, dense, biases = (personalized_adapter(Path(run), client) if client is not None else
+                                   adapter_from_run(Path(run), round_idx))
         model_cfg = cfg.model
         model_cfg.dtype = dtype
         base, tokenizer = load_base(model_cfg, device)
         with tempfile.TemporaryDirectory(prefix="fedllm-eval-") as tmp:
-            write_peft_adapter(Path(tmp), *sub, base_model_reference(cfg), cfg.lora.target_modules,
-                               cfg.lora.trainable_modules)
+            write_peft_adapter(Path(tmp), adapter_, dense, base_model_reference(cfg), cfg.lora.target_modules,
+                               cfg.lora.trainable_modules, biases)
             base = PeftModel.from_pretrained(base, tmp).to(device)
         return base.eval(), tokenizer
     if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():

@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 from data_prep.loaders import load_examples
 from data_prep.partition import client_stats, partition
 from data_prep.prompts import TokenizedExample, collate, tokenize_examples
+from eval.data import MMLUDataError
+from eval.mmlu import Benchmark, load_benchmark
 from eval.mmlu import evaluate as mmlu_evaluate
-from eval.mmlu import load_benchmark
 from fedllm import checkpoint as ckpt
 from fedllm.aggregation import ClientUpdate, GlobalState, strategy_from_config
 from fedllm.client import ALGORITHMS, LocalPlan
@@ -208,9 +209,7 @@ class Federation:
                           cfg.data.dirichlet_alpha, cfg.data.shards_per_client, cfg.data.min_examples_per_client)
         self.partition_stats = client_stats(pool, parts)
 
-        e = cfg.eval
-        self.benchmark = None if e.benchmark == "none" else load_benchmark(e.benchmark, e.shots, e.subjects or None,
-                                                                           e.limit)
+        self.benchmark = resolve_benchmark(cfg)
         with self.acc.main_process_first():  # the built-in base is built once, by the main process
             self.model, self.tokenizer = load_base(cfg.model, self.acc.device)
         max_ctx = context_length(self.model)
@@ -230,7 +229,7 @@ class Federation:
         agg = cfg.aggregation
         self.mixture = MixtureSpec(agg.num_adaptors, ranks[0] // agg.num_adaptors, agg.router_temperature,
                                    agg.router_noise, agg.router_per_layer, agg.stateful_routers, agg.router_lr,
-                                   agg.precondition_eps) if self.strategy.uses_routers else None
+                                   agg.precondition_eps, agg.bias_adaptors) if self.strategy.uses_routers else None
         self.dense_names = dense_param_names(self.model, cfg.lora.trainable_modules)
         with self.whole_adapters():
             self.state.dense = read_dense(self.model, self.dense_names)
@@ -332,19 +331,23 @@ class Federation:
         router = None
         if own_router and (self.mixture.stateful or not self.model.training):
             router = {k[len("router."):]: v for k, v in client.state.items() if k.startswith("router.")} or None
-        return MixtureSession(self.model, adapter_name(client.rank), self.mixture, router)
+        start = self.strategy.client_start(self.state, client.rank, client.scale, self.last_merged, client.client_id)
+        biases = {k[len("bias."):]: v for k, v in start.extras.items() if k.startswith("bias.")}
+        return MixtureSession(self.model, adapter_name(client.rank), self.mixture, router, biases)
 
     def plan_for(self, client: ClientData, round_idx: int) -> LocalPlan:
         cfg = self.cfg
         return LocalPlan(
             round=round_idx, client_id=client.client_id, steps=self.local_steps(client),
             seed=derive_seed(cfg.federation.seed, round_idx, client.client_id, 11), lr=cfg.client.lr,
+            sgd_lr=cfg.client.sgd_lr,
             batch_size=cfg.client.batch_size, grad_accum=cfg.client.grad_accum, scheduler=cfg.client.scheduler,
             warmup_ratio=cfg.client.warmup_ratio, weight_decay=cfg.client.weight_decay,
             max_grad_norm=cfg.client.max_grad_norm, layout=self.layout,
             # stopped between steps; not in the data layout, where every process must take every step
             deadline=(time.monotonic() + cfg.federation.client_timeout_s
                       if cfg.federation.client_timeout_s and not self.layout.data_parallel else None),
+            progress=self.quiet() is None,
         )
 
     def train_client(self, client: ClientData, round_idx: int) -> ClientUpdate:
@@ -353,26 +356,30 @@ class Federation:
         name = adapter_name(client.rank)
         params, fresh, start = self.load_client(client, round_idx)
         plan = self.plan_for(client, round_idx)
-        client_state = dict(client.state)
+        algo_state = {k[len("algo."):]: v for k, v in client.state.items() if k.startswith("algo.")}
+        client_state = {k: v for k, v in client.state.items() if not k.startswith("algo.")}
         self.model.train()
         session = self.open_mixture(client, own_router=self.mixture is not None and self.mixture.stateful)
-        if session is not None:
-            params.update(session.params())
-            plan.param_lrs = {k: self.mixture.router_lr for k in session.params()}
+        if session is not None:  # the router is the client's own: trained, never corrected, pulled or uploaded
+            plan.local_params, plan.local_lr = session.params(), self.mixture.router_lr
+            params.update(session.bias_params())  # bias adaptors are shared like the LoRA adaptors
         t0 = time.perf_counter()
         batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
         if self.layout.data_parallel:
             batches = self.layout.split_batches(batches)
         try:
-            result = self.algorithm.train(self.model, params, batches, plan, self.acc, client_state)
+            result = self.algorithm.train(self.model, params, batches, plan, self.acc, algo_state)
         finally:
             if session is not None:
                 session.close()
+        client_state.update({f"algo.{k}": v for k, v in algo_state.items()})
         if session is not None:
-            result.extras["router_probs"] = session.probs()
+            result.extras.update(session.upload())
             client_state.update({f"router.{g}": t for g, t in session.router_state().items()})
         with self.whole_adapters():
             factors, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
+        log.info("round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s", round_idx, client.client_id,
+                 client.rank, plan.steps, result.losses[0], result.losses[-1], time.perf_counter() - t0)
         update = ClientUpdate(
             client.client_id, client.num_examples, factors, dense, result.extras,
             {"loss_first": result.losses[0], "loss_last": result.losses[-1], "loss_mean": result.mean_loss,
@@ -401,7 +408,7 @@ class Federation:
             self.ledger.download(k, self.download_numel(self.clients[k]))
         t0 = time.perf_counter()
         results: list[tuple[int, ClientUpdate | None, str]] = []
-        for k in tqdm(mine, desc=f"round {round_idx} clients", leave=False, disable=not self.acc.is_main_process):
+        for k in tqdm(mine, desc=f"round {round_idx} clients", leave=False, disable=self.quiet()):
             try:
                 results.append((k, self.train_client(self.clients[k], round_idx), ""))
             except Exception as e:  # a faulty client must not take the round down
@@ -428,7 +435,7 @@ class Federation:
             updates.sort(key=lambda u: u.client_id)
             result = self.strategy.aggregate(updates, self.state)
             self.updated_rounds += 1
-            self.algorithm.server_update(updates, cfg.federation.num_clients)
+            self.algorithm.server_update(updates, sum(c.num_examples for c in self.clients))
             self.state, self.last_merged = result.state, result.merged
             info.update(result.info)
             if self.last_merged:
@@ -475,7 +482,8 @@ class Federation:
         with self.whole_adapters(modify=True):
             write_dense(self.model, self.state.dense)
             if adapter:
-                install_adapter(self.model, "global", adapter, self.cfg.lora)
+                install_adapter(self.model, "global", adapter, self.cfg.lora,
+                                biases=self.strategy.global_biases(self.state))
         if adapter:
             activate(self.model, "global")
             return True
@@ -556,6 +564,10 @@ class Federation:
                 out["accuracy_categories"] = result["categories"]
         out["time_eval_s"] = time.perf_counter() - t0
         return out
+
+    def quiet(self) -> bool | None:
+        """tqdm's ``disable``: bars on the main process's terminal only (None: tqdm checks for a TTY)."""
+        return None if self.acc.is_main_process else True
 
     def elapsed(self) -> float:
         """Seconds this run has spent so far, over every attempt (resumes add to it)."""
@@ -638,8 +650,7 @@ class Federation:
             self.log_metrics(row)
             log.info("before round 1: eval loss %s, accuracy %s", _fmt(row.get("eval_loss")),
                      _fmt(row.get("accuracy")))
-        for r in tqdm(range(self.start_round, cfg.federation.rounds + 1), desc="rounds",
-                      disable=not self.acc.is_main_process):
+        for r in tqdm(range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.quiet()):
             row = self.run_round(r)
             if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
                 row.update(self.evaluate())
@@ -664,6 +675,7 @@ class Federation:
                                    "algorithm": self.algorithm.name, "rounds": self.cfg.federation.rounds,
                                    "ranks": [c.rank for c in self.clients], "wall_s": wall_s,
                                    "processes": self.acc.num_processes, "parallel": self.layout.mode,
+                                   "benchmark": self.benchmark.source if self.benchmark is not None else None,
                                    "mixed_precision": str(self.acc.mixed_precision)}
         if self.layout.deepspeed:
             summary["deepspeed_zero_stage"] = self.layout.zero_stage
@@ -672,7 +684,7 @@ class Federation:
             summary.update({
                 "loss_before": evals[0].get("eval_loss"), "loss_after": evals[-1].get("eval_loss"),
                 "accuracy_before": evals[0].get("accuracy"), "accuracy_after": evals[-1].get("accuracy"),
-                "accuracy_best": max((r.get("accuracy") or 0) for r in evals),
+                "accuracy_best": max((r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None),
             })
         summary["communication"] = self.ledger.totals()
         summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
@@ -701,6 +713,28 @@ class Federation:
             ckpt.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         self.acc.wait_for_everyone()
         return summary
+
+
+def resolve_benchmark(cfg: Config) -> Benchmark | None:
+    """The benchmark a run scores (see ``eval.benchmark``); loaded here, so bad data fails before the model loads.
+
+    With ``auto`` and a user's own data the built-in benchmark would measure
+    nothing the data teaches, so MMLU is used when a copy can be loaded and
+    held-out loss alone otherwise (said once, with the fix).
+    """
+    e = cfg.eval
+    if e.benchmark == "none":
+        return None
+    if e.benchmark != "auto":
+        return load_benchmark(e.benchmark, e.shots, e.subjects or None, e.limit)
+    if cfg.data.dataset == "builtin":
+        return load_benchmark("builtin", e.shots, e.subjects or None, e.limit)
+    try:
+        return load_benchmark("cais/mmlu", e.shots, e.subjects or None, e.limit)
+    except MMLUDataError as err:
+        log.warning("eval.benchmark = auto: MMLU cannot be loaded (%s); evaluating held-out loss only. Set "
+                    "eval.benchmark to a local MMLU copy (or none to silence this)", str(err).split(":")[0])
+        return None
 
 
 def _fmt(x: float | None) -> str:

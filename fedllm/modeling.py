@@ -57,7 +57,7 @@ def check_model_reference(name: str) -> None:
         if not isinstance(try_to_load_from_cache(name, "config.json"), str):
             raise ModelError(
                 f"model.name: {name!r} is a Hub id but HF_HUB_OFFLINE=1 and it is not in the local cache; "
-                f"download it first (huggingface-cli download {name}) or pass a local path"
+                f"download it first (hf download {name}) or pass a local path"
             )
 
 
@@ -295,12 +295,16 @@ def adapter_params(peft_model, name: str) -> dict[str, torch.nn.Parameter]:
     return params
 
 
-def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg, dropout: float | None = None) -> None:
+def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg, dropout: float | None = None,
+                    biases: dict[str, torch.Tensor] | None = None) -> None:
     """(Re)create adapter ``name`` with the rank of ``factors`` (zero-padded) and load them.
 
     Used for the global model and personalized models, whose rank is not a
-    client rank (FlexLoRA's global update has the sum of ranks).
+    client rank (FlexLoRA's global update has the sum of ranks). ``biases``
+    (FLoRAL's bias adaptors, mixed) go into peft's ``lora_B`` bias (``lora_bias``).
     """
+    import warnings
+
     from fedllm.aggregation._linalg import pad_rank
 
     if name in peft_model.peft_config:
@@ -309,8 +313,16 @@ def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg, dropout: 
     config = peft_lora_config(rank, lora_cfg, alpha=rank)
     if dropout is not None:
         config.lora_dropout = dropout
-    peft_model.add_adapter(name, config)
+    config.lora_bias = bool(biases)
+    with warnings.catch_warnings():  # "merging won't be possible" on bias-free layers: nothing is merged here
+        warnings.filterwarnings("ignore", message=".*lora_bias=True.*")
+        peft_model.add_adapter(name, config)
     write_factors(peft_model, name, {k: pad_rank(f.folded(), rank) for k, f in factors.items()})
+    if biases:
+        modules = lora_modules(peft_model, name)
+        with torch.no_grad():
+            for key, b in biases.items():
+                modules[key].lora_B[name].bias.copy_(b)
 
 
 def install_residual(peft_model, residual: Adapter, lora_cfg) -> int:

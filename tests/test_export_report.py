@@ -246,3 +246,21 @@ def test_tensorboard_tracker_logs_rounds(tmp_path):
     fed.run()
     events = list((tmp_path / "tb").rglob("events.out.tfevents*"))
     assert events and events[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize("offline", ["1", "0"])
+def test_push_without_network_is_one_line_and_keeps_the_export(finished_run, tmp_path, monkeypatch, capsys, offline):
+    from fedllm.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)  # "0": the machine has no route to the Hub either way
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline == "1")
+    out = tmp_path / "push"
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(finished_run), "--output", str(out), "--push-to-hub", "org/fed-model"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("fedllm: error: --push-to-hub org/fed-model") and f"hf upload org/fed-model {out}" in err
+    assert (out / "adapter_model.safetensors").exists()

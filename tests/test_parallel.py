@@ -132,6 +132,24 @@ def test_run_federated_script_launches_processes(tmp_path, builtin_base):
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPUs")
+@pytest.mark.parametrize("config", ["multi_gpu.yaml", "single_gpu.yaml", "deepspeed_zero3.yaml"])
+def test_run_federated_script_refuses_gpu_configs_without_gpus(tmp_path, config):
+    """No GPU: refused with the CPU command to run instead (not N independent single-process runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), f"configs/accelerate/{config}",
+                          "--output-dir", str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 2 and "no GPU found" in out.stderr
+    assert "ACCELERATE_USE_CPU=1 NUM_PROCESSES=2" in out.stderr and not (tmp_path / "r").exists()
+    if config.startswith("deepspeed"):
+        cpu = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), f"configs/accelerate/{config}"],
+                             cwd=ROOT, capture_output=True, text=True, env={**env, "ACCELERATE_USE_CPU": "1"},
+                             timeout=120)
+        assert cpu.returncode == 2 and "does not run on CPU processes" in cpu.stderr
+
+
 DS_EXTRA = ("aggregation.name=flora", "eval.personalized=false", "eval.limit=2")
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None or shutil.which("c++") is None,
