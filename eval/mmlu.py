@@ -8,12 +8,15 @@ Prompt (lm-evaluation-harness ``mmlu`` and the original hendrycks code)::
 
 Each choice is the continuation " A" .. " D", scored by its log-likelihood
 after the context (the tokenizer adds BOS when it does so by default); the
-prediction is the argmax. When every letter is a single token, one forward
-pass of the context scores all four at once; otherwise each continuation is
-scored in full. Batches are sorted by length to waste little on padding.
+prediction is the argmax. Scoring (eval/scoring.py) computes each subject's
+shared header and shots once and runs only each question's own tokens on top
+of them; letters of several tokens are scored in full. Shots that do not fit
+the model's context are dropped from the end, per question, and recorded.
 
-Run as a job: ``fedllm eval ...`` or ``accelerate launch -m eval.mmlu ...``
-(questions are split over processes and gathered on the main process).
+Run as a job: ``fedllm eval ...`` (fedllm's models and runs), or
+``python -m eval.mmlu`` / ``accelerate launch --multi_gpu -m eval.mmlu ...`` for
+Hub and local models (questions are split over processes and gathered on the
+main process). This package imports nothing from fedllm.
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-from collections import defaultdict
+import tempfile
+import time
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from eval.data import LETTERS, Question, load_questions, subject_category_map
+from eval.data import LETTERS, MMLUDataError, Question, load_questions, subject_category_map
+from eval.scoring import Item, score_items
 from eval.subjects import CATEGORIES, category_of
 
 log = logging.getLogger(__name__)
@@ -48,12 +55,24 @@ def format_question(q: Question, with_answer: bool) -> str:
 
 def build_context(q: Question, shots: list[Question], tokenizer=None, max_len: int | None = None) -> str:
     """Header + shots + question; shots are dropped from the end while the prompt is too long."""
+    return _fitted_context(q, shots, tokenizer, max_len)[0]
+
+
+def _fitted_context(q: Question, shots: list[Question], tokenizer=None, max_len: int | None = None
+                    ) -> tuple[str, int]:
+    """The prompt and how many shots fit in ``max_len`` tokens (with one token to spare for a letter).
+
+    Shots are dropped from the end, as the original MMLU code does; the
+    harness keeps them and cuts the oldest tokens instead, which would score
+    a question whose header and first shot are cut off.
+    """
     shots = list(shots)
     while True:
         text = HEADER.format(format_subject(q.subject)) + "".join(format_question(s, True) for s in shots)
         text += format_question(q, False)
-        if not shots or tokenizer is None or max_len is None or len(tokenizer(text)["input_ids"]) + 1 <= max_len:
-            return text
+        if not shots or tokenizer is None or max_len is None or \
+                len(tokenizer(text, verbose=False)["input_ids"]) + 1 <= max_len:
+            return text, len(shots)
         shots.pop()
 
 
@@ -64,93 +83,56 @@ class Record:
     gold: int
     predicted: int
     loglikelihoods: list[float]
+    shots: int = 0  # the shots this question's prompt really had (fewer when the model's context is short)
 
 
 def continuation_ids(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """Context and continuation ids as the harness splits them (whole minus context prefix)."""
-    ctx = tokenizer(context)["input_ids"]
-    whole = tokenizer(context + continuation)["input_ids"]
+    ctx = tokenizer(context, verbose=False)["input_ids"]
+    whole = tokenizer(context + continuation, verbose=False)["input_ids"]
     if whole[: len(ctx)] == ctx and len(whole) > len(ctx):
         return ctx, whole[len(ctx):]
     return ctx, tokenizer(continuation, add_special_tokens=False)["input_ids"]
 
 
-def _pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
-
-
-@torch.no_grad()
-def score_fast(model, items: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int) -> list[list[float]]:
-    """Log-likelihoods of four single-token continuations from one forward per context."""
-    device = next(model.parameters()).device
-    order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
-    out: list[list[float]] = [[]] * len(items)
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        ids, mask = _pad([items[i][0] for i in idx], pad_id, device)
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        last = mask.sum(1) - 1
-        logp = torch.log_softmax(logits[torch.arange(len(idx), device=device), last], dim=-1)
-        for row, i in enumerate(idx):
-            out[i] = [logp[row, tok].item() for tok in items[i][1]]
-    return out
-
-
-@torch.no_grad()
-def score_full(model, contexts: list[list[int]], continuations: list[list[int]], pad_id: int,
-               batch_size: int) -> list[float]:
-    """Sum of log-probabilities of each continuation after its context (any length)."""
-    device = next(model.parameters()).device
-    seqs = [c + k for c, k in zip(contexts, continuations, strict=True)]
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    out = [0.0] * len(seqs)
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        ids, mask = _pad([seqs[i] for i in idx], pad_id, device)
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-        for row, i in enumerate(idx):
-            n_ctx, n_cont = len(contexts[i]), len(continuations[i])
-            pos = torch.arange(n_ctx - 1, n_ctx - 1 + n_cont, device=device)
-            target = torch.tensor(continuations[i], device=device)
-            out[i] = logp[row, pos, target].sum().item()
-    return out
+def prompt_items(tokenizer, questions: list[Question], shots: dict[str, list[Question]] | None, k: int,
+                 max_len: int | None) -> tuple[list[Item], list[int]]:
+    """Every question as a scoring item (grouped by subject and shots used), and the shots each really got."""
+    items, used = [], []
+    for q in questions:
+        context, n = _fitted_context(q, (shots or {}).get(q.subject, [])[:k], tokenizer, max_len)
+        enc = [continuation_ids(tokenizer, context, f" {letter}") for letter in LETTERS]
+        ids = enc[0][0]
+        if max_len is not None and len(ids) + max(len(c) for _, c in enc) > max_len:  # even 0 shots do not fit
+            ids = ids[-(max_len - max(len(c) for _, c in enc)):]
+        items.append(Item(ids, [c for _, c in enc], group=(q.subject, n)))
+        used.append(n)
+    return items, used
 
 
 def score_questions(model, tokenizer, questions: list[Question], shots: dict[str, list[Question]] | None = None,
-                    k: int = 0, batch_size: int = 16) -> list[Record]:
-    """Score every question; fast path when all four letters are single tokens."""
+                    k: int = 0, batch_size: int = 16, reuse: bool = True, progress: bool = False) -> list[Record]:
+    """Score every question (see eval/scoring.py for the paths); warns once if shots had to be dropped."""
     max_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    fast, slow = [], []
-    for qi, q in enumerate(questions):
-        context = build_context(q, (shots or {}).get(q.subject, [])[:k], tokenizer, max_len)
-        enc = [continuation_ids(tokenizer, context, f" {letter}") for letter in LETTERS]
-        ctx = enc[0][0]
-        conts = [c for _, c in enc]
-        if all(len(c) == 1 for c in conts) and all(e[0] == ctx for e in enc):
-            fast.append((qi, ctx, [c[0] for c in conts]))
-        else:
-            slow.append((qi, [e[0] for e in enc], conts))
-    ll: dict[int, list[float]] = {}
-    if fast:
-        scores = score_fast(model, [(c, t) for _, c, t in fast], pad_id, batch_size)
-        ll.update({qi: s for (qi, _, _), s in zip(fast, scores, strict=True)})
-    if slow:
-        ctxs = [c for _, cs, _ in slow for c in cs]
-        conts = [k_ for _, _, ks in slow for k_ in ks]
-        flat = score_full(model, ctxs, conts, pad_id, batch_size)
-        ll.update({qi: flat[4 * j: 4 * j + 4] for j, (qi, _, _) in enumerate(slow)})
-    records = []
-    for qi, q in enumerate(questions):
-        s = ll[qi]
-        records.append(Record(q.subject, q.index, q.answer, max(range(4), key=lambda c: s[c]), s))
-    return records
+    items, used = prompt_items(tokenizer, questions, shots, k, max_len)
+    short = [n for n in used if n < k]
+    if short:
+        log.warning("%d of %d questions did not fit the model's context (%s tokens) with %d shots: they were scored "
+                    "with fewer (as few as %d); each record says how many", len(short), len(used), max_len, k,
+                    min(short))
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    with tqdm(total=len(items), desc="MMLU questions", unit="q", leave=False,
+              disable=None if progress else True) as bar:
+        scores = score_items(model, items, pad_id, batch_size, reuse, bar.update)
+    if progress and questions:
+        elapsed = time.perf_counter() - t0
+        log.info("scored %d questions in %.1f s (%.1f questions/s)", len(questions), elapsed,
+                 len(questions) / max(elapsed, 1e-9))
+    return [Record(q.subject, q.index, q.answer, max(range(4), key=lambda c: s[c]), s, n)
+            for q, s, n in zip(questions, scores, used, strict=True)]
 
 
 def aggregate(records: list[Record], categories: dict[str, str] | None = None) -> dict:
@@ -192,18 +174,20 @@ def load_benchmark(source: str = "builtin", shots: int = 0, subjects: list[str] 
 
 
 def evaluate(model, tokenizer, bench: Benchmark | str = "builtin", shots: int = 0, subjects: list[str] | None = None,
-             limit: int = 0, batch_size: int = 16, accelerator=None) -> tuple[dict, list[Record]]:
+             limit: int = 0, batch_size: int = 16, accelerator=None, reuse: bool = True,
+             progress: bool = False) -> tuple[dict, list[Record]]:
     """Score (split over processes when ``accelerator`` has several) and aggregate.
 
     ``bench`` is a loaded :class:`Benchmark`, or a source to load with
-    ``shots``, ``subjects`` and ``limit``.
+    ``shots``, ``subjects`` and ``limit``. ``reuse``: compute each subject's
+    shared prefix once (exact; see eval/scoring.py).
     """
     if isinstance(bench, str):
         bench = load_benchmark(bench, shots, subjects, limit)
     mine = bench.questions
     if accelerator is not None and accelerator.num_processes > 1:
         mine = bench.questions[accelerator.process_index:: accelerator.num_processes]
-    records = score_questions(model, tokenizer, mine, bench.dev, bench.shots, batch_size)
+    records = score_questions(model, tokenizer, mine, bench.dev, bench.shots, batch_size, reuse, progress)
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
@@ -223,57 +207,100 @@ def format_table(result: dict) -> str:
 
 
 def write_results(path: Path, result: dict, records: list[Record], meta: dict) -> None:
-    from fedllm.checkpoint import atomic_write_text
+    """Results and per-question records as JSON, written atomically (a temporary file renamed into place)."""
+    payload = {**meta, **result, "records": [asdict(r) for r in records],
+               "shots_used": dict(sorted(Counter(r.shots for r in records).items()))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=1)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
-    payload = {**meta, **result, "records": [asdict(r) for r in records]}
-    atomic_write_text(path, json.dumps(payload, indent=1))
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="base model: 'builtin' (the default), a Hub id, a local or merged folder; "
-                   "with --run: the run's own base (another is refused)")
+def add_arguments(p: argparse.ArgumentParser, with_runs: bool = False) -> None:
+    """The evaluation job's options (``with_runs``: fedllm's own run directories, for ``fedllm eval``)."""
+    p.add_argument("--model", help="base model: a Hub id, a local or merged folder" + (
+        ", or 'builtin' (the default); with --run: the run's own base (another is refused)" if with_runs else ""))
     src = p.add_mutually_exclusive_group()
     src.add_argument("--adapter", help="a peft adapter folder to apply on the base")
-    src.add_argument("--run", help="a fedllm run directory: evaluates its latest global adapter")
-    p.add_argument("--round", type=int, help="with --run: the round whose global adapter to use")
-    p.add_argument("--client", type=int, help="with --run: a client's personalized adapter")
+    if with_runs:
+        src.add_argument("--run", help="a fedllm run directory: evaluates its latest global adapter")
+        p.add_argument("--round", type=int, help="with --run: the round whose global adapter to use")
+        p.add_argument("--client", type=int, help="with --run: a client's personalized adapter")
     p.add_argument("--data", default="builtin", help="'builtin', cais/mmlu, or a local MMLU copy")
     p.add_argument("--shots", type=int, default=0, help="few-shot examples from the dev split (5 is usual)")
     p.add_argument("--subjects", nargs="*", default=None, help="subject subset")
     p.add_argument("--limit", type=int, default=0, help="first N questions per subject (0: all)")
     p.add_argument("--batch-size", type=int, default=16, help="questions per forward pass")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="compute each subject's shared few-shot prefix once (exact; --no-prefix-reuse scores every "
+                   "question in full)")
     p.add_argument("--output", help="write results and per-question records to this JSON file")
 
 
-def run(args: argparse.Namespace) -> dict:
-    """The eval job behind ``fedllm eval`` and ``python -m eval.mmlu``."""
-    from accelerate import Accelerator
-
-    from fedllm.export import load_for_eval
-
-    bench = load_benchmark(args.data, args.shots, args.subjects, args.limit)  # bad data fails before the model loads
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model, tokenizer = load_for_eval(args.model, args.adapter, args.run, args.round, args.client, args.dtype,
-                                     accelerator.device)
-    result, records = evaluate(model, tokenizer, bench, batch_size=args.batch_size, accelerator=accelerator)
+def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accelerator) -> dict:
+    """Score ``bench``, print the table on the main process and write ``--output``; returns the result."""
+    result, records = evaluate(model, tokenizer, bench, batch_size=args.batch_size, accelerator=accelerator,
+                               reuse=args.prefix_reuse, progress=accelerator.is_main_process)
     if accelerator.is_main_process:
         print(format_table(result))
         if args.output:
-            meta = {"model": args.model, "adapter": args.adapter, "run": args.run, "data": args.data,
-                    "shots": args.shots, "processes": accelerator.num_processes}
+            meta = {"model": args.model, "adapter": args.adapter, "run": getattr(args, "run", None),
+                    "data": args.data, "shots": args.shots, "processes": accelerator.num_processes}
             write_results(Path(args.output), result, records, meta)
     return result
 
 
+def load_model(name: str, adapter: str | None, dtype: str, device):
+    """A Hub id or local folder (plus an optional peft adapter) through from_pretrained, for the standalone job."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, "auto")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device)
+    except OSError as e:
+        raise MMLUDataError(f"--model {name!r} cannot be loaded ({str(e).splitlines()[0]})") from None
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).to(device)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m eval.mmlu`` (also under ``accelerate launch --multi_gpu``): Hub or local models only.
+
+    fedllm's own models and run directories go through ``fedllm eval``.
+    """
+    from accelerate import Accelerator
+
     parser = argparse.ArgumentParser(prog="eval.mmlu", description="MMLU log-likelihood evaluation")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from fedllm.cli import friendly_errors
-
-    with friendly_errors():
-        run(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        if not args.model or args.model == "builtin":
+            raise MMLUDataError("--model: give a Hub id or a local model folder (fedllm's built-in base and run "
+                                "directories: use `fedllm eval`)")
+        bench = load_benchmark(args.data, args.shots, args.subjects, args.limit)  # bad data fails before the model
+        accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        model, tokenizer = load_model(args.model, args.adapter, args.dtype, accelerator.device)
+        run_job(args, bench, model, tokenizer, accelerator)
+    except (MMLUDataError, OSError) as e:
+        print(f"eval.mmlu: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

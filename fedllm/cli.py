@@ -184,9 +184,17 @@ def print_summary(s: dict) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from eval.mmlu import run
+    import torch
+    from accelerate import Accelerator
 
-    run(args)
+    from eval.mmlu import load_benchmark, run_job
+    from fedllm.export import load_for_eval
+
+    bench = load_benchmark(args.data, args.shots, args.subjects, args.limit)  # bad data fails before the model loads
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    model, tokenizer = load_for_eval(args.model, args.adapter, args.run, args.round, args.client, args.dtype,
+                                     accelerator.device)
+    run_job(args, bench, model, tokenizer, accelerator)
     return 0
 
 
@@ -243,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="MMLU evaluation of a model, adapter or run")
     from eval.mmlu import add_arguments
 
-    add_arguments(e)
+    add_arguments(e, with_runs=True)
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="export a run's adapter or merged model, optionally to the Hub")

@@ -209,3 +209,116 @@ def test_builtin_evaluate_end_to_end(tiny):
     result, records = evaluate(model, tok, "builtin", shots=2, limit=4, batch_size=8)
     assert result["n"] == len(records) == 4 * 5  # 4 per benchmark skill
     assert set(result["categories"]) == {"stem", "humanities"}
+
+
+# ---- prefix reuse: the same scores as the full path, on every tokenizer shape ----
+
+def _reuse_and_full(model, tok, questions, dev, k, batch_size=5):
+    reused = score_questions(model, tok, questions, dev, k, batch_size=batch_size, reuse=True)
+    full = score_questions(model, tok, questions, dev, k, batch_size=batch_size, reuse=False)
+    for a, b in zip(reused, full, strict=True):
+        assert a.predicted == b.predicted
+        torch.testing.assert_close(torch.tensor(a.loglikelihoods), torch.tensor(b.loglikelihoods), rtol=0,
+                                   atol=1e-4)
+    return reused
+
+
+def _builtin_dev(k):
+    return {s: [q for q in load_questions("builtin", "dev") if q.subject == s][:k] for s in
+            {q.subject for q in load_questions("builtin", limit=1)}}
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prefix_reuse_equals_full_scoring_on_the_builtin_base(tiny, k):
+    model, tok = tiny
+    questions = load_questions("builtin", limit=6)
+    records = _reuse_and_full(model, tok, questions, _builtin_dev(k), k)
+    assert {r.shots for r in records} == {k}  # (2 shots fit the built-in base's 128 tokens)
+
+
+def test_prefix_reuse_with_an_adapter(tiny, builtin_base):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(builtin_base),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    _reuse_and_full(model, tiny[1], load_questions("builtin", limit=4), _builtin_dev(2), 2)
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory):
+    """A byte-level BPE with BOS whose merges cross whitespace, and a random Llama (GQA)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    # no whitespace pre-split, so merges span words: "Answer: C\n\nZebra" becomes one token, " A".." D" stay one
+    corpus = ["The following are multiple choice questions (with answers) about zoology.\n\n" + "".join(
+        f"Which animal is striped?\nA. cat\nB. zebra\nC. dog\nD. cow\nAnswer: {x}\n\n" for x in "ABD")
+        + "Answer: C\n\nZebra" * 6] * 200 + [" A B C D" * 20] * 200
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=512)).eval()
+    return model, fast
+
+
+def test_prefix_reuse_with_a_bpe_tokenizer_and_a_question_crossing_the_boundary(bpe_model):
+    """A question whose first token merges with the prompt's "\\n\\n" does not share the prefix: scored in full."""
+    from eval.mmlu import prompt_items
+    from eval.scoring import shared_prefix
+
+    model, tok = bpe_model
+
+    def q(i, text):
+        return Question("zoology", i, text, ("cat", "zebra", "dog", "cow"), i % 4)
+
+    dev = {"zoology": [q(100 + i, f"Which animal number {i} is striped?") for i in range(3)]}
+    questions = [q(i, f"Which animal {i} is striped?") for i in range(6)] + [q(6, "Zebra stripes: how many?")]
+    items, _ = prompt_items(tok, questions, dev, 3, 512)
+    assert items[0].ids[0] == tok.bos_token_id and all(it.single_token for it in items)
+    n, sharing = shared_prefix([it.ids for it in items])
+    assert n > 50 and 6 not in sharing and sharing == list(range(6))  # the crossing question falls back
+    _reuse_and_full(model, tok, questions, dev, 3, batch_size=4)
+
+
+def test_prefix_reuse_that_disagrees_with_a_plain_forward_is_turned_off(tiny, monkeypatch, caplog):
+    from eval import scoring
+
+    real = scoring.PrefixScorer._score_suffixes
+
+    def wrong(self, *a, **k):
+        return [[x + 1.0 for x in s] for s in real(self, *a, **k)]
+
+    monkeypatch.setattr(scoring.PrefixScorer, "_score_suffixes", wrong)
+    model, tok = tiny
+    _reuse_and_full(model, tok, load_questions("builtin", limit=3), _builtin_dev(2), 2)
+    assert "prefix reuse is off for this model" in caplog.text
+
+
+def test_shots_that_do_not_fit_are_dropped_per_question_and_recorded(tiny, caplog, tmp_path):
+    """The built-in base has a 128-token context: 5 shots cannot fit; each record says how many did."""
+    from eval.mmlu import evaluate, load_benchmark, write_results
+
+    model, tok = tiny
+    bench = load_benchmark("builtin", shots=5, limit=2)
+    result, records = evaluate(model, tok, bench, batch_size=4)
+    used = {r.shots for r in records}
+    assert max(used) < 5 and min(used) >= 0
+    assert "did not fit the model's context (128 tokens) with 5 shots" in caplog.text
+    for r in records:  # no prompt longer than the context was ever scored
+        q = next(x for x in bench.questions if (x.subject, x.index) == (r.subject, r.index))
+        assert len(tok(build_context(q, bench.dev[q.subject][:r.shots]), verbose=False)["input_ids"]) < 128
+    write_results(tmp_path / "r.json", result, records, {"shots": 5})
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert sum(saved["shots_used"].values()) == len(records) and saved["records"][0]["shots"] == records[0].shots

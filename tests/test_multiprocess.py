@@ -84,9 +84,11 @@ def test_data_parallel_two_processes_equal_one(tmp_path):
 
 
 def test_mmlu_two_processes_equal_one(tmp_path, builtin_base):
-    args = ["--model", str(builtin_base), "--limit", "3", "--batch-size", "4"]  # the tests' 60-step base
-    subprocess.run([sys.executable, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "one.json")], check=True,
-                   capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """Two processes with prefix reuse (2 shots) give one process's full scoring, question by question."""
+    args = ["--model", str(builtin_base), "--limit", "3", "--batch-size", "4", "--shots", "2"]  # the tests' base
+    subprocess.run([sys.executable, "-m", "eval.mmlu", *args, "--no-prefix-reuse", "--output",
+                    str(tmp_path / "one.json")], check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     out = subprocess.run([*LAUNCH, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "two.json")],
                          capture_output=True, text=True, timeout=600, env=env())
     assert out.returncode == 0, out.stderr[-4000:]
@@ -96,4 +98,4 @@ def test_mmlu_two_processes_equal_one(tmp_path, builtin_base):
     assert one["accuracy"] == two["accuracy"] and one["n"] == two["n"] == 15
     for r1, r2 in zip(one["records"], two["records"], strict=True):
         assert (r1["subject"], r1["index"], r1["predicted"]) == (r2["subject"], r2["index"], r2["predicted"])
-        assert r1["loglikelihoods"] == pytest.approx(r2["loglikelihoods"], abs=1e-5)
+        assert r1["loglikelihoods"] == pytest.approx(r2["loglikelihoods"], abs=1e-4)
