@@ -29,8 +29,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from fedllm.factors import Adapter, LoraFactors
-
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 2
@@ -107,24 +105,6 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if i != len(lines) - 1:
                 raise CheckpointError(f"{path}, line {i + 1}: not valid JSON") from None
-    return out
-
-
-def adapter_tensors(adapter: Adapter, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    tensors, scales = {}, {}
-    for key, f in adapter.items():
-        tensors[f"{prefix}{key}.A"] = f.A.contiguous()
-        tensors[f"{prefix}{key}.B"] = f.B.contiguous()
-        scales[f"{prefix}{key}"] = f.scale
-    return tensors, scales
-
-
-def adapter_from_tensors(tensors: dict[str, torch.Tensor], scales: dict[str, float], prefix: str) -> Adapter:
-    out = {}
-    for name, scale in scales.items():
-        if name.startswith(prefix):
-            key = name[len(prefix):]
-            out[key] = LoraFactors(tensors[f"{name}.A"], tensors[f"{name}.B"], float(scale))
     return out
 
 

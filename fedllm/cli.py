@@ -140,9 +140,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 0
         if action == "continue":
             log.info("continuing the run in %s", run_dir)
-        from fedllm.federation import Federation
+        from fedllm.simulation import Simulation
 
-        fed = Federation(cfg, run_dir)
+        fed = Simulation(cfg, run_dir)
         fed.setup()
         summary = fed.run(resume=action == "continue")
     finally:

@@ -8,17 +8,12 @@ prints it) and a range check, so a bad value fails before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class ConfigError(ValueError):
@@ -258,90 +253,10 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else "; run `fedllm run --help-config` for the list"
-    return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotated type, converting int -> float."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            try:
-                return _coerce(key, value, arm)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}: expected {tp}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):  # YAML 1.1 reads "1e-4" as a string
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is str:
-        if isinstance(value, str | int | float) and not isinstance(value, bool):
-            return str(value)
-    elif origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, str | int) and not isinstance(value, bool):
-            value = [value]
-        if isinstance(value, list | tuple):
-            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    elif origin is dict:
-        kt, vt = typing.get_args(tp)
-        if isinstance(value, dict):
-            return {_coerce(f"{key} key", k, kt): _coerce(f"{key}[{k}]", v, vt) for k, v in value.items()}
-    elif value is None and tp is type(None):
-        return None
-    raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
-
-
-def _set(cfg: Config, key: str, value: Any) -> None:
-    parts = key.split(".")
-    if len(parts) != 2 or parts[0] not in SECTIONS:
-        raise _unknown(key)
-    section = getattr(cfg, parts[0])
-    fields = {f.name: f for f in dataclasses.fields(section)}
-    if parts[1] not in fields:
-        raise _unknown(key)
-    hints = typing.get_type_hints(type(section))
-    setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
-
-
-def _flatten(data: dict, prefix: str = "", where: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if not prefix and isinstance(v, dict):
-            out.update(_flatten(v, f"{key}.", where))
-        elif not prefix:
-            raise ConfigError(f"{where}'{key}' must be a section (mapping), got {v!r}")
-        else:
-            out[key] = v
-    return out
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``a.b=value`` with the value read as YAML (numbers, lists, booleans)."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like section.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
-    return key.strip(), value
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Build a validated :class:`Config` from an optional YAML file and overrides."""
+    from fedllm.overrides import apply_settings, flatten, parse_override
+
     cfg = Config()
     if path is not None:
         from data_prep.schema import read_text
@@ -354,10 +269,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
-        for key, value in _flatten(data, where=f"{path}: ").items():
-            _set(cfg, key, value)
-    for text in overrides or []:
-        _set(cfg, *parse_override(text))
+        apply_settings(cfg, flatten(data, where=f"{path}: "))
+    apply_settings(cfg, dict(parse_override(text) for text in overrides or []))
     validate(cfg)
     return cfg
 

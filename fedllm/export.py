@@ -23,7 +23,7 @@ import yaml
 
 from fedllm.aggregation._linalg import compact, pad_rank
 from fedllm.checkpoint import atomic_write_text, honour_umask, save_tensors_atomic
-from fedllm.factors import PEFT_PREFIX, Adapter, concat
+from fedllm.factors import PEFT_PREFIX, Adapter, adapter_from_tensors, concat
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,15 @@ def base_model_reference(cfg) -> str:
     return resolve_model_path(cfg.model.name, cfg.model.builtin_pretrain_steps)
 
 
-def save_global_adapter(fed, path: Path) -> None:
-    """The run's global model as a peft adapter folder (see module docstring)."""
-    adapter = concat(fed.strategy.global_adapter(fed.state), fed.state.residual)
+def save_global_adapter(server, cfg, path: Path) -> None:
+    """The run's global model (``Server.global_adapter()`` plus everything merged) as a peft adapter folder."""
+    adapter, dense, biases = server.global_adapter()
+    adapter = concat(adapter, server.state.residual)
     if not adapter:
         log.warning("no global update to export (no round completed)")
         return
-    dense = {k: v for k, v in fed.state.dense.items()}
-    write_peft_adapter(path, adapter, dense, base_model_reference(fed.cfg), fed.cfg.lora.target_modules,
-                       fed.cfg.lora.trainable_modules, fed.strategy.global_biases(fed.state))
+    write_peft_adapter(path, adapter, dense, base_model_reference(cfg), cfg.lora.target_modules,
+                       cfg.lora.trainable_modules, biases)
 
 
 def run_config(run_dir: Path):
@@ -107,8 +107,8 @@ def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapt
                               "1 and only the newest output.keep_checkpoints are kept)")
         tensors, meta = ckpt.load_checkpoint(path)
     cfg = run_config(run_dir)
-    state = GlobalState(ckpt.adapter_from_tensors(tensors, meta["scales"], "global."),
-                        ckpt.adapter_from_tensors(tensors, meta["scales"], "residual."),
+    state = GlobalState(adapter_from_tensors(tensors, meta["scales"], "global."),
+                        adapter_from_tensors(tensors, meta["scales"], "residual."),
                         extras={k[len("extra."):]: v for k, v in tensors.items() if k.startswith("extra.")})
     strategy = STRATEGIES[meta["strategy"]].from_config(cfg.aggregation)
     dense = {k[len("dense."):]: v for k, v in tensors.items() if k.startswith("dense.")}
@@ -127,31 +127,16 @@ def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str,
     client's k personalization steps (``client.personalize_steps``) are taken
     on its own training data, as in the run's personalized evaluation.
     """
-    from fedllm.client.base import batch_stream
-    from fedllm.factors import read_dense, read_factors
-    from fedllm.federation import Federation
-    from fedllm.modeling import adapter_name
+    from fedllm.simulation import Simulation
 
     cfg = run_config(run_dir)
     if not 0 <= client < cfg.federation.num_clients:
         raise ExportError(f"--client {client}: the run has clients 0..{cfg.federation.num_clients - 1}")
-    fed = Federation(cfg, Path(run_dir))
-    fed.setup()
-    fed.restore()
-    c = fed.clients[client]
-    params, _, _ = fed.load_client(c, fed.start_round)
-    fed.model.eval()
-    session = fed.open_mixture(c, own_router=True)
-    biases: dict[str, torch.Tensor] = {}
-    if session is not None:  # FLoRAL: bake the client's router into its stacked adaptors (and bias adaptors)
-        mine, biases = session.bake(read_factors(fed.model, adapter_name(c.rank)))
-        session.close()
-    else:
-        plan = fed.plan_for(c, fed.start_round)
-        batches = batch_stream(c.train, plan.batch_size, fed.tokenizer.pad_token_id, plan.seed + 1)
-        fed.algorithm.personalize(fed.model, params, batches, cfg.client.personalize_steps, plan, fed.acc)
-        mine = read_factors(fed.model, adapter_name(c.rank))
-    return concat(mine, fed.state.residual), read_dense(fed.model, fed.dense_names), biases
+    sim = Simulation(cfg, Path(run_dir))
+    sim.setup()
+    sim.restore()
+    start = sim.server.client_start(sim.start_round, client)
+    return sim.runtime.personalized_adapter(sim.clients[client], start)
 
 
 def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
@@ -269,7 +254,7 @@ def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, 
     path of this machine means nothing on the Hub.
     """
     from data_prep.loaders import HUB_IDS
-    from fedllm.federation import assign_ranks
+    from fedllm.simulation import assign_ranks
 
     facts = card_facts(run_dir, cfg, round_idx)
     kind = "merged model" if merged else "LoRA adapter"

@@ -173,3 +173,23 @@ def concat(*adapters: Adapter) -> Adapter:
 
 def adapter_numel(adapter: Adapter) -> int:
     return sum(f.numel() for f in adapter.values())
+
+
+def adapter_tensors(adapter: Adapter, prefix: str) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Flat tensors ``{prefix}{module}.A/.B`` and scales of an adapter (for checkpoints and messages)."""
+    tensors, scales = {}, {}
+    for key, f in adapter.items():
+        tensors[f"{prefix}{key}.A"] = f.A.contiguous()
+        tensors[f"{prefix}{key}.B"] = f.B.contiguous()
+        scales[f"{prefix}{key}"] = f.scale
+    return tensors, scales
+
+
+def adapter_from_tensors(tensors: dict[str, Tensor], scales: dict[str, float], prefix: str) -> Adapter:
+    """The adapter :func:`adapter_tensors` flattened under ``prefix``."""
+    out = {}
+    for name, scale in scales.items():
+        if name.startswith(prefix):
+            key = name[len(prefix):]
+            out[key] = LoraFactors(tensors[f"{name}.A"], tensors[f"{name}.B"], float(scale))
+    return out

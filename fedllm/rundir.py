@@ -205,3 +205,87 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class RunWriter:
+    """Everything a run writes into its folder, for every driver (simulation, accelerate, Flower).
+
+    ``config.yaml`` and ``partition.json`` at the start, one ``metrics.jsonl``
+    line per round (and to the accelerate trackers), a checkpoint after each
+    round, then ``summary.json`` and ``global_adapter/``. Only the process
+    with ``enabled`` writes; every file is written atomically.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool = True, keep_checkpoints: int = 2, save_every_round: bool = True,
+                 tracker=None) -> None:
+        self.run_dir = Path(run_dir)
+        self.enabled, self.keep, self.save_every_round, self.tracker = enabled, keep_checkpoints, save_every_round, \
+            tracker
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    def start(self, cfg, partition_stats: list[dict]) -> None:
+        from fedllm.checkpoint import atomic_write_text
+        from fedllm.config import save_config
+
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        atomic_write_text(self.run_dir / "partition.json", json.dumps(partition_stats, indent=1))
+        for s in partition_stats:
+            log.info("client %d: rank %d, %d train / %d test examples, categories %s",
+                     s["client"], s["rank"], s["train"], s["test"], s["categories"])
+
+    def rows(self) -> list[dict]:
+        from fedllm.checkpoint import read_jsonl
+
+        return read_jsonl(self.metrics_path)
+
+    def keep_rows_before(self, round_idx: int) -> list[dict]:
+        """Drop the rows of rounds a resume will run again; returns the rows kept."""
+        from fedllm.checkpoint import atomic_write_text
+
+        rows = [r for r in self.rows() if r["round"] < round_idx]
+        if self.enabled:
+            atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+        return rows
+
+    def log(self, row: dict) -> None:
+        from fedllm.checkpoint import append_line
+
+        if not self.enabled:
+            return
+        append_line(self.metrics_path, json.dumps(row))
+        if self.tracker is not None:
+            self.tracker({k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+                         row["round"])
+
+    def checkpoint(self, round_idx: int, tensors: dict, meta: dict) -> None:
+        from fedllm.checkpoint import prune_checkpoints, save_checkpoint
+
+        if self.enabled and self.save_every_round:
+            save_checkpoint(self.run_dir, round_idx, tensors, {"round": round_idx, **meta})
+            prune_checkpoints(self.run_dir, keep=self.keep)
+
+    def finish(self, summary: dict, write_adapter) -> dict:
+        """Complete ``summary`` from the metrics, write the global adapter (``write_adapter(path)``) and it."""
+        from fedllm.checkpoint import atomic_write_text
+
+        rows = self.rows() if self.enabled else []
+        evals = [r for r in rows if "accuracy" in r or "eval_loss" in r]
+        if evals:
+            summary.update({
+                "loss_before": evals[0].get("eval_loss"), "loss_after": evals[-1].get("eval_loss"),
+                "accuracy_before": evals[0].get("accuracy"), "accuracy_after": evals[-1].get("accuracy"),
+                "accuracy_best": max((r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None),
+            })
+        summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
+        summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]
+        if summary.get("global_adapter") is None:
+            log.error("no round produced a global update (all %d were skipped): no adapter is written",
+                      summary.get("rounds", 0))
+        if self.enabled:
+            if summary.get("global_adapter"):
+                write_adapter(self.run_dir / "global_adapter")
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+        return summary

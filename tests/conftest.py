@@ -79,3 +79,19 @@ def assert_close_updates(a, b, tol: float) -> None:
     assert ua.keys() == ub.keys()
     for k in ua:
         assert float((ub[k] - ua[k]).norm() / ua[k].norm()) < tol, k
+
+
+def switch_in(sim, client, round_idx: int):
+    """Switch ``client`` in as it would start ``round_idx``; returns its trainable parameters and start factors."""
+    return sim.runtime.switch_in(client, sim.server.client_start(round_idx, client.client_id))
+
+
+def install_global(sim) -> bool:
+    """Install the server's global model on the runtime's base (as the evaluation does)."""
+    return sim.runtime.install_global(*sim.server.global_adapter())
+
+
+def heldout_of(sim, data):
+    from fedllm.evaluation import heldout
+
+    return heldout(sim.runtime.model, sim.runtime.tokenizer, data, sim.cfg.eval.batch_size)

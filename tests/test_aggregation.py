@@ -87,7 +87,7 @@ def test_fedit_hand_computed():
     assert_close(g.B, torch.tensor([[0.25 * 2, 0.75 * 2], [0.75, 0.75]]))
     assert g.scale == 1.0
     # Each client gets back its leading rows/columns at its own scale.
-    start = FedIT().client_start(res.state, 1, 2.0, {}).factors["m"]
+    start = FedIT().client_factors(res.state, 1, 2.0, 0)["m"]
     assert start.rank == 1 and start.scale == 2.0
     assert_close(start.A, g.A[:1])
     assert_close(start.B * 2.0, g.B[:, :1])
@@ -98,7 +98,7 @@ def test_fedit_zero_padding_round_trips_every_rank(gen):
     res = FedIT().aggregate(updates, GlobalState())
     for u in updates:
         for key, f in u.factors.items():
-            start = FedIT().client_start(res.state, f.rank, f.scale, {}).factors[key]
+            start = FedIT().client_factors(res.state, f.rank, f.scale, 0)[key]
             assert start.A.shape == f.A.shape and start.B.shape == f.B.shape and start.scale == f.scale
     # Identical clients: the average is that client.
     same = [ClientUpdate(k, n, updates[0].factors) for k, n in enumerate(COUNTS[:3])]
@@ -115,8 +115,7 @@ def test_flora_exact_weighted_sum(gen):
         merged = res.merged[key]
         assert merged.rank == sum(RANKS)
         assert_close(merged.delta(), dense_sum(updates, key))
-    start = FLoRA().client_start(res.state, 8, 2.0, res.merged)
-    assert start.factors is None and start.merge is res.merged
+    assert FLoRA().client_factors(res.state, 8, 2.0, 0) is None  # the merge goes into the base instead
     # The residual accumulates exactly over rounds.
     res2 = FLoRA().aggregate(make_updates(gen), res.state)
     key = "m.q_proj"
@@ -134,7 +133,7 @@ def test_flexlora_matches_dense_truncated_svd(gen):
     u, s, vh = torch.linalg.svd(dense, full_matrices=False)
     for r in sorted(set(RANKS)):
         gap = (s[r - 1] - s[r]) / s[r - 1]
-        start = FlexLoRA().client_start(res.state, r, 3.0, {}).factors[key]
+        start = FlexLoRA().client_factors(res.state, r, 3.0, 0)[key]
         assert start.rank == r and start.scale == 3.0
         ref = (u[:, :r] * s[:r]) @ vh[:r]
         if gap > 0.01:
@@ -238,7 +237,7 @@ def test_flexlora_client_factors_follow_the_split(gen, split):
     updates = make_updates(gen, ranks=[8, 4, 8], counts=[10, 30, 60], modules=("m.q_proj",))
     strategy = FlexLoRA(split=split)
     res = strategy.aggregate(updates, GlobalState())
-    start = strategy.client_start(res.state, 4, 1.0, {}).factors["m.q_proj"]
+    start = strategy.client_factors(res.state, 4, 1.0, 0)["m.q_proj"]
     u, s, vh = torch.linalg.svd(dense_sum(updates, "m.q_proj"), full_matrices=False)
     assert_close(start.delta(), (u[:, :4] * s[:4]) @ vh[:4], rtol=1e-6, atol=1e-8)  # the truncated SVD either way
     gram_a = start.A @ start.A.T

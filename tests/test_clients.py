@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from fedllm.client import ALGORITHMS, LocalPlan
 from fedllm.client.fedprox import FedProx
 from fedllm.client.perfedavg import PerFedAvg
-from fedllm.client.scaffold import Scaffold
+from fedllm.client.scaffold import Scaffold, ScaffoldServer
 from fedllm.client.sft import SFT
 from fedllm.config import ConfigError, load_config
 
@@ -56,7 +56,7 @@ def test_fedprox_gradient_hand_made():
     X, y = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64)
     algo = FedProx(mu=0.5)
     params = {"theta": model.theta}
-    algo.begin(params, {})  # anchor = (0, 0)
+    algo.begin(params, {}, {})  # anchor = (0, 0)
     with torch.no_grad():
         model.theta.copy_(torch.tensor([2.0, -1.0]))
     algo.local_step(model, params, itertools.repeat({"X": X, "y": y}), plan(1, 0.1), None)
@@ -85,6 +85,7 @@ def federate(algo, data, rounds, local_steps, lr, **plan_kw):
     """FedAvg of the clients' parameters around ``algo``, weighted by example counts (p_k = n_k / n)."""
     theta = torch.zeros(data[0][0].shape[1], dtype=torch.float64)
     states = [{} for _ in data]
+    server = algo.server_half()  # the algorithm's server half (SCAFFOLD: the control variate)
     n = sum(len(y) for _, y in data)
     for r in range(rounds):
         new, updates = [], []
@@ -93,11 +94,11 @@ def federate(algo, data, rounds, local_steps, lr, **plan_kw):
             with torch.no_grad():
                 model.theta.copy_(theta)
             res = algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}),
-                             plan(local_steps, lr, seed=r, **plan_kw), None, states[k])
+                             plan(local_steps, lr, seed=r, **plan_kw), None, states[k], server.download(1))
             new.append(model.theta.detach().clone())
             updates.append(SimpleNamespace(extras=res.extras, num_examples=len(y)))
         theta = sum(len(y) / n * t for (_, y), t in zip(data, new, strict=True))
-        algo.server_update(updates, n)
+        server.update(updates, n)
     return theta
 
 
@@ -124,11 +125,21 @@ def test_scaffold_with_unequal_sizes_cosine_and_clip_finds_the_weighted_optimum(
 
 def test_scaffold_control_variate_averages_with_example_weights():
     """Server step by hand: c += sum_k (n_k / n) dc_k with n over all clients (sampled or not)."""
-    algo = Scaffold()
+    server = ScaffoldServer()
     ups = [SimpleNamespace(extras={"dc.w": torch.tensor([1.0, 0.0])}, num_examples=10),
            SimpleNamespace(extras={"dc.w": torch.tensor([0.0, 4.0])}, num_examples=30)]
-    algo.server_update(ups, 80)  # 40 more examples sit with clients not sampled this round
-    assert_close(algo.server_state()["w"], torch.tensor([10 / 80, 30 / 80 * 4]))
+    server.update(ups, 80)  # 40 more examples sit with clients not sampled this round
+    assert_close(server.state_dict()["w"], torch.tensor([10 / 80, 30 / 80 * 4]))
+
+
+def test_scaffold_download_is_fitted_to_the_client_rank():
+    server = ScaffoldServer()
+    server.load_state_dict({"m.A": torch.arange(12.0).reshape(4, 3), "m.B": torch.arange(8.0).reshape(2, 4),
+                            "lm_head.weight": torch.ones(5, 2)})
+    got = server.download(2)
+    assert_close(got["m.A"], torch.arange(6.0).reshape(2, 3))  # the leading rows of A, columns of B
+    assert_close(got["m.B"], torch.tensor([[0.0, 1.0], [4.0, 5.0]]))
+    assert got["lm_head.weight"].shape == (5, 2)
 
 
 def quadratic_batches(dim=3, seed=0):
@@ -234,13 +245,13 @@ def test_algorithms_are_registered_and_scaffold_refuses_merging_strategies():
 def test_federated_run_with_each_algorithm(tmp_path, algorithm):
     import json
 
-    from fedllm.federation import Federation
+    from fedllm.simulation import Simulation
     from tests.conftest import tiny_overrides
 
     extra = ["client.perfedavg_variant=hf"] if algorithm == "perfedavg" else []
     cfg = load_config(None, tiny_overrides(tmp_path / "r", f"client.algorithm={algorithm}",
                                            "data.client_test_fraction=0.3", *extra))
-    fed = Federation(cfg, tmp_path / "r")
+    fed = Simulation(cfg, tmp_path / "r")
     fed.setup()
     fed.run()
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -249,22 +260,22 @@ def test_federated_run_with_each_algorithm(tmp_path, algorithm):
     if algorithm == "scaffold":
         # the control variates travel: round 2 downloads the server control, uploads carry the deltas
         assert rows[2]["down_params"] > rows[1]["down_params"]
-        assert fed.algorithm.server_state()
+        assert fed.server.algorithm.state_dict()
         assert all(c.state for c in fed.clients)
 
 
 def test_client_dropout_and_heterogeneous_steps(tmp_path):
     import json
 
-    from fedllm.federation import Federation
+    from fedllm.simulation import Simulation
     from tests.conftest import tiny_overrides
 
     cfg = load_config(None, tiny_overrides(tmp_path / "r", "federation.dropout=0.5",
                                            "client.local_steps_per_client=[1,3]"))
-    fed = Federation(cfg, tmp_path / "r")
+    fed = Simulation(cfg, tmp_path / "r")
     fed.setup()
     fed.run()
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     for r in rows[1:]:
         assert len(r["dropped"]) == 2 and r["n_updates"] == 2
-    assert [fed.local_steps(c) for c in fed.clients] == [1, 3, 1, 3]
+    assert [fed.runtime.local_steps(c) for c in fed.clients] == [1, 3, 1, 3]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedllm.config import ConfigError, help_text, load_config, parse_override, valid_keys
+from fedllm.config import ConfigError, help_text, load_config, valid_keys
+from fedllm.overrides import parse_override
 
 
 def test_defaults_are_valid():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedllm.config import load_config
-from fedllm.federation import Federation
+from fedllm.simulation import Simulation
 from tests.conftest import tiny_overrides
 
 
@@ -16,7 +16,7 @@ from tests.conftest import tiny_overrides
 def finished_run(tmp_path_factory, builtin_base):
     d = tmp_path_factory.mktemp("runs") / "fedit"
     cfg = load_config(None, tiny_overrides(d, "data.client_test_fraction=0.3"))
-    fed = Federation(cfg, d)
+    fed = Simulation(cfg, d)
     fed.setup()
     fed.run()
     return d
@@ -241,7 +241,7 @@ def test_report_groups_seeds_into_mean_and_band(tmp_path):
 def test_tensorboard_tracker_logs_rounds(tmp_path):
     pytest.importorskip("tensorboard")
     cfg = load_config(None, tiny_overrides(tmp_path / "tb", "output.log_with=[tensorboard]", "federation.rounds=1"))
-    fed = Federation(cfg, tmp_path / "tb")
+    fed = Simulation(cfg, tmp_path / "tb")
     fed.setup()
     fed.run()
     events = list((tmp_path / "tb").rglob("events.out.tfevents*"))

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from fedllm.config import load_config
-from fedllm.federation import Federation
-from tests.conftest import tiny_overrides
+from fedllm.simulation import Simulation
+from tests.conftest import install_global, tiny_overrides
 
 
 def run(tmp_path, *extra, name="run"):
     cfg = load_config(None, tiny_overrides(tmp_path / name, *extra))
-    fed = Federation(cfg, tmp_path / name)
+    fed = Simulation(cfg, tmp_path / name)
     fed.setup()
     return fed, fed.run()
 
@@ -43,10 +43,10 @@ def test_two_round_run_writes_everything(tmp_path, strategy):
     base = AutoModelForCausalLM.from_pretrained(base_model_reference(fed.cfg))
     model = PeftModel.from_pretrained(base, d / "global_adapter").eval()
     ids = torch.tensor([[1, 20, 30, 40, 50]])
-    fed.install_global()
-    ctx = torch.no_grad() if fed.strategy.global_adapter(fed.state) else fed.model.disable_adapter()
+    install_global(fed)
+    ctx = torch.no_grad() if fed.strategy.global_adapter(fed.server.state) else fed.runtime.model.disable_adapter()
     with ctx, torch.no_grad():
-        ours = fed.model(input_ids=ids).logits
+        ours = fed.runtime.model(input_ids=ids).logits
     with torch.no_grad():
         theirs = model(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)

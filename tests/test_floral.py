@@ -13,10 +13,10 @@ from fedllm.aggregation.fedit import FedIT
 from fedllm.aggregation.floral import FLoRAL, adaptor_weights
 from fedllm.config import ConfigError, LoraConfig, load_config
 from fedllm.factors import LoraFactors, fresh_factors, read_factors, write_factors
-from fedllm.federation import Federation
 from fedllm.mixture import MixtureSession, MixtureSpec
 from fedllm.modeling import attach_lora, install_adapter
-from tests.conftest import random_factors, tiny_overrides
+from fedllm.simulation import Simulation
+from tests.conftest import random_factors, switch_in, tiny_overrides
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -120,7 +120,7 @@ def floral_run(tmp_path, *extra, hook=None):
     cfg = load_config(None, tiny_overrides(tmp_path / "r", "aggregation.name=floral", "lora.ranks=[4]",
                                            "aggregation.num_adaptors=2", "data.client_test_fraction=0.3",
                                            "client.local_steps=3", *extra))
-    fed = Federation(cfg, tmp_path / "r", client_hook=hook)
+    fed = Simulation(cfg, tmp_path / "r", client_hook=hook)
     fed.setup()
     fed.run()
     return fed
@@ -169,7 +169,7 @@ def test_nothing_router_shaped_is_uploaded_or_corrected_by_any_algorithm(tmp_pat
         assert not any(k.startswith("algo.router") for k in c.state)
         if algorithm == "scaffold":
             assert any(k.startswith("algo.") for k in c.state)  # c_k kept under its own names
-    assert not any("router" in k for k in fed.algorithm.server_state())
+    assert not any("router" in k for k in fed.server.algorithm.state_dict())
 
 
 def test_bias_adaptors_are_averaged_and_exported(tmp_path):
@@ -180,9 +180,9 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
     uploads = []
     fed = floral_run(tmp_path, "aggregation.bias_adaptors=true", "aggregation.router_lr=0.5",
                      hook=lambda r, k, u: uploads.append(u) or u)
-    biases = {k: v for k, v in fed.state.extras.items() if k.startswith("bias.")}
+    biases = {k: v for k, v in fed.server.state.extras.items() if k.startswith("bias.")}
     modules = {k.removeprefix("bias.") for k in biases}
-    assert modules == set(fed.state.factors) and all(v.shape[0] == 2 for v in biases.values())
+    assert modules == set(fed.server.state.factors) and all(v.shape[0] == 2 for v in biases.values())
     last = uploads[-4:]  # the last round's uploads: bias.<module> (C x out) beside the probabilities
     key = next(iter(modules))
     w = adaptor_weights(last, [u.num_examples / sum(x.num_examples for x in last) for u in last], key)
@@ -193,12 +193,12 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["lora_bias"] is True
     exported = AutoPeftModelForCausalLM.from_pretrained(out).eval()
     c = fed.clients[1]
-    fed.load_client(c, fed.start_round)
-    fed.model.eval()
-    session = fed.open_mixture(c, own_router=True)
+    switch_in(fed, c, fed.start_round)
+    fed.runtime.model.eval()
+    session = fed.runtime.open_mixture(c, fed.server.client_start(fed.start_round, c.client_id), own_router=True)
     ids = torch.tensor([[1, 11, 22, 33, 44]])
     with torch.no_grad():
-        mixed, theirs = fed.model(input_ids=ids).logits, exported(input_ids=ids).logits
+        mixed, theirs = fed.runtime.model(input_ids=ids).logits, exported(input_ids=ids).logits
     session.close()
     assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)
 
@@ -211,18 +211,18 @@ def test_personalized_export_matches_mixture(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path / "r", "aggregation.name=floral", "lora.ranks=[2]",
                                            "aggregation.num_adaptors=3", "client.local_steps=3",
                                            "aggregation.router_lr=0.5"))
-    fed = Federation(cfg, tmp_path / "r")
+    fed = Simulation(cfg, tmp_path / "r")
     fed.setup()
     fed.run()
     out = export_run(tmp_path / "r", tmp_path / "c2", client=2)
     exported = AutoPeftModelForCausalLM.from_pretrained(out).eval()
     c = fed.clients[2]
-    fed.load_client(c, fed.start_round)
-    fed.model.eval()
-    session = fed.open_mixture(c, own_router=True)
+    switch_in(fed, c, fed.start_round)
+    fed.runtime.model.eval()
+    session = fed.runtime.open_mixture(c, fed.server.client_start(fed.start_round, c.client_id), own_router=True)
     ids = torch.tensor([[1, 11, 22, 33, 44]])
     with torch.no_grad():
-        mixed = fed.model(input_ids=ids).logits
+        mixed = fed.runtime.model(input_ids=ids).logits
         theirs = exported(input_ids=ids).logits
     session.close()
     assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedllm.config import load_config
-from fedllm.federation import Federation
+from fedllm.simulation import Simulation
 from tests.conftest import assert_close_updates, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,9 +50,9 @@ def plain(tmp_path_factory, builtin_base):
 @pytest.mark.parametrize("mode", ["4bit", "8bit"])
 def test_qlora_on_cuda_keeps_residual_and_learns(tmp_path, mode, builtin_base):
     cfg = load_config(None, tiny_overrides(tmp_path, *EXTRA, f"model.quantization={mode}", "aggregation.name=flora"))
-    fed = Federation(cfg, tmp_path)
+    fed = Simulation(cfg, tmp_path)
     fed.setup()
-    assert next(fed.model.parameters()).device.type == "cuda"
+    assert next(fed.runtime.model.parameters()).device.type == "cuda"
     summary = fed.run()
     assert summary["loss_after"] < summary["loss_before"]
     assert summary["residual_adapter_rank"] > 0 and summary["quantization"] == mode

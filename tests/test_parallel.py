@@ -17,9 +17,9 @@ import torch
 
 from fedllm.client.base import batch_stream
 from fedllm.config import ConfigError, load_config
-from fedllm.federation import Federation
 from fedllm.parallel import Layout, resolve_layout
-from tests.conftest import assert_close_updates, tiny_overrides
+from fedllm.simulation import Simulation
+from tests.conftest import assert_close_updates, switch_in, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,20 +68,20 @@ def test_bad_parallel_value_is_a_config_error():
 def test_shares_of_a_batch_give_the_whole_batch_gradient(tmp_path, builtin_base):
     """Averaging the shares' gradients (what DDP/DeepSpeed do) gives the one-process gradient exactly."""
     cfg = load_config(None, tiny_overrides(tmp_path, "lora.trainable_modules=[]"))
-    fed = Federation(cfg, tmp_path)
+    fed = Simulation(cfg, tmp_path)
     fed.setup()
-    params, _, _ = fed.load_client(fed.clients[0], 1)
+    params, _ = switch_in(fed, fed.clients[0], 1)
     with torch.no_grad():  # non-zero B so that every factor has a gradient
         for k, p in params.items():
             if k.endswith(".B"):
                 p.normal_(0, 0.02)
-    fed.model.train()
-    batch = next(batch_stream(fed.clients[0].train, 4, fed.tokenizer.pad_token_id, 0))
+    fed.runtime.model.train()
+    batch = next(batch_stream(fed.clients[0].train, 4, fed.runtime.tokenizer.pad_token_id, 0))
 
     def grads(b):
         for p in params.values():
             p.grad = None
-        loss = fed.model(**b).loss
+        loss = fed.runtime.model(**b).loss
         loss.backward()
         return {k: p.grad.clone() for k, p in params.items()}, loss.item()
 
@@ -194,12 +194,12 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, builtin_base):
     for flag in ("false", "true"):
         cfg = load_config(None, tiny_overrides(tmp_path / flag, "federation.rounds=1", "eval.benchmark=none",
                                                "eval.personalized=false", f"model.gradient_checkpointing={flag}"))
-        fed = Federation(cfg, tmp_path / flag)
+        fed = Simulation(cfg, tmp_path / flag)
         fed.setup()
-        base = fed.model.get_base_model()
+        base = fed.runtime.model.get_base_model()
         assert base.model.gradient_checkpointing == (flag == "true")
         fed.run()
-        runs[flag] = fed.state.factors
+        runs[flag] = fed.server.state.factors
     for k, f in runs["false"].items():
         torch.testing.assert_close(runs["true"][k].B, f.B, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(runs["true"][k].A, f.A, rtol=1e-5, atol=1e-6)
@@ -207,7 +207,7 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, builtin_base):
 
 def test_data_layout_refuses_clients_smaller_than_a_batch(tmp_path, builtin_base):
     cfg = load_config(None, tiny_overrides(tmp_path, "client.batch_size=16"))
-    fed = Federation(cfg, tmp_path)
+    fed = Simulation(cfg, tmp_path)
     fed.layout = Layout("data", 0, 2)  # as under a 2-process launch with federation.parallel=data
     with pytest.raises(ValueError, match=r"fewer than client.batch_size = 16.*data.min_examples_per_client"):
         fed.setup()

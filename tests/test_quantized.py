@@ -16,7 +16,6 @@ import torch
 
 from fedllm.config import load_config
 from fedllm.factors import lora_modules
-from fedllm.federation import Federation
 from fedllm.modeling import (
     RESIDUAL,
     ModelError,
@@ -27,7 +26,8 @@ from fedllm.modeling import (
     restore_dequant_layers,
     select_cpu_4bit_kernel,
 )
-from tests.conftest import tiny_overrides
+from fedllm.simulation import Simulation
+from tests.conftest import heldout_of, install_global, switch_in, tiny_overrides
 
 pytest.importorskip("bitsandbytes")
 from bitsandbytes.functional import has_avx512bf16
@@ -39,7 +39,7 @@ KERNELS = ["dequant", pytest.param("packed", marks=NO_PACKED)]
 
 def federation(tmp_path, *extra):
     cfg = load_config(None, tiny_overrides(tmp_path, "eval.personalized=false", *extra))
-    fed = Federation(cfg, tmp_path)
+    fed = Simulation(cfg, tmp_path)
     fed.setup()
     return fed
 
@@ -108,18 +108,18 @@ def test_training_after_an_evaluation_gets_full_gradients(tmp_path, kernel, buil
     fed = federation(tmp_path / "r", "model.quantization=4bit", f"model.quant_cpu_kernel={kernel}",
                      "lora.trainable_modules=[]")
     fed.evaluate()  # inference forwards: bitsandbytes packs here with the packed kernel
-    assert (packed_layers(fed.model) > 0) == (kernel == "packed")
-    params, _, _ = fed.load_client(fed.clients[0], 1)
-    assert packed_layers(fed.model) == 0
+    assert (packed_layers(fed.runtime.model) > 0) == (kernel == "packed")
+    params, _ = switch_in(fed, fed.clients[0], 1)
+    assert packed_layers(fed.runtime.model) == 0
     with torch.no_grad():  # non-zero B so that A gets gradients too
         for k, p in params.items():
             if k.endswith(".B"):
                 p.normal_(0, 0.02)
-    fed.model.train()
+    fed.runtime.model.train()
     from fedllm.client.base import batch_stream
 
-    batch = next(batch_stream(fed.clients[0].train, 4, fed.tokenizer.pad_token_id, 0))
-    fed.model(**batch).loss.backward()
+    batch = next(batch_stream(fed.clients[0].train, 4, fed.runtime.tokenizer.pad_token_id, 0))
+    fed.runtime.model(**batch).loss.backward()
     first = next(k for k in params if "layers.0." in k and k.endswith("q_proj.A"))
     assert params[first].grad is not None and float(params[first].grad.norm()) > 0
 
@@ -127,7 +127,7 @@ def test_training_after_an_evaluation_gets_full_gradients(tmp_path, kernel, buil
 def test_merge_into_quantized_base_is_refused(tmp_path, builtin_base):
     fed = federation(tmp_path / "r", "model.quantization=4bit", "model.quant_cpu_kernel=dequant")
     with pytest.raises(ModelError, match="quantized"):
-        merge_into_base(fed.model, {})
+        merge_into_base(fed.runtime.model, {})
 
 
 @pytest.mark.parametrize(("mode", "kernel"), [("8bit", "dequant"), ("4bit", "dequant"),
@@ -143,7 +143,7 @@ def test_qlora_round_learns_like_full_precision(tmp_path, mode, kernel, builtin_
     assert summary["quantization"] == mode
     assert summary.get("quant_cpu_kernel") == (kernel if mode == "4bit" else None)
     assert (tmp_path / "q" / "global_adapter" / "adapter_model.safetensors").exists()
-    frozen = [p for n, p in fed.model.named_parameters()
+    frozen = [p for n, p in fed.runtime.model.named_parameters()
               if "lora_" not in n and "embed_tokens" not in n and "lm_head" not in n]
     assert frozen and not any(p.requires_grad for p in frozen)
 
@@ -152,32 +152,32 @@ def test_qlora_round_learns_like_full_precision(tmp_path, mode, kernel, builtin_
 def test_flora_on_4bit_keeps_merged_update_as_frozen_residual(tmp_path, kernel, builtin_base):
     fed = federation(tmp_path / "r", "model.quantization=4bit", f"model.quant_cpu_kernel={kernel}",
                      "aggregation.name=flora", "federation.rounds=1", "lora.trainable_modules=[]", "lora.ranks=[2,4]")
-    before = {k: v.clone() for k, v in fed.model.state_dict().items() if "lora_" not in k}
+    before = {k: v.clone() for k, v in fed.runtime.model.state_dict().items() if "lora_" not in k}
     summary = fed.run()
     assert summary["quantization"] == "4bit" and summary["residual_adapter_rank"] == 2 + 4 + 2 + 4
     assert "frozen residual adapter" in summary["note"]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["residual_adapter_rank"] == 12
-    restore_dequant_layers(fed.model)  # (as before training: state_dict() of a packed layer would re-quantize it)
-    after = fed.model.state_dict()
+    restore_dequant_layers(fed.runtime.model)  # as before training: state_dict() of a packed layer re-quantizes
+    after = fed.runtime.model.state_dict()
     for k, v in before.items():  # the quantized weights were never rewritten
         assert torch.equal(after[k], v), k
 
     # the residual adapter is exactly the FLoRA update sum_k p_k s_k B_k A_k, and frozen under a client's adapter
     key = "model.layers.1.mlp.down_proj"
-    res = fed.state.residual[key]
-    module = lora_modules(fed.model, RESIDUAL)[key]
+    res = fed.server.state.residual[key]
+    module = lora_modules(fed.runtime.model, RESIDUAL)[key]
     got = module.lora_B[RESIDUAL].weight @ module.lora_A[RESIDUAL].weight * module.scaling[RESIDUAL]
     torch.testing.assert_close(got, res.delta(), rtol=1e-5, atol=1e-7)
-    params, _, _ = fed.load_client(fed.clients[0], 2)
-    assert fed.model.active_adapters == ["r2", RESIDUAL]
-    assert not any(p.requires_grad for n, p in fed.model.named_parameters() if f".{RESIDUAL}." in n)
+    params, _ = switch_in(fed, fed.clients[0], 2)
+    assert fed.runtime.model.active_adapters == ["r2", RESIDUAL]
+    assert not any(p.requires_grad for n, p in fed.runtime.model.named_parameters() if f".{RESIDUAL}." in n)
     assert all(p.requires_grad for p in params.values())
 
     # the residual layer computes base(x) + x @ delta^T
     x = torch.randn(3, module.in_features)
-    with torch.no_grad(), fed.model.disable_adapter():
+    with torch.no_grad(), fed.runtime.model.disable_adapter():
         plain = module(x)
-    fed.install_global()
+    install_global(fed)
     with torch.no_grad():
         torch.testing.assert_close(module(x), plain + x @ res.delta().T, rtol=1e-4, atol=1e-5)
 
@@ -188,10 +188,10 @@ def test_residual_survives_resume(tmp_path, kernel, builtin_base):
              "federation.rounds=1", "lora.trainable_modules=[]", "lora.ranks=[2,4]")
     fed = federation(tmp_path / "r", *extra)
     fed.run()
-    fed.install_global()
-    loss, _ = fed.heldout(fed.eval_data)
+    install_global(fed)
+    loss, _ = heldout_of(fed, fed.eval_data)
     again = federation(tmp_path / "r", *extra)
     again.restore()
-    assert again.start_round == 2 and RESIDUAL in again.model.peft_config
-    again.install_global()
-    assert again.heldout(again.eval_data)[0] == pytest.approx(loss, rel=1e-5)
+    assert again.start_round == 2 and RESIDUAL in again.runtime.model.peft_config
+    install_global(again)
+    assert heldout_of(again, again.eval_data)[0] == pytest.approx(loss, rel=1e-5)

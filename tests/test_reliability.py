@@ -16,13 +16,14 @@ from fedllm import checkpoint as ckpt
 from fedllm.aggregation import ClientUpdate
 from fedllm.config import load_config
 from fedllm.factors import LoraFactors
-from fedllm.federation import Federation, clip_updates
+from fedllm.server import clip_updates
+from fedllm.simulation import Simulation
 from tests.conftest import tiny_overrides
 
 
 def run_with_hook(tmp_path, hook, *extra):
     cfg = load_config(None, tiny_overrides(tmp_path / "r", *extra))
-    fed = Federation(cfg, tmp_path / "r", client_hook=hook)
+    fed = Simulation(cfg, tmp_path / "r", client_hook=hook)
     fed.setup()
     summary = fed.run()
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -73,7 +74,7 @@ def test_faulty_client_is_left_out_and_counted(tmp_path, hook, extra, client, re
         assert client in r["failed"] and reason in r["failed"][client]
         assert r["n_updates"] == 3 and r["n_failed"] == 1 and not r["skipped"]
     assert summary["failed_client_calls"] == len(bad)
-    for f in fed.state.factors.values():
+    for f in fed.server.state.factors.values():
         assert torch.isfinite(f.A).all() and torch.isfinite(f.B).all()
 
 
@@ -89,16 +90,16 @@ def test_round_below_min_clients_is_skipped_and_state_unchanged(tmp_path):
         return all_fail_round_2(r, k, u)
 
     cfg = load_config(None, tiny_overrides(tmp_path / "r", "federation.min_clients=2"))
-    fed = Federation(cfg, tmp_path / "r", client_hook=record)
+    fed = Simulation(cfg, tmp_path / "r", client_hook=record)
     fed.setup()
     original = fed.run_round
 
     def wrapped(r):
         if r == 2:
-            snapshots["before"] = {k: v.A.clone() for k, v in fed.state.factors.items()}
+            snapshots["before"] = {k: v.A.clone() for k, v in fed.server.state.factors.items()}
         out = original(r)
         if r == 2:
-            snapshots["after"] = {k: v.A.clone() for k, v in fed.state.factors.items()}
+            snapshots["after"] = {k: v.A.clone() for k, v in fed.server.state.factors.items()}
         return out
 
     fed.run_round = wrapped

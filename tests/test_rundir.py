@@ -223,16 +223,16 @@ def test_keep_checkpoints_is_an_option(tmp_path, capsys, builtin_base):
 
 # 7 and 9. a run killed in round 1 resumes without a second round-0 row; temporaries are cleaned
 def test_interrupted_in_round_one_resumes_cleanly(tmp_path, capsys, monkeypatch, builtin_base):
-    from fedllm.federation import Federation
+    from fedllm.simulation import Simulation
 
-    real = Federation.run_round
+    real = Simulation.run_round
 
     def killed(self, r):
         if r == 1:
             raise KeyboardInterrupt  # as a kill in round 1: no checkpoint yet
         return real(self, r)
 
-    monkeypatch.setattr(Federation, "run_round", killed)
+    monkeypatch.setattr(Simulation, "run_round", killed)
     overrides = [o for o in tiny_overrides(tmp_path / "r", *FAST) if not o.startswith("output.dir")]
     with pytest.raises(KeyboardInterrupt):
         main(["--log-level", "WARNING", "run", "--output-dir", str(tmp_path / "r"), *overrides])
@@ -242,7 +242,7 @@ def test_interrupted_in_round_one_resumes_cleanly(tmp_path, capsys, monkeypatch,
     stale = [tmp_path / "r" / ".metrics.jsonl.x1.tmp", tmp_path / "r" / "checkpoints" / ".round-0001.abc"]
     stale[0].write_text("half")
     stale[1].mkdir()
-    monkeypatch.setattr(Federation, "run_round", real)
+    monkeypatch.setattr(Simulation, "run_round", real)
     code, err = cli(capsys, "run", "--resume", str(tmp_path / "r"))
     assert code == 0, err
     assert rounds_in(tmp_path / "r") == [0, 1, 2]

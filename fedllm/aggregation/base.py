@@ -1,9 +1,10 @@
 """The strategy protocol and its registry.
 
-A strategy sees plain tensors only (no peft, no transformers). Each round the
-loop calls :meth:`Strategy.aggregate` with the valid client updates and the
-current :class:`GlobalState`, and :meth:`Strategy.client_start` to learn what
-each client of the next round starts from. It never branches on a name.
+A strategy sees plain tensors only (no peft, no transformers, no config). Each
+round the server calls :meth:`Strategy.aggregate` with the valid client
+updates and the current :class:`GlobalState`, and :meth:`Strategy.client_factors`
+(and :meth:`Strategy.client_extras`) to learn what each client of the next
+round starts from. It never branches on a name.
 """
 
 from __future__ import annotations
@@ -15,33 +16,10 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from fedllm.aggregation._linalg import weighted_mean
-from fedllm.factors import Adapter, adapter_numel
+from fedllm.factors import Adapter
+from fedllm.protocol import ClientUpdate
 
 STRATEGIES: dict[str, type[Strategy]] = {}
-
-
-@dataclass
-class ClientUpdate:
-    """What one client uploads: its adapter, example count and extras.
-
-    ``extras`` holds algorithm- or strategy-specific tensors that travel with
-    the update (SCAFFOLD's control-variate delta, FLoRAL's router
-    probabilities); they are counted in the communication ledger.
-    """
-
-    client_id: int
-    num_examples: int
-    factors: Adapter
-    dense: dict[str, Tensor] = field(default_factory=dict)
-    extras: dict[str, Tensor] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    client_state: dict[str, Tensor] = field(default_factory=dict)  # stays on the client: never counted
-    start: Adapter = field(default_factory=dict)  # what the client started from (for norm clipping)
-
-    def numel(self) -> int:
-        return adapter_numel(self.factors) + sum(t.numel() for t in self.dense.values()) + sum(
-            t.numel() for t in self.extras.values()
-        )
 
 
 @dataclass
@@ -58,19 +36,6 @@ class GlobalState:
     residual: Adapter = field(default_factory=dict)
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class ClientStart:
-    """What a client downloads: factors to load (None: fresh LoRA), an update to merge, strategy extras."""
-
-    factors: Adapter | None
-    merge: Adapter = field(default_factory=dict)
-    extras: dict[str, Tensor] = field(default_factory=dict)  # e.g. FLoRAL's bias adaptors
-
-    def numel(self) -> int:
-        return ((adapter_numel(self.factors) if self.factors else 0) + adapter_numel(self.merge)
-                + sum(t.numel() for t in self.extras.values()))
 
 
 @dataclass
@@ -141,10 +106,13 @@ class Strategy(abc.ABC):
         """Rank of the peft adapter a client of LoRA rank ``rank`` trains (FLoRAL: C * rank)."""
         return rank
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
-                     client_id: int | None = None) -> ClientStart:
-        """Default: start from fresh factors and merge what the server merged."""
-        return ClientStart(None, merged)
+    def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
+        """The adapter a client of rank ``rank`` (layer scale ``scale``) starts from; None: a fresh LoRA."""
+        return None
+
+    def client_extras(self, state: GlobalState, client_id: int) -> dict[str, Tensor]:
+        """Strategy state a client trains from besides its factors (FLoRAL's bias adaptors); usually none."""
+        return {}
 
     def global_adapter(self, state: GlobalState) -> Adapter:
         """The adapter evaluated and exported as 'the global model' (on top of the residual)."""
@@ -155,17 +123,17 @@ class Strategy(abc.ABC):
         return {}
 
 
-def leading_start(state: GlobalState, rank: int, scale: float, merged: Adapter) -> ClientStart:
+def leading_factors(state: GlobalState, rank: int, scale: float) -> Adapter | None:
     """Each client takes the leading ``rank`` components of the global adapter, at its own scale.
 
-    Zero-padded where the global adapter has fewer; the round loop gives such
-    empty directions a fresh init so they can learn.
+    Zero-padded where the global adapter has fewer; the client runtime gives
+    such empty directions a fresh init so they can learn.
     """
     from fedllm.aggregation._linalg import fit_rank
 
     if not state.factors:
-        return ClientStart(None, merged)
-    return ClientStart({k: fit_rank(f, rank).with_scale(scale) for k, f in state.factors.items()}, merged)
+        return None
+    return {k: fit_rank(f, rank).with_scale(scale) for k, f in state.factors.items()}
 
 
 def new_residual(state: GlobalState, merged: Adapter) -> Adapter:

@@ -10,7 +10,7 @@ error is part of the method). With heterogeneous ranks every client's
 from __future__ import annotations
 
 from fedllm.aggregation._linalg import pad_rank, weighted_mean
-from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy, leading_start
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
 from fedllm.factors import Adapter, LoraFactors
 
 
@@ -34,6 +34,5 @@ class FedIT(Strategy):
             )
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
-                     client_id: int | None = None) -> ClientStart:
-        return leading_start(state, rank, scale, merged)
+    def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
+        return leading_factors(state, rank, scale)

@@ -10,7 +10,7 @@ factors and an SVD of a small R x R core (R = sum of ranks), which is exact.
 from __future__ import annotations
 
 from fedllm.aggregation._linalg import low_rank_svd, stack, svd_factors
-from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy, leading_start
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
 from fedllm.factors import Adapter
 
 
@@ -45,6 +45,5 @@ class FlexLoRA(Strategy):
             out[key] = svd_factors(u, s, vh, s.numel(), self.split)
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
-                     client_id: int | None = None) -> ClientStart:
-        return leading_start(state, rank, scale, merged)
+    def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
+        return leading_factors(state, rank, scale)

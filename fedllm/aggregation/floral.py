@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation._linalg import weighted_mean
-from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
 from fedllm.factors import Adapter, LoraFactors
 
 log = logging.getLogger(__name__)
@@ -104,12 +104,11 @@ class FLoRAL(Strategy):
             out[unused] = (before.double() if before is not None else torch.zeros_like(out))[unused]
         return out.float()
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
-                     client_id: int | None = None) -> ClientStart:
-        biases = {k: v for k, v in state.extras.items() if k.startswith(BIAS)}
-        if not state.factors:
-            return ClientStart(None, merged, biases)
-        return ClientStart({k: f.with_scale(scale) for k, f in state.factors.items()}, merged, biases)
+    def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
+        return {k: f.with_scale(scale) for k, f in state.factors.items()} if state.factors else None
+
+    def client_extras(self, state: GlobalState, client_id: int) -> dict[str, Tensor]:
+        return {k: v for k, v in state.extras.items() if k.startswith(BIAS)}
 
     def global_adapter(self, state: GlobalState) -> Adapter:
         """The global model: the uniform mixture (every adaptor weighted 1/C)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.aggregation.base import ClientStart, ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
 from fedllm.aggregation.fedit import FedIT
 from fedllm.factors import Adapter, LoraFactors
 
@@ -35,8 +35,7 @@ class LocalOnly(Strategy):
         mean = FedIT().aggregate_factors(updates, weights, state).state.factors
         return RoundResult(GlobalState(mean, dict(state.residual), extras=extras))
 
-    def client_start(self, state: GlobalState, rank: int, scale: float, merged: Adapter,
-                     client_id: int | None = None) -> ClientStart:
+    def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
         prefix = f"local.{client_id}."
         mine = {}
         for name, t in state.extras.items():
@@ -44,4 +43,4 @@ class LocalOnly(Strategy):
                 key = name[len(prefix):-2]
                 mine[key] = LoraFactors(t, state.extras[f"{prefix}{key}.B"],
                                         float(state.extras[f"{prefix}{key}.scale"]))
-        return ClientStart(mine or None, {})
+        return mine or None

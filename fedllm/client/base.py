@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from data_prep.prompts import TokenizedExample, collate
 from fedllm.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
+from fedllm.protocol import AlgorithmServer
 
 ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
 
@@ -86,6 +87,7 @@ class ClientAlgorithm(abc.ABC):
     """One local-training algorithm; subclasses register by ``name``."""
 
     name: ClassVar[str] = ""
+    server_half: ClassVar[type[AlgorithmServer]] = AlgorithmServer  # built by the driver, run by the server
     # what the config layer checks against the strategy (clients never look at the strategy themselves)
     needs_parameter_averaging: ClassVar[bool] = False  # its state refers to parameters that persist across rounds
     trains_local_params: ClassVar[bool] = True  # can train client-only parameters beside its own (FLoRAL routers)
@@ -125,30 +127,13 @@ class ClientAlgorithm(abc.ABC):
             return torch.optim.SGD(groups, lr=self.step_size(plan), weight_decay=plan.weight_decay)
         return torch.optim.AdamW(groups, lr=self.step_size(plan), weight_decay=plan.weight_decay)
 
-    def begin(self, params: Params, state: dict[str, Any]) -> None:
-        """Hook before the first local step (e.g. remember the starting point)."""
+    def begin(self, params: Params, state: dict[str, Any], download: dict[str, Tensor]) -> None:
+        """Hook before the first local step (e.g. remember the starting point); ``download``: the server half's."""
 
     def finish(self, params: Params, plan: LocalPlan, state: dict[str, Any],
                step_sizes: list[float]) -> dict[str, Tensor]:
         """Hook after the last local step (``step_sizes``: the learning rate of each step); returns extra uploads."""
         return {}
-
-    def server_update(self, updates: list, population_examples: int) -> None:
-        """Server-side state of the algorithm after a round (SCAFFOLD's control variate).
-
-        ``population_examples`` is the example count of *all* clients, sampled
-        or not, so a client's weight ``n_k / n`` is the one of the objective.
-        """
-
-    def download_numel(self, params: Params) -> int:
-        """Extra parameters a client downloads for this algorithm (e.g. the server control)."""
-        return 0
-
-    def server_state(self) -> dict[str, Tensor]:
-        return {}
-
-    def load_server_state(self, tensors: dict[str, Tensor]) -> None:
-        """Restore what :meth:`server_state` returned (resume)."""
 
     def personalize(self, model, params: Params, batches: Iterator[dict[str, Tensor]], steps: int, plan: LocalPlan,
                     accelerator) -> None:
@@ -175,8 +160,13 @@ class ClientAlgorithm(abc.ABC):
         """Accumulate gradients for one optimizer step into ``params``; return the loss."""
 
     def train(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan,
-              accelerator, state: dict[str, Any] | None = None) -> LocalResult:
-        """Run ``plan.steps`` optimizer steps on ``params`` (the client's trainable tensors, by name)."""
+              accelerator, state: dict[str, Any] | None = None, download: dict[str, Tensor] | None = None
+              ) -> LocalResult:
+        """Run ``plan.steps`` optimizer steps on ``params`` (the client's trainable tensors, by name).
+
+        ``state`` is what the algorithm keeps on this client between rounds
+        (updated in place); ``download`` what its server half sent.
+        """
         from transformers import get_scheduler
 
         state = state if state is not None else {}
@@ -186,7 +176,7 @@ class ClientAlgorithm(abc.ABC):
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
         scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
         layout = plan.layout
-        self.begin(params, state)
+        self.begin(params, state, download or {})
         losses, step_sizes = [], []
         with wrapped_for_training(accelerator, layout, model, optimizer, plan.max_grad_norm,
                                   plan.batch_size) as (wrapped, optimizer):

@@ -32,7 +32,7 @@ class FedProx(ClientAlgorithm):
     def from_config(cls, client_cfg) -> FedProx:
         return cls(mu=client_cfg.mu, optimizer=client_cfg.optimizer)
 
-    def begin(self, params: Params, state: dict[str, Any]) -> None:
+    def begin(self, params: Params, state: dict[str, Any], download: dict) -> None:
         self.anchor = {k: p.detach().clone() for k, p in params.items()}
 
     def local_step(self, model, params, batches, plan, accelerator) -> float:

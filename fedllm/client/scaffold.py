@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from fedllm.client.base import ClientAlgorithm, Params, accumulate
+from fedllm.protocol import AlgorithmServer
 
 
 def _fit(t: Tensor, shape: torch.Size) -> Tensor:
@@ -40,6 +41,46 @@ def _fit(t: Tensor, shape: torch.Size) -> Tensor:
     return out
 
 
+class ScaffoldServer(AlgorithmServer):
+    """The server control variate ``c``, kept at the largest rank, and its example-weighted update."""
+
+    def __init__(self) -> None:
+        self.c: dict[str, Tensor] = {}
+
+    @classmethod
+    def from_config(cls, client_cfg) -> ScaffoldServer:
+        return cls()
+
+    def download(self, rank: int) -> dict[str, Tensor]:
+        """``c`` fitted to a client of adapter rank ``rank``: the leading rows of A, columns of B (empty at first)."""
+        out = {}
+        for k, t in self.c.items():
+            shape = list(t.shape)
+            if k.endswith(".A"):
+                shape[0] = rank
+            elif k.endswith(".B"):
+                shape[1] = rank
+            out[k] = _fit(t, torch.Size(shape))
+        return out
+
+    def update(self, updates: list, population_examples: int) -> None:
+        """``c += sum_{k in S} (n_k / n) delta c_k``: keeps ``c = sum_k p_k c_k`` over all clients."""
+        keys = {k for u in updates for k in u.extras if k.startswith("dc.")}
+        for key in keys:
+            name = key[3:]
+            mine = [u for u in updates if key in u.extras]
+            shape = torch.Size(max(u.extras[key].shape[i] for u in mine) for i in range(mine[0].extras[key].dim()))
+            step = sum((u.num_examples / population_examples) * _fit(u.extras[key], shape) for u in mine)
+            current = _fit(self.c[name], shape) if name in self.c else torch.zeros(shape)
+            self.c[name] = current + step
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(self.c)
+
+    def load_state_dict(self, tensors: dict[str, Tensor]) -> None:
+        self.c = dict(tensors)
+
+
 class Scaffold(ClientAlgorithm):
     """Drift-corrected local steps (SGD by default, the setting of the analysis).
 
@@ -48,11 +89,11 @@ class Scaffold(ClientAlgorithm):
     """
 
     name = "scaffold"
+    server_half = ScaffoldServer
     needs_parameter_averaging = True
 
     def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__(optimizer)
-        self.server_c: dict[str, Tensor] = {}
         self._start: dict[str, Tensor] = {}
         self._c: dict[str, Tensor] = {}
         self._ck: dict[str, Tensor] = {}
@@ -61,12 +102,9 @@ class Scaffold(ClientAlgorithm):
     def from_config(cls, client_cfg) -> Scaffold:
         return cls(optimizer=client_cfg.scaffold_optimizer)
 
-    def download_numel(self, params: Params) -> int:
-        return sum(p.numel() for p in params.values()) if self.server_c else 0
-
-    def begin(self, params: Params, state: dict[str, Any]) -> None:
+    def begin(self, params: Params, state: dict[str, Any], download: dict[str, Tensor]) -> None:
         self._start = {k: p.detach().clone() for k, p in params.items()}
-        self._c = {k: _fit(self.server_c[k], p.shape) if k in self.server_c else torch.zeros_like(p)
+        self._c = {k: _fit(download[k], p.shape) if k in download else torch.zeros_like(p)
                    for k, p in params.items()}
         self._ck = {k: state.get(k, torch.zeros_like(p)) for k, p in params.items()}
 
@@ -86,20 +124,3 @@ class Scaffold(ClientAlgorithm):
         state.clear()
         state.update(new_ck)  # c_k stays with the client
         return deltas
-
-    def server_update(self, updates: list, population_examples: int) -> None:
-        """``c += sum_{k in S} (n_k / n) delta c_k``: keeps ``c = sum_k p_k c_k`` over all clients."""
-        keys = {k for u in updates for k in u.extras if k.startswith("dc.")}
-        for key in keys:
-            name = key[3:]
-            mine = [u for u in updates if key in u.extras]
-            shape = torch.Size(max(u.extras[key].shape[i] for u in mine) for i in range(mine[0].extras[key].dim()))
-            step = sum((u.num_examples / population_examples) * _fit(u.extras[key], shape) for u in mine)
-            current = _fit(self.server_c[name], shape) if name in self.server_c else torch.zeros(shape)
-            self.server_c[name] = current + step
-
-    def server_state(self) -> dict[str, Tensor]:
-        return dict(self.server_c)
-
-    def load_server_state(self, tensors: dict[str, Tensor]) -> None:
-        self.server_c = dict(tensors)

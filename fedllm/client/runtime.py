@@ -1,0 +1,288 @@
+"""The client runtime: one base model, one adapter per rank, clients switched in from their ClientStart.
+
+It hosts many simulated clients on one base (a client is only its factors,
+its data and its state: switching one in costs milliseconds, never a model
+load) or exactly one real site (Flower). ``train`` takes a client's
+:class:`~fedllm.protocol.ClientStart`, runs the client algorithm and returns
+its :class:`~fedllm.protocol.ClientUpdate`; nothing else crosses to the
+server. What stays on the client lives here: the algorithm's state (SCAFFOLD's
+c_k, under ``algo.*``), FLoRAL's router (``router.*``) and the merges applied
+to the base (FLoRA/FLoRIST), which a 4/8-bit base (or ZeRO-3) keeps as a frozen
+residual adapter because its weights cannot absorb them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from data_prep.prompts import TokenizedExample
+from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_stream
+from fedllm.evaluation import heldout
+from fedllm.factors import (
+    Adapter,
+    LoraFactors,
+    concat,
+    dense_param_names,
+    fresh_factors,
+    module_key,
+    read_dense,
+    read_factors,
+    write_dense,
+    write_factors,
+)
+from fedllm.mixture import MixtureSession, MixtureSpec
+from fedllm.modeling import (
+    RESIDUAL,
+    activate,
+    adapter_name,
+    adapter_params,
+    attach_lora,
+    install_adapter,
+    install_residual,
+    merge_into_base,
+    restore_dequant_layers,
+    set_trainable_modules,
+)
+from fedllm.parallel import Layout, full_tensors
+from fedllm.protocol import ClientStart, ClientUpdate, derive_seed
+
+log = logging.getLogger(__name__)
+
+ClientHook = Callable[[int, int, ClientUpdate], ClientUpdate]
+
+
+@dataclass
+class ClientData:
+    """A client as its runtime holds it: data, adapter rank (FLoRAL: C * r) and layer scale, local state."""
+
+    client_id: int
+    rank: int
+    scale: float
+    train: list[TokenizedExample]
+    test: list[TokenizedExample]
+    state: dict[str, Tensor] = field(default_factory=dict)  # algo.* and router.*: never uploaded
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.train)
+
+
+def revive_empty_directions(start: Adapter, fresh: Adapter) -> Adapter:
+    """Give zero rank directions (zero A row and B column) a fresh A row.
+
+    Zero-padding leaves directions whose gradients are zero forever; a fresh
+    A row with the zero B column keeps the product unchanged and lets them learn.
+    """
+    out = {}
+    for key, f in start.items():
+        dead = (f.A.abs().sum(1) == 0) & (f.B.abs().sum(0) == 0)
+        if dead.any():
+            A = f.A.clone()
+            A[dead] = fresh[key].A[dead]
+            f = LoraFactors(A, f.B, f.scale)
+        out[key] = f
+    return out
+
+
+class ClientRuntime:
+    """See module docstring. ``ranks`` are the adapter ranks its clients train (one peft adapter per rank)."""
+
+    def __init__(self, model, tokenizer, ranks: list[int], lora_cfg, client_cfg, seed: int, layout: Layout,
+                 accelerator, mixture: MixtureSpec | None = None, residual_merges: bool = False,
+                 client_timeout_s: float = 0.0, progress: bool = False) -> None:
+        self.tokenizer, self.lora_cfg, self.client_cfg = tokenizer, lora_cfg, client_cfg
+        self.seed, self.layout, self.acc, self.mixture = seed, layout, accelerator, mixture
+        self.client_timeout_s, self.progress = client_timeout_s, progress
+        self.model = attach_lora(model, ranks, lora_cfg)
+        self.algorithm: ClientAlgorithm = ALGORITHMS[client_cfg.algorithm].from_config(client_cfg)
+        self.dense_names = dense_param_names(self.model, lora_cfg.trainable_modules)
+        self.residual_merges = residual_merges  # merges kept as a frozen adapter (4/8-bit base, ZeRO-3)
+        self.residual: Adapter = {}  # everything merged into this base so far
+        self.residual_rank = 0
+        self.applied_round = 0  # merges of rounds up to this one are in the base
+
+    # ---------------------------------------------------------------- the base
+    def whole_adapters(self, modify: bool = False):
+        """Context in which every LoRA and dense tensor is whole on this process (ZeRO-3 shards them)."""
+        params = [p for n, p in self.model.named_parameters() if "lora_" in n or module_key(n) in self.dense_names]
+        return full_tensors(self.layout, params, modify)
+
+    def initial_dense(self) -> dict[str, Tensor]:
+        """The fully trained modules as the base has them (the server's starting point)."""
+        with self.whole_adapters():
+            return read_dense(self.model, self.dense_names)
+
+    def apply_merges(self, merges: list[tuple[int, Adapter]]) -> None:
+        """Make each merge of a round this base has not seen part of every later forward pass.
+
+        A full-precision base takes it into its weights; a quantized (or
+        ZeRO-3-sharded) one keeps the whole cumulative residual as a frozen
+        adapter that stays active under every client's adapter.
+        """
+        new = [(r, m) for r, m in merges if r > self.applied_round and m]
+        for r, merged in new:
+            self.residual = concat(self.residual, merged) if self.residual else {k: f.folded() for k, f in
+                                                                                   merged.items()}
+            if not self.residual_merges:
+                merge_into_base(self.model, merged)
+            self.applied_round = r
+        if new and self.residual_merges:
+            with self.whole_adapters(modify=True):
+                self.residual_rank = install_residual(self.model, self.residual, self.lora_cfg)
+
+    def restore_base(self, residual: Adapter, round_idx: int) -> None:
+        """A fresh base brought to a checkpoint's round: everything merged so far, at once."""
+        if residual:
+            self.apply_merges([(round_idx, residual)])
+        self.applied_round = round_idx
+
+    # ---------------------------------------------------------- one client
+    def local_steps(self, client: ClientData) -> int:
+        c = self.client_cfg
+        if c.local_steps_per_client:
+            return c.local_steps_per_client[client.client_id % len(c.local_steps_per_client)]
+        if c.local_steps:
+            return c.local_steps
+        return max(1, math.ceil(c.local_epochs * len(client.train) / (c.batch_size * c.grad_accum)))
+
+    def plan_for(self, client: ClientData, round_idx: int) -> LocalPlan:
+        c = self.client_cfg
+        return LocalPlan(
+            round=round_idx, client_id=client.client_id, steps=self.local_steps(client),
+            seed=derive_seed(self.seed, round_idx, client.client_id, 11), lr=c.lr, sgd_lr=c.sgd_lr,
+            batch_size=c.batch_size, grad_accum=c.grad_accum, scheduler=c.scheduler, warmup_ratio=c.warmup_ratio,
+            weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, layout=self.layout,
+            # stopped between steps; not in the data layout, where every process must take every step
+            deadline=(time.monotonic() + self.client_timeout_s
+                      if self.client_timeout_s and not self.layout.data_parallel else None),
+            progress=self.progress,
+        )
+
+    def switch_in(self, client: ClientData, start: ClientStart):
+        """Make ``client`` the active adapter, loaded with what it downloaded; the base stays.
+
+        Returns its trainable parameters by name and the factors it starts
+        from (its fresh init where it downloads none; for norm clipping).
+        """
+        self.apply_merges(start.merges)
+        name = adapter_name(client.rank)
+        activate(self.model, name)
+        set_trainable_modules(self.model, self.lora_cfg.trainable_modules)
+        restore_dequant_layers(self.model)  # the packed CPU 4-bit kernel has no backward
+        with self.whole_adapters(modify=True):
+            fresh = fresh_factors(self.model, name, derive_seed(self.seed, start.round, 7))
+            factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
+            write_factors(self.model, name, factors)
+            write_dense(self.model, start.dense)
+        params = adapter_params(self.model, name)
+        params.update({module_key(k): p for k, p in self.model.named_parameters()
+                       if p.requires_grad and "lora_" not in k})
+        return params, factors
+
+    def open_mixture(self, client: ClientData, start: ClientStart, own_router: bool) -> MixtureSession | None:
+        """The client's router hooks (FLoRAL); ``own_router=False`` gives the uniform mixture."""
+        if self.mixture is None:
+            return None
+        router = None
+        if own_router and (self.mixture.stateful or not self.model.training):
+            router = {k[len("router."):]: v for k, v in client.state.items() if k.startswith("router.")} or None
+        biases = {k[len("bias."):]: v for k, v in start.extras.items() if k.startswith("bias.")}
+        return MixtureSession(self.model, adapter_name(client.rank), self.mixture, router, biases)
+
+    def train(self, client: ClientData, start: ClientStart, hook: ClientHook | None = None) -> ClientUpdate:
+        """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
+        params, factors = self.switch_in(client, start)
+        plan = self.plan_for(client, start.round)
+        algo_state = {k[len("algo."):]: v for k, v in client.state.items() if k.startswith("algo.")}
+        self.model.train()
+        session = self.open_mixture(client, start, own_router=self.mixture is not None and self.mixture.stateful)
+        if session is not None:  # the router is the client's own: trained, never corrected, pulled or uploaded
+            plan.local_params, plan.local_lr = session.params(), self.mixture.router_lr
+            params.update(session.bias_params())  # bias adaptors are shared like the LoRA adaptors
+        t0 = time.perf_counter()
+        batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
+        if self.layout.data_parallel:
+            batches = self.layout.split_batches(batches)
+        try:
+            result = self.algorithm.train(self.model, params, batches, plan, self.acc, algo_state, start.algo)
+        finally:
+            if session is not None:
+                session.close()
+        state = {k: v for k, v in client.state.items() if not k.startswith("algo.")}
+        state.update({f"algo.{k}": v for k, v in algo_state.items()})
+        if session is not None:
+            result.extras.update(session.upload())
+            state.update({f"router.{g}": t for g, t in session.router_state().items()})
+        client.state = state
+        name = adapter_name(client.rank)
+        with self.whole_adapters():
+            trained, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
+        log.info("round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s", start.round, client.client_id,
+                 client.rank, plan.steps, result.losses[0], result.losses[-1], time.perf_counter() - t0)
+        update = ClientUpdate(client.client_id, client.num_examples, trained, dense, result.extras,
+                              {"loss_first": result.losses[0], "loss_last": result.losses[-1],
+                               "loss_mean": result.mean_loss, "train_s": time.perf_counter() - t0,
+                               "steps": plan.steps}, factors)
+        return hook(start.round, client.client_id, update) if hook is not None else update
+
+    # ------------------------------------------------------- evaluation
+    def install_global(self, adapter: Adapter, dense: dict[str, Tensor], biases: dict[str, Tensor]) -> bool:
+        """Make the global model active for evaluation; False when it is the (merged) base itself."""
+        with self.whole_adapters(modify=True):
+            write_dense(self.model, dense)
+            if adapter:
+                install_adapter(self.model, "global", adapter, self.lora_cfg, biases=biases)
+        if adapter:
+            activate(self.model, "global")
+            return True
+        if RESIDUAL in self.model.peft_config:
+            activate(self.model, RESIDUAL)
+            return True
+        return False
+
+    def personalized(self, client: ClientData, start: ClientStart, batch_size: int) -> dict[str, float | None]:
+        """``client``'s test data scored by the global model, then by its personalization of it.
+
+        FLoRAL's personalization is the client's own router (against the
+        uniform mixture); the others take ``client.personalize_steps`` plain
+        SGD steps on the client's own training data.
+        """
+        params, _ = self.switch_in(client, start)
+        self.model.eval()
+        uniform = self.open_mixture(client, start, own_router=False)
+        g_loss, g_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
+        if uniform is not None:
+            uniform.close()
+            own = self.open_mixture(client, start, own_router=True)
+            p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
+            own.close()
+        else:
+            self.personalize(client, start, params)
+            p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
+        return {"global_loss": g_loss, "global_acc": g_acc, "personal_loss": p_loss, "personal_acc": p_acc}
+
+    def personalize(self, client: ClientData, start: ClientStart, params) -> None:
+        plan = self.plan_for(client, start.round)
+        batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1)
+        self.algorithm.personalize(self.model, params, batches, self.client_cfg.personalize_steps, plan, self.acc)
+
+    def personalized_adapter(self, client: ClientData, start: ClientStart
+                             ) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
+        """A client's personalized model as one adapter (plus the merges), its dense modules and LoRA biases."""
+        params, _ = self.switch_in(client, start)
+        self.model.eval()
+        session = self.open_mixture(client, start, own_router=True)
+        biases: dict[str, Tensor] = {}
+        if session is not None:  # FLoRAL: bake the client's router into its stacked adaptors (and bias adaptors)
+            mine, biases = session.bake(read_factors(self.model, adapter_name(client.rank)))
+            session.close()
+        else:
+            self.personalize(client, start, params)
+            mine = read_factors(self.model, adapter_name(client.rank))
+        return concat(mine, self.residual), read_dense(self.model, self.dense_names), biases

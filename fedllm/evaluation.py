@@ -1,0 +1,60 @@
+"""Global evaluation of a run's model: held-out loss and first-token accuracy, and the benchmark.
+
+The model is the client runtime's base with the server's global model
+installed on it (``ClientRuntime.install_global``); the benchmark is scored
+the MMLU way by ``eval/``. Under ZeRO-3 every process runs every forward pass
+(the weights are gathered layer by layer), so the benchmark is not split.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from data_prep.prompts import TokenizedExample, collate
+from eval.mmlu import Benchmark
+from eval.mmlu import evaluate as score_benchmark
+from fedllm.parallel import evaluation_engine
+
+
+@torch.no_grad()
+def heldout(model, tokenizer, data: list[TokenizedExample], batch_size: int) -> tuple[float | None, float | None]:
+    """Mean response-token loss, and accuracy of the first response token."""
+    if not data:
+        return None, None
+    device = next(model.parameters()).device
+    total, tokens, hits = 0.0, 0, 0
+    for i in range(0, len(data), batch_size):
+        batch = {k: v.to(device) for k, v in collate(data[i:i + batch_size], tokenizer.pad_token_id).items()}
+        out = model(**batch)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        total += out.loss.item() * n
+        tokens += n
+        labels = batch["labels"]
+        first = (labels != -100).int().argmax(1)
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        hits += int((out.logits[rows, first - 1].argmax(-1) == labels[rows, first]).sum())
+    return total / tokens, hits / len(data)
+
+
+def evaluate_global(runtime, global_model: tuple, eval_data: list[TokenizedExample], benchmark: Benchmark | None,
+                    batch_size: int) -> dict[str, Any]:
+    """Held-out loss and the benchmark of the global model (``Server.global_adapter()``) on ``runtime``'s base."""
+    t0 = time.perf_counter()
+    has_adapter = runtime.install_global(*global_model)
+    model, layout, acc = runtime.model, runtime.layout, runtime.acc
+    ctx = torch.no_grad() if has_adapter else model.disable_adapter()
+    out: dict[str, Any] = {}
+    lockstep = layout.zero_stage == 3
+    with ctx, evaluation_engine(acc, layout, model, batch_size):
+        out["eval_loss"], out["eval_token_acc"] = heldout(model, runtime.tokenizer, eval_data, batch_size)
+        if benchmark is not None:
+            result, _ = score_benchmark(model, runtime.tokenizer, benchmark, batch_size=batch_size,
+                                        accelerator=None if lockstep else acc,
+                                        progress=acc.is_main_process and runtime.progress)
+            out["accuracy"] = result["accuracy"]
+            out["accuracy_categories"] = result["categories"]
+    out["time_eval_s"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,75 @@
+"""The federation's data: the held-out evaluation set and each client's partition, then tokenized.
+
+Loading and partitioning happen before any model is loaded (a bad file fails
+at once); tokenizing needs the base's tokenizer. Every split is seeded from
+``federation.seed`` alone, so the simulation, every process of a launch and a
+Flower site that rebuilds the partition all get the same clients.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from data_prep.loaders import load_examples
+from data_prep.partition import client_stats, partition
+from data_prep.prompts import TokenizedExample, tokenize_examples
+from data_prep.schema import Example
+from fedllm.protocol import derive_seed
+
+
+@dataclass
+class Partitions:
+    eval_examples: list[Example]
+    clients: list[list[Example]]  # each client's examples, its test share first
+    test_sizes: list[int]
+    stats: list[dict]
+
+
+def load_partitions(cfg) -> Partitions:
+    """Load ``data.dataset``, hold out the evaluation set, split the rest over ``federation.num_clients``."""
+    d, seed = cfg.data, cfg.federation.seed
+    examples = load_examples(d.dataset, d.format, d.max_examples, d.builtin_examples_per_skill, seed)
+    order = list(range(len(examples)))
+    random.Random(derive_seed(seed, 3)).shuffle(order)
+    n_eval = min(d.eval_size, len(examples) // 5)
+    eval_examples = [examples[i] for i in order[:n_eval]]
+    pool = [examples[i] for i in order[n_eval:]]
+    parts = partition(pool, d.partition, cfg.federation.num_clients, seed, d.dirichlet_alpha, d.shards_per_client,
+                      d.min_examples_per_client)
+    clients, tests = [], []
+    for k, idx in enumerate(parts):
+        idx = list(idx)
+        random.Random(derive_seed(seed, 5, k)).shuffle(idx)
+        mine = [pool[i] for i in idx]
+        if d.label_shift_groups:
+            from data_prep.builtin import shift_labels
+
+            mine = [shift_labels(e, k % d.label_shift_groups) for e in mine]
+        clients.append(mine)
+        tests.append(int(len(idx) * d.client_test_fraction))
+    return Partitions(eval_examples, clients, tests, client_stats(pool, parts))
+
+
+def prompt_template(cfg) -> str:
+    return cfg.data.template if cfg.data.template != "auto" else ("plain" if cfg.data.dataset == "builtin" else
+                                                                  "alpaca")
+
+
+def max_seq_len(cfg, context: int | None) -> int:
+    """``data.max_seq_len`` (default: the model's context, at most 512), refused when longer than the context."""
+    max_len = cfg.data.max_seq_len or min(512, context or 512)
+    if context is not None and max_len > context:
+        raise ValueError(f"data.max_seq_len = {max_len} exceeds the model's context length {context}: lower "
+                         "data.max_seq_len")
+    return max_len
+
+
+def tokenize_client(examples: list[Example], n_test: int, tokenizer, template: str, max_len: int, client_id: int
+                    ) -> tuple[list[TokenizedExample], list[TokenizedExample]]:
+    """A client's (train, test) token sequences; refuses a client left with no training example."""
+    train = tokenize_examples(examples[n_test:], tokenizer, template, max_len)
+    test = tokenize_examples(examples[:n_test], tokenizer, template, max_len)
+    if not train:
+        raise ValueError(f"client {client_id}: no training example survives data.max_seq_len = {max_len}")
+    return train, test
