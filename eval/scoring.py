@@ -128,6 +128,14 @@ def shared_prefix(seqs: list[list[int]]) -> tuple[int, list[int]]:
     return best, [i for i, n in enumerate(lengths) if n >= best]
 
 
+def _cache_argument(model) -> str:
+    """The forward's name for a key/value cache: ``cache`` (transformers 5.2x) or ``past_key_values`` (before)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
 class PrefixScorer:
     """Scores groups of prompts that share a prefix, computing the prefix once per group."""
 
@@ -138,7 +146,8 @@ class PrefixScorer:
     @torch.no_grad()
     def _prefix_states(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Keys and values of the prefix, per layer; None when the cache is not a plain per-token one."""
-        cache = self.model(input_ids=torch.tensor([prefix], device=_device(self.model)), use_cache=True).past_key_values
+        out = self.model(input_ids=torch.tensor([prefix], device=_device(self.model)), use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         if cache is None or any(getattr(cache, "is_sliding", None) or []):
             return None
         layers = getattr(cache, "layers", None)
@@ -160,8 +169,8 @@ class PrefixScorer:
         cache = DynamicCache([(k.expand(b, *k.shape[1:]), v.expand(b, *v.shape[1:])) for k, v in states])
         attention = torch.cat([torch.ones(b, n_prefix, dtype=mask.dtype, device=device), mask], dim=1)
         positions = torch.arange(n_prefix, n_prefix + width, device=device).expand(b, width)
-        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                            use_cache=True).logits
+        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                            **{_cache_argument(self.model): cache}).logits
         return _letters(logits, list(range(b)), mask.sum(1) - 1, items)
 
     def score_group(self, items: list[Item], tick: Callable[[int], None]) -> list[list[float]] | None:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from fedllm.logs import setup_logging
+
 log = logging.getLogger("fedllm")
 
 EXIT_BAD_INPUT = 2
@@ -42,50 +44,6 @@ def friendly_errors() -> Iterator[None]:
         where = f"{e.filename}: " if e.filename else ""
         print(f"fedllm: error: {where}{e.strerror or e}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
-
-
-# third-party loggers whose warnings say nothing a fedllm user can act on (shown with --log-level DEBUG)
-QUIET_LOGGERS = ("bitsandbytes", "httpx", "urllib3", "filelock", "accelerate", "torch.distributed", "DeepSpeed",
-                 "transformers", "peft", "datasets", "huggingface_hub")
-
-
-def _setup_logging(level: str = "INFO") -> None:
-    """One clean console log per launch.
-
-    Processes other than rank 0 report warnings and errors only. Unless the
-    level is DEBUG, third-party deprecation notices and advisories (e.g.
-    bitsandbytes' "pip install kernels", transformers' FutureWarnings) are
-    dropped, and progress bars are drawn only on a terminal: a log redirected
-    to a file gets no carriage returns or cursor codes.
-    """
-    import warnings
-
-    rank = os.environ.get("RANK", "0")
-    if rank != "0" and getattr(logging, level) < logging.WARNING:
-        level = "WARNING"
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else \
-        f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s"
-    logging.basicConfig(level=getattr(logging, level), format=fmt, datefmt="%H:%M:%S")
-    if level == "DEBUG":
-        return
-    for noisy in QUIET_LOGGERS:
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
-    warnings.filterwarnings("ignore", message=".*lora_bias=True.*")  # peft, for FLoRAL's bias adaptors
-    if not _has_cuda():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would find it too, after a warning
-    if not sys.stderr.isatty():
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -296,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with friendly_errors():
         return args.func(args)

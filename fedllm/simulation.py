@@ -1,17 +1,19 @@
-"""The simulation driver: the server and a client runtime in one job (also under ``accelerate launch``).
+"""Drivers: the round loop around the server and the client runtime, and the in-process simulation.
 
-A round is ``server.plan_round`` -> each of this process's clients trained by
-the runtime from its ClientStart -> the updates gathered (client-parallel
-layout) -> ``server.finish_round`` -> the merged update applied to the base ->
-evaluation -> one metrics row and a checkpoint. The driver holds no algorithm
-logic: it moves messages and writes the run directory. Processes share the
-work as ``fedllm/parallel.py`` says: clients split over processes (every
-process then aggregates the same sorted list), or every process on every
-client with the batches split (data layout).
+A round is ``server.plan_round`` -> each active client trained from its
+ClientStart (:meth:`Driver.train_clients`: here by the local runtime, in
+``fedllm/flower/`` by the sites) -> ``server.finish_round`` -> the merged
+update applied to the evaluation base -> evaluation -> one metrics row and a
+checkpoint. A driver holds no algorithm logic: it moves messages and writes
+the run directory. In the simulation the processes of a launch share the work
+as ``fedllm/parallel.py`` says: clients split over processes (every process
+then aggregates the same sorted list), or every process on every client with
+the batches split (data layout).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import time
@@ -20,6 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from data_prep.prompts import tokenize_examples
 from eval.data import MMLUDataError
 from eval.mmlu import Benchmark, load_benchmark
 from fedllm.aggregation import strategy_from_config
@@ -73,13 +76,41 @@ def resolve_benchmark(cfg: Config) -> Benchmark | None:
         return None
 
 
-class Simulation:
-    """A federated fine-tuning run with every client simulated by this job (see module docstring)."""
+def make_runtime(cfg: Config, strategy, layout, accelerator, model, tokenizer, ranks: list[int],
+                 progress: bool = False) -> ClientRuntime:
+    """A client runtime on ``model`` with one adapter per rank in ``ranks`` (adapter ranks: FLoRAL's C * r)."""
+    agg = cfg.aggregation
+    mixture = MixtureSpec(agg.num_adaptors, ranks[0] // agg.num_adaptors, agg.router_temperature, agg.router_noise,
+                          agg.router_per_layer, agg.stateful_routers, agg.router_lr, agg.precondition_eps,
+                          agg.bias_adaptors) if strategy.uses_routers else None
+    # merged updates cannot be written into 4/8-bit weights (or ZeRO-3 shards): keep them as a frozen adapter
+    residual = strategy.merges_into_base and (is_quantized(model) or layout.zero_stage == 3)
+    return ClientRuntime(model, tokenizer, ranks, cfg.lora, cfg.client, cfg.federation.seed, layout, accelerator,
+                         mixture, residual, cfg.federation.client_timeout_s, progress=progress)
 
-    def __init__(self, cfg: Config, run_dir: Path, accelerator=None, client_hook: ClientHook | None = None):
+
+def client_infos(cfg: Config, strategy, sizes: dict[int, int]) -> list[ClientInfo]:
+    """What the server knows of each client, from its example count (``sizes``) and the configured ranks."""
+    ranks = assign_ranks(cfg)
+    out = []
+    for k, n in sorted(sizes.items()):
+        r = strategy.adapter_rank(ranks[k])
+        out.append(ClientInfo(k, ranks[k], lora_scale(cfg.lora.alpha_ratio * r, r, cfg.lora.use_rslora), n))
+    return out
+
+
+class Driver(abc.ABC):
+    """The round loop shared by every driver; subclasses say where the clients train (see module docstring).
+
+    After :meth:`setup` a driver has ``server``, ``runtime`` (the base the
+    global model is evaluated on; in the simulation also where the clients
+    train), ``eval_data`` and ``benchmark``.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, accelerator=None):
         from accelerate import Accelerator
 
-        self.cfg, self.run_dir, self.client_hook = cfg, Path(run_dir), client_hook
+        self.cfg, self.run_dir = cfg, Path(run_dir)
         # the launch decides the device, the process group, DeepSpeed and mixed precision
         self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
         self.layout = resolve_layout(cfg.federation.parallel, self.acc, cfg)
@@ -89,55 +120,51 @@ class Simulation:
         self.writer = RunWriter(self.run_dir, self.acc.is_main_process, cfg.output.keep_checkpoints,
                                 cfg.output.save_every_round, self.acc.log if cfg.output.log_with else None)
 
-    # ---------------------------------------------------------------- set-up
-    def setup(self) -> None:
-        """Data, benchmark, base model, runtime and server; bad input fails before the model loads."""
-        cfg = self.cfg
-        parts = load_partitions(cfg)
-        self.benchmark = resolve_benchmark(cfg)
-        with self.acc.main_process_first():  # the built-in base is built once, by the main process
-            model, tokenizer = load_base(cfg.model, self.acc.device)
-        max_len = max_seq_len(cfg, context_length(model))
-        lora_ranks = assign_ranks(cfg)
-        ranks = [self.strategy.adapter_rank(r) for r in lora_ranks]
-        agg = cfg.aggregation
-        mixture = MixtureSpec(agg.num_adaptors, ranks[0] // agg.num_adaptors, agg.router_temperature, agg.router_noise,
-                              agg.router_per_layer, agg.stateful_routers, agg.router_lr, agg.precondition_eps,
-                              agg.bias_adaptors) if self.strategy.uses_routers else None
-        # merged updates cannot be written into 4/8-bit weights (or ZeRO-3 shards): keep them as a frozen adapter
-        residual = self.strategy.merges_into_base and (is_quantized(model) or self.layout.zero_stage == 3)
-        self.runtime = ClientRuntime(model, tokenizer, ranks, cfg.lora, cfg.client, cfg.federation.seed, self.layout,
-                                     self.acc, mixture, residual, cfg.federation.client_timeout_s,
-                                     progress=self.quiet() is None)
-        template = prompt_template(cfg)
-        from data_prep.prompts import tokenize_examples
+    # -------------------------------------------------------- the pieces
+    def load_model(self):
+        """The base and its tokenizer (the built-in base is built once, by the main process)."""
+        with self.acc.main_process_first():
+            return load_base(self.cfg.model, self.acc.device)
 
-        self.eval_data = tokenize_examples(parts.eval_examples, tokenizer, template, max_len)
-        self.clients: list[ClientData] = []
-        for k, (examples, n_test) in enumerate(zip(parts.clients, parts.test_sizes, strict=True)):
-            train, test = tokenize_client(examples, n_test, tokenizer, template, max_len, k)
-            if self.layout.data_parallel and len(train) < cfg.client.batch_size:
-                raise ValueError(f"client {k} has {len(train)} training examples, fewer than client.batch_size = "
-                                 f"{cfg.client.batch_size}, which federation.parallel=data splits over "
-                                 f"{self.layout.num_processes} processes: raise data.min_examples_per_client or "
-                                 "lower client.batch_size")
-            scale = lora_scale(cfg.lora.alpha_ratio * ranks[k], ranks[k], cfg.lora.use_rslora)
-            self.clients.append(ClientData(k, ranks[k], scale, train, test))
-        self.partition_stats = parts.stats
-        for stat, c in zip(self.partition_stats, self.clients, strict=True):
-            stat.update({"rank": c.rank, "train": len(c.train), "test": len(c.test)})
+    def build_runtime(self, model, tokenizer, ranks: list[int]) -> ClientRuntime:
+        return make_runtime(self.cfg, self.strategy, self.layout, self.acc, model, tokenizer, ranks,
+                            progress=self.quiet() is None)
+
+    def build_server(self, clients: list[ClientInfo]) -> Server:
+        cfg, fed = self.cfg, self.cfg.federation
         dense = self.runtime.initial_dense()
         n_dense = sum(t.numel() for t in dense.values())
         if n_dense > 5_000_000:
             log.warning("lora.trainable_modules %s add %.1fM parameters to every upload and download; "
                         "set lora.trainable_modules=[] for a LoRA-only federation", cfg.lora.trainable_modules,
                         n_dense / 1e6)
-        fed = cfg.federation
         algorithm = ALGORITHMS[cfg.client.algorithm].server_half.from_config(cfg.client)
-        self.server = Server(self.strategy, [ClientInfo(c.client_id, lora_ranks[c.client_id], c.scale,
-                                                        c.num_examples) for c in self.clients], algorithm,
-                             Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout), dense,
-                             fed.min_clients, agg.clip_norm_ratio, fed.client_timeout_s)
+        return Server(self.strategy, clients, algorithm,
+                      Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout), dense,
+                      fed.min_clients, cfg.aggregation.clip_norm_ratio, fed.client_timeout_s)
+
+    def client_infos(self, sizes: dict[int, int]) -> list[ClientInfo]:
+        return client_infos(self.cfg, self.strategy, sizes)
+
+    # ----------------------------------------------- where clients train
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """Data, benchmark, the evaluation base (``runtime``) and the server; bad input fails before the model."""
+
+    @abc.abstractmethod
+    def train_clients(self, plan) -> dict[int, Any]:
+        """Each active client's update (or why it failed), trained from ``plan.starts``."""
+
+    @abc.abstractmethod
+    def personalized(self, round_idx: int) -> dict[str, Any]:
+        """Per-client rows of the personalized evaluation after ``round_idx`` (see ClientRuntime.personalized)."""
+
+    def client_state_tensors(self) -> dict[str, Any]:
+        """Client state the run's checkpoint holds (the simulation's clients; a real site keeps its own)."""
+        return {}
+
+    def load_client_state_tensors(self, tensors: dict[str, Any]) -> None:
+        """Restore what :meth:`client_state_tensors` returned."""
 
     # ------------------------------------------------------------- a round
     def quiet(self) -> bool | None:
@@ -151,62 +178,22 @@ class Simulation:
     def run_round(self, round_idx: int) -> dict[str, Any]:
         plan = self.server.plan_round(round_idx)
         t0 = time.perf_counter()
-        results: list[tuple[int, Any, dict]] = []
-        for k in tqdm(self.layout.my_clients(plan.active), desc=f"round {round_idx} clients", leave=False,
-                      disable=self.quiet()):
-            client = self.clients[k]
-            try:
-                results.append((k, self.runtime.train(client, plan.starts[k], self.client_hook), client.state))
-            except Exception as e:  # a faulty client must not take the round down
-                log.warning("round %d: client %d left out: %s", round_idx, k, e)
-                log.debug("client %d traceback", k, exc_info=True)
-                results.append((k, f"{type(e).__name__}: {e}", client.state))
-        results = self._gather(results)
-        for k, _, state in results:  # every process keeps every client's state (it may train it next round)
-            self.clients[k].state = state
+        results = self.train_clients(plan)
         train_s = time.perf_counter() - t0
-        row = self.server.finish_round(plan, {k: got for k, got, _ in results})
+        row = self.server.finish_round(plan, results)
         if self.server.last_merged:
             self.runtime.apply_merges([(round_idx, self.server.last_merged)])
         return {**row, "time_train_s": train_s}
-
-    def _gather(self, results: list) -> list:
-        if not self.layout.gathers:  # one process, or data mode: every process has every result
-            return results
-        from accelerate.utils import gather_object
-
-        return sorted((r for part in gather_object([results]) for r in part), key=lambda r: r[0])
 
     # ----------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
         return evaluate_global(self.runtime, self.server.global_adapter(), self.eval_data, self.benchmark,
                                self.cfg.eval.batch_size)
 
-    def personalized(self, round_idx: int) -> dict[str, Any]:
-        """Each client's test data: the global model, then its personalization (see ClientRuntime.personalized)."""
-        rows = {}
-        for client in self.layout.my_clients(self.clients):
-            if client.test:
-                start = self.server.client_start(round_idx + 1, client.client_id)
-                rows[str(client.client_id)] = self.runtime.personalized(client, start, self.cfg.eval.batch_size)
-        if self.layout.gathers:
-            from accelerate.utils import gather_object
-
-            rows = {k: v for part in gather_object([rows]) for k, v in part.items()}
-        if not rows:
-            return {}
-
-        def mean(key: str) -> float:
-            return sum(r[key] for r in rows.values()) / len(rows)
-
-        return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
-                "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
-
     # -------------------------------------------------------- checkpointing
     def checkpoint(self, round_idx: int) -> None:
         tensors, meta = self.server.state_dict()
-        for c in self.clients:
-            tensors.update({f"client.{c.client_id}.{k}": v for k, v in c.state.items()})
+        tensors.update(self.client_state_tensors())
         meta.update({"seed": self.cfg.federation.seed, "rng": "derived from (seed, round, client)",
                      "wall_s": self.elapsed()})
         self.writer.checkpoint(round_idx, tensors, meta)
@@ -224,9 +211,7 @@ class Simulation:
             raise ckpt.CheckpointError(f"{path}: written by strategy {meta['strategy']!r}, "
                                        f"config says {self.strategy.name!r}")
         self.server.load_state_dict(tensors, meta)
-        for c in self.clients:
-            prefix = f"client.{c.client_id}."
-            c.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        self.load_client_state_tensors(tensors)
         self.runtime.restore_base(self.server.state.residual, meta["round"])
         self.start_round = meta["round"] + 1
         self.wall_before = meta.get("wall_s", 0.0)
@@ -272,7 +257,8 @@ class Simulation:
         cfg, rt = self.cfg, self.runtime
         summary: dict[str, Any] = {
             "run_dir": str(self.run_dir), "strategy": self.strategy.name, "algorithm": cfg.client.algorithm,
-            "rounds": cfg.federation.rounds, "ranks": [c.rank for c in self.clients], "wall_s": self.elapsed(),
+            "rounds": cfg.federation.rounds, "wall_s": self.elapsed(),
+            "ranks": [self.strategy.adapter_rank(c.rank) for c in self.server.clients.values()],
             "processes": self.acc.num_processes, "parallel": self.layout.mode,
             "benchmark": self.benchmark.source if self.benchmark is not None else None,
             "mixed_precision": str(self.acc.mixed_precision), "communication": self.server.ledger.totals(),
@@ -296,6 +282,91 @@ class Simulation:
         summary = self.writer.finish(summary, lambda path: save_global_adapter(self.server, cfg, path))
         self.acc.wait_for_everyone()
         return summary
+
+
+class Simulation(Driver):
+    """Every client simulated by this job, on one base per process (see module docstring)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, accelerator=None, client_hook: ClientHook | None = None):
+        super().__init__(cfg, run_dir, accelerator)
+        self.client_hook = client_hook  # fault injection for tests: (round, client, update) -> update
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        parts = load_partitions(cfg)
+        self.benchmark = resolve_benchmark(cfg)
+        model, tokenizer = self.load_model()
+        max_len = max_seq_len(cfg, context_length(model))
+        infos = self.client_infos({k: 0 for k in range(cfg.federation.num_clients)})
+        self.runtime = self.build_runtime(model, tokenizer, [self.strategy.adapter_rank(c.rank) for c in infos])
+        template = prompt_template(cfg)
+        self.eval_data = tokenize_examples(parts.eval_examples, tokenizer, template, max_len)
+        self.clients: list[ClientData] = []
+        for info, examples, n_test in zip(infos, parts.clients, parts.test_sizes, strict=True):
+            k = info.client_id
+            train, test = tokenize_client(examples, n_test, tokenizer, template, max_len, k)
+            if self.layout.data_parallel and len(train) < cfg.client.batch_size:
+                raise ValueError(f"client {k} has {len(train)} training examples, fewer than client.batch_size = "
+                                 f"{cfg.client.batch_size}, which federation.parallel=data splits over "
+                                 f"{self.layout.num_processes} processes: raise data.min_examples_per_client or "
+                                 "lower client.batch_size")
+            self.clients.append(ClientData(k, self.strategy.adapter_rank(info.rank), info.scale, train, test))
+            info.num_examples = len(train)
+        self.partition_stats = parts.stats
+        for stat, c in zip(self.partition_stats, self.clients, strict=True):
+            stat.update({"rank": c.rank, "train": len(c.train), "test": len(c.test)})
+        self.server = self.build_server(infos)
+
+    def train_clients(self, plan) -> dict[int, Any]:
+        results: list[tuple[int, Any, dict]] = []
+        for k in tqdm(self.layout.my_clients(plan.active), desc=f"round {plan.round} clients", leave=False,
+                      disable=self.quiet()):
+            client = self.clients[k]
+            try:
+                results.append((k, self.runtime.train(client, plan.starts[k], self.client_hook), client.state))
+            except Exception as e:  # a faulty client must not take the round down
+                log.warning("round %d: client %d left out: %s", plan.round, k, e)
+                log.debug("client %d traceback", k, exc_info=True)
+                results.append((k, f"{type(e).__name__}: {e}", client.state))
+        results = self._gather(results)
+        for k, _, state in results:  # every process keeps every client's state (it may train it next round)
+            self.clients[k].state = state
+        return {k: got for k, got, _ in results}
+
+    def _gather(self, results: list) -> list:
+        if not self.layout.gathers:  # one process, or data mode: every process has every result
+            return results
+        from accelerate.utils import gather_object
+
+        return sorted((r for part in gather_object([results]) for r in part), key=lambda r: r[0])
+
+    def personalized(self, round_idx: int) -> dict[str, Any]:
+        """Each client's test data: the global model, then its personalization (see ClientRuntime.personalized)."""
+        rows = {}
+        for client in self.layout.my_clients(self.clients):
+            if client.test:
+                start = self.server.client_start(round_idx + 1, client.client_id)
+                rows[str(client.client_id)] = self.runtime.personalized(client, start, self.cfg.eval.batch_size)
+        if self.layout.gathers:
+            from accelerate.utils import gather_object
+
+            rows = {k: v for part in gather_object([rows]) for k, v in part.items()}
+        if not rows:
+            return {}
+
+        def mean(key: str) -> float:
+            return sum(r[key] for r in rows.values()) / len(rows)
+
+        return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
+                "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
+
+    def client_state_tensors(self) -> dict[str, Any]:
+        return {f"client.{c.client_id}.{k}": v for c in self.clients for k, v in c.state.items()}
+
+    def load_client_state_tensors(self, tensors: dict[str, Any]) -> None:
+        for c in self.clients:
+            prefix = f"client.{c.client_id}."
+            c.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def _fmt(x: float | None) -> str:

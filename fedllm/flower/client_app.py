@@ -1,0 +1,67 @@
+"""The Flower ClientApp: one site's runtime behind ``query`` (handshake), ``train`` and ``evaluate``.
+
+A SuperNode is started per site with ``--node-config "client-id=K
+data-path=FILE state-dir=DIR [model-path=PATH]"``; on the Simulation Engine the
+node's ``partition-id`` is the client id and its data is rebuilt from the run's
+config. The client state travels between the messages of a SuperNode in
+``context.state`` and is written to ``state-dir`` after every message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedllm.flower.records import info_record, read_info, read_start, update_record
+from fedllm.flower.site import Site, site_for
+from fedllm.logs import setup_logging
+
+log = logging.getLogger(__name__)
+STATE_KEY = "fedllm-client-state"
+
+app = ClientApp()
+
+
+def _site(context: Context, config_text: str) -> Site:
+    setup_logging(os.environ.get("FEDLLM_LOG_LEVEL", "INFO"))
+    site = site_for(config_text, context.node_config, context.run_id)
+    if STATE_KEY in context.state:
+        site.use_state(dict(context.state[STATE_KEY].to_torch_state_dict()))
+    return site
+
+
+def _keep_state(context: Context, site: Site) -> None:
+    context.state[STATE_KEY] = ArrayRecord(torch_state_dict=dict(site.client.state))
+
+
+@app.query()
+def query(message: Message, context: Context) -> Message:
+    """The handshake: which client this node is and how many examples it trains on."""
+    _, config_text = read_info(message.content)
+    site = _site(context, config_text)
+    return Message(info_record(site.info()), reply_to=message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    start, config_text, client_id = read_start(message.content)
+    site = _site(context, config_text)
+    if site.client_id != client_id:
+        raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
+    update = site.train(start)
+    _keep_state(context, site)
+    return Message(update_record(update), reply_to=message)
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    """The site's personalized evaluation of the global model it is sent (its own test data)."""
+    start, config_text, _ = read_start(message.content)
+    site = _site(context, config_text)
+    row = site.personalized(start)
+    _keep_state(context, site)
+    metrics = {k: float(v) for k, v in row.items() if v is not None}
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=message)

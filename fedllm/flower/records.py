@@ -1,0 +1,59 @@
+"""fedllm's messages as Flower records: tensors in an ArrayRecord, metadata as JSON in a ConfigRecord.
+
+Every tensor travels as float32 (an ArrayRecord cannot hold bfloat16), and
+each message also carries the run's resolved config, so every site trains
+with the server's settings.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from fedllm.protocol import ClientStart, ClientUpdate, decode_start, decode_update, encode_start, encode_update
+
+
+def _record(tensors: dict[str, torch.Tensor], meta: dict, **config):
+    from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+    arrays = ArrayRecord(torch_state_dict={k: v.detach().to("cpu", torch.float32) for k, v in tensors.items()})
+    return RecordDict({"tensors": arrays, "meta": ConfigRecord({"json": json.dumps(meta), **config})})
+
+
+def _parts(content) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    tensors = dict(content["tensors"].to_torch_state_dict()) if "tensors" in content else {}
+    config = dict(content["meta"])
+    return tensors, json.loads(config.pop("json")), config
+
+
+def start_record(start: ClientStart, config_text: str, client_id: int):
+    """What the server sends a site: its start, the run's config and its client id."""
+    return _record(*encode_start(start), config=config_text, **{"client-id": client_id})
+
+
+def read_start(content) -> tuple[ClientStart, str, int]:
+    tensors, meta, config = _parts(content)
+    return decode_start(tensors, meta), config["config"], int(config["client-id"])
+
+
+def update_record(update: ClientUpdate):
+    return _record(*encode_update(update))
+
+
+def read_update(content) -> ClientUpdate:
+    tensors, meta, _ = _parts(content)
+    return decode_update(tensors, meta)
+
+
+def info_record(info: dict, config_text: str | None = None):
+    """A handshake: the server's query (the config) or a site's reply (who it is, how much it trains on)."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    return RecordDict({"meta": ConfigRecord({"json": json.dumps(info), **({"config": config_text} if config_text
+                                                                           else {})})})
+
+
+def read_info(content) -> tuple[dict, str | None]:
+    config = dict(content["meta"])
+    return json.loads(config["json"]), config.get("config")

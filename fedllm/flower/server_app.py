@@ -1,0 +1,194 @@
+"""The Flower ServerApp: fedllm's round loop (:class:`~fedllm.simulation.Driver`) with the clients on real sites.
+
+The server side is the same :class:`~fedllm.server.Server` as in the
+simulation; only :meth:`FlowerDriver.train_clients` differs: each active
+client's ClientStart goes to its site's SuperNode as one Message (every site
+its own payload: ranks and FlexLoRA truncations differ), and the replies come
+back as ClientUpdates. A site that does not answer within
+``federation.client_timeout_s``, fails, or sends a bad update is left out of
+the round as in the simulation (``federation.min_clients`` applies); a site
+that comes back (a new node id after a restart) is found again by the
+handshake (a ``query`` message) and rejoins. The global model is evaluated on
+the server's own copy of the base (the benchmark and, when the server can
+read the data, the held-out split); personalized evaluation runs on the sites.
+
+``flwr run .`` reads ``config`` (a YAML path), ``overrides`` (``key=value``
+separated by spaces) and ``run-dir`` from the app's run config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from flwr.app import Context, Message, MessageType
+from flwr.serverapp import Grid, ServerApp
+
+from data_prep.prompts import tokenize_examples
+from data_prep.schema import DataError
+from fedllm.config import Config, load_config
+from fedllm.flower.records import info_record, read_info, read_update, start_record
+from fedllm.logs import setup_logging
+from fedllm.modeling import context_length
+from fedllm.partitions import load_partitions, max_seq_len, prompt_template
+from fedllm.simulation import Driver, assign_ranks, resolve_benchmark
+
+log = logging.getLogger(__name__)
+
+
+class FlowerDriver(Driver):
+    """The round loop over a Flower Grid (see module docstring)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, grid: Grid, accelerator=None, startup_timeout_s: float = 600.0):
+        super().__init__(cfg, run_dir, accelerator)
+        self.grid, self.startup_timeout_s = grid, startup_timeout_s
+        self.config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        self.nodes: dict[int, int] = {}  # client id -> node id
+        self.timeout = cfg.federation.client_timeout_s or None
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.benchmark = resolve_benchmark(cfg)
+        model, tokenizer = self.load_model()
+        try:  # the server's held-out split, when it can read the data (the built-in data, a public file)
+            eval_examples = load_partitions(cfg).eval_examples
+        except DataError as e:
+            log.warning("the server cannot read data.dataset (%s): no held-out loss, the benchmark only", e)
+            eval_examples = []
+        max_len = max_seq_len(cfg, context_length(model))
+        self.eval_data = tokenize_examples(eval_examples, tokenizer, prompt_template(cfg), max_len)
+        ranks = sorted({self.strategy.adapter_rank(r) for r in assign_ranks(cfg)})
+        self.runtime = self.build_runtime(model, tokenizer, ranks)  # the evaluation base: no client trains here
+        infos = self.wait_for_sites()
+        self.partition_stats = [{"client": k, "size": i["num-examples"] + i["num-test"],
+                                 "rank": assign_ranks(cfg)[k], "train": i["num-examples"], "test": i["num-test"],
+                                 "categories": yaml.safe_load(i["categories"])} for k, i in sorted(infos.items())]
+        self.server = self.build_server(self.client_infos({k: i["num-examples"] for k, i in infos.items()}))
+
+    def handshake(self) -> dict[int, dict]:
+        """Ask every node not yet known which client it is; forget nodes that are gone."""
+        live = set(self.grid.get_node_ids())
+        self.nodes = {k: n for k, n in self.nodes.items() if n in live}
+        unknown = sorted(live - set(self.nodes.values()))
+        messages = [Message(info_record({}, self.config_text), dst_node_id=n, message_type=MessageType.QUERY)
+                    for n in unknown]
+        infos = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.timeout) if messages else []:
+            if reply.has_error():
+                log.warning("node %s failed the handshake: %s", reply.metadata.src_node_id, reply.error.reason)
+                continue
+            info, _ = read_info(reply.content)
+            self.nodes[int(info["client-id"])] = reply.metadata.src_node_id
+            infos[int(info["client-id"])] = info
+        return infos
+
+    def wait_for_sites(self) -> dict[int, dict]:
+        """Every client's site, found by handshakes until all ``federation.num_clients`` answered (or a timeout)."""
+        wanted, infos = set(range(self.cfg.federation.num_clients)), {}
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not wanted <= set(infos):
+            infos.update(self.handshake())
+            if wanted <= set(infos):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only clients {sorted(infos)} of {sorted(wanted)} connected within "
+                                   f"{self.startup_timeout_s:.0f} s: start a SuperNode per site")
+            time.sleep(1.0)
+        log.info("sites connected: %s", {k: self.nodes[k] for k in sorted(self.nodes)})
+        return infos
+
+    # ------------------------------------------------------------- a round
+    def _exchange(self, starts: dict[int, Any], message_type: str, round_idx: int) -> tuple[dict, dict]:
+        """Send each client's start to its site; returns (replies by client, failures by client)."""
+        self.handshake()  # a restarted site has a new node id: find it again
+        failures: dict[int, str] = {}
+        messages, sent = [], {}
+        for k, start in starts.items():
+            if k not in self.nodes:
+                failures[k] = "site not connected"
+                continue
+            msg = Message(start_record(start, self.config_text, k), dst_node_id=self.nodes[k],
+                          message_type=message_type, group_id=str(round_idx))
+            messages.append(msg)
+            sent[self.nodes[k]] = k
+        replies = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.timeout) if messages else []:
+            k = sent[reply.metadata.src_node_id]
+            if reply.has_error():
+                failures[k] = f"site error: {reply.error.reason}"
+            else:
+                replies[k] = reply.content
+        for k in set(sent.values()) - set(replies) - set(failures):
+            failures[k] = f"no reply within federation.client_timeout_s={self.cfg.federation.client_timeout_s}"
+        for k, why in failures.items():
+            log.warning("round %d: client %d left out: %s", round_idx, k, why)
+        return replies, failures
+
+    def train_clients(self, plan) -> dict[int, Any]:
+        replies, failures = self._exchange(plan.starts, MessageType.TRAIN, plan.round)
+        results: dict[int, Any] = dict(failures)
+        for k, content in replies.items():
+            try:
+                results[k] = read_update(content)
+            except (KeyError, ValueError) as e:
+                results[k] = f"unreadable reply: {e}"
+        return results
+
+    def personalized(self, round_idx: int) -> dict[str, Any]:
+        starts = {k: self.server.client_start(round_idx + 1, k) for k in self.server.clients}
+        replies, _ = self._exchange(starts, MessageType.EVALUATE, round_idx)
+        rows = {str(k): dict(c["metrics"]) for k, c in sorted(replies.items()) if len(c["metrics"])}
+        if not rows:
+            return {}
+
+        def mean(key: str) -> float:
+            return sum(r[key] for r in rows.values()) / len(rows)
+
+        return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
+                "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
+
+
+def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> dict:
+    """The ServerApp's work: the run directory's rules (lock, refuse, continue), then the round loop."""
+    from fedllm import rundir
+    from fedllm.checkpoint import clean_temporaries
+
+    setup_logging(os.environ.get("FEDLLM_LOG_LEVEL", "INFO"))
+    cfg.output.dir = str(run_dir)
+    action = rundir.check_new_run(run_dir, cfg, overwrite=False)
+    if action == "done":
+        log.info("nothing to do: %s has finished all %d rounds", run_dir, cfg.federation.rounds)
+        return {}
+    with rundir.RunLock(run_dir):
+        clean_temporaries(run_dir)
+        driver = FlowerDriver(cfg, run_dir, grid, startup_timeout_s=startup_timeout_s)
+        driver.setup()
+        return driver.run(resume=action == "continue")
+
+
+def server_app(cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> ServerApp:
+    """A ServerApp bound to a config (``flwr.simulation.run_simulation`` passes no run config)."""
+    app_ = ServerApp()
+
+    @app_.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_server(grid, cfg, run_dir, startup_timeout_s)
+
+    return app_
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """``flwr run .``: the config file, overrides and run folder from the app's run config."""
+    rc = context.run_config
+    cfg = load_config(rc.get("config") or None, str(rc.get("overrides", "")).split())
+    run_dir = Path(str(rc.get("run-dir") or f"runs/flower-{time.strftime('%Y%m%d-%H%M%S')}"))
+    run_server(grid, cfg, run_dir, float(rc.get("startup-timeout-s", 600)))

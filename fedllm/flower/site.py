@@ -1,0 +1,209 @@
+"""One real site: its data, its base model and its client state, kept on its own disk.
+
+A Flower ClientApp runs :class:`Site` for exactly one client: the client id,
+the data file and the base model path come from the SuperNode's
+``--node-config`` (on the Simulation Engine: ``partition-id``, and the
+partition is rebuilt from the run's config). What stays on the site stays
+there: the algorithm's state (SCAFFOLD's c_k), FLoRAL's router and the merges
+applied to the site's base (FLoRA, FLoRIST), in ``context.state`` while the
+SuperNode lives and in the site's state folder (``state-dir``) so that a
+restarted SuperNode resumes. The base is loaded once per process and kept in
+the state folder in ``save_pretrained`` form (safetensors), so a SuperNode
+that starts a fresh process for every message loads it fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from fedllm.checkpoint import atomic_write_text, save_tensors_atomic
+from fedllm.client.runtime import ClientData
+from fedllm.config import Config, ConfigError, load_config
+from fedllm.factors import adapter_from_tensors, adapter_tensors
+from fedllm.protocol import ClientStart, ClientUpdate
+
+log = logging.getLogger(__name__)
+
+_SITES: dict[tuple, Site] = {}  # one per process and (state folder, config): a Ray worker hosts many nodes
+
+
+def config_from_text(text: str) -> Config:
+    """The run's resolved config as the server sent it (YAML)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
+        fh.write(text)
+    try:
+        return load_config(fh.name)
+    finally:
+        Path(fh.name).unlink(missing_ok=True)
+
+
+def trajectory_digest(cfg: Config) -> str:
+    """A digest of what the clients train (a resume may change rounds, evaluation and output: same site state)."""
+    from fedllm.rundir import RESUMABLE_CHANGES, flat_config
+
+    keys = {k: v for k, v in flat_config(cfg).items() if not k.startswith(RESUMABLE_CHANGES)}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def node_setting(node_config, key: str, default=None):
+    value = node_config.get(key, default) if node_config else default
+    return value if value not in ("", None) else default
+
+
+def site_for(config_text: str, node_config, run_id: int) -> Site:
+    """This process's site for ``node_config`` under the server's config (built once, then reused)."""
+    client_id = int(node_setting(node_config, "client-id", node_setting(node_config, "partition-id", -1)))
+    if client_id < 0:
+        raise ConfigError("the SuperNode's --node-config names no client-id (e.g. --node-config \"client-id=0 "
+                          "data-path=/data/site0.jsonl state-dir=/var/lib/fedllm\")")
+    digest = trajectory_digest(config_from_text(config_text))
+    state_dir = Path(node_setting(node_config, "state-dir", Path(tempfile.gettempdir()) / "fedllm-sites" /
+                                  f"run-{run_id}")) / f"client-{client_id}-{digest}"
+    key = (str(state_dir), digest)
+    if key not in _SITES:
+        _SITES[key] = Site(config_from_text(config_text), client_id, state_dir,
+                           node_setting(node_config, "data-path"), node_setting(node_config, "model-path"))
+    return _SITES[key]
+
+
+class Site:
+    """One client's runtime, data and durable state (see module docstring)."""
+
+    def __init__(self, cfg: Config, client_id: int, state_dir: Path, data_path: str | None = None,
+                 model_path: str | None = None) -> None:
+        from accelerate import Accelerator
+
+        from fedllm.aggregation import strategy_from_config
+        from fedllm.modeling import load_base
+        from fedllm.parallel import resolve_layout
+        from fedllm.partitions import load_partitions, max_seq_len, prompt_template, tokenize_client
+        from fedllm.simulation import client_infos, make_runtime
+
+        t0 = time.perf_counter()
+        if not 0 <= client_id < cfg.federation.num_clients:
+            raise ConfigError(f"client-id {client_id}: the run has clients 0..{cfg.federation.num_clients - 1}")
+        self.cfg, self.client_id, self.state_dir = cfg, client_id, Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if data_path:
+            examples = _site_examples(data_path)
+            n_test = int(len(examples) * cfg.data.client_test_fraction)
+        else:  # the Simulation Engine: this partition of the run's own data
+            parts = load_partitions(cfg)
+            examples, n_test = parts.clients[client_id], parts.test_sizes[client_id]
+        cfg.model.name = self._fast_base(model_path or cfg.model.name)
+        acc = Accelerator(cpu=not torch.cuda.is_available())
+        strategy = strategy_from_config(cfg.aggregation)
+        model, tokenizer = load_base(cfg.model, acc.device)
+        info = client_infos(cfg, strategy, {client_id: 0})[0]
+        rank = strategy.adapter_rank(info.rank)
+        self.runtime = make_runtime(cfg, strategy, resolve_layout("clients", acc, cfg), acc, model, tokenizer,
+                                    [rank])
+        max_len = max_seq_len(cfg, model.config.max_position_embeddings)
+        train, test = tokenize_client(examples, n_test, tokenizer, prompt_template(cfg), max_len, client_id)
+        self.client = ClientData(client_id, rank, info.scale, train, test)
+        self.categories = _histogram(examples)
+        resumed = self._load_state()
+        log.info("site %d ready in %.1f s: %d train / %d test examples, rank %d%s", client_id,
+                 time.perf_counter() - t0, len(train), len(test), rank,
+                 "" if resumed is None else f", state of round {resumed} from {self.state_dir}")
+
+    def _fast_base(self, name: str) -> str:
+        """The base as a local ``save_pretrained`` folder in the state folder (first use: loaded and saved)."""
+        from fedllm.modeling import resolve_model_path
+
+        path = resolve_model_path(name, self.cfg.model.builtin_pretrain_steps)
+        if Path(path).is_dir():
+            return path
+        local = self.state_dir / "base"
+        if not (local / "config.json").exists():
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=self.state_dir))
+            AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+            tmp.rename(local)
+        return str(local)
+
+    # ------------------------------------------------------------ state
+    def _load_state(self) -> int | None:
+        """The client state and the merges already applied, from the state folder; returns their round."""
+        meta_path = self.state_dir / "site.json"
+        if not meta_path.exists():
+            return None
+        from safetensors.torch import load_file
+
+        meta = json.loads(meta_path.read_text())
+        tensors = load_file(str(self.state_dir / "state.safetensors"))
+        self.client.state = {k[len("client."):]: v for k, v in tensors.items() if k.startswith("client.")}
+        residual = adapter_from_tensors(tensors, meta["scales"], "residual.")
+        self.runtime.restore_base(residual, meta["applied_round"])
+        return int(meta.get("round", meta["applied_round"]))
+
+    def save_state(self, round_idx: int) -> None:
+        tensors, scales = adapter_tensors(self.runtime.residual, "residual.")
+        tensors.update({f"client.{k}": v for k, v in self.client.state.items()})
+        save_tensors_atomic(self.state_dir / "state.safetensors", tensors)
+        atomic_write_text(self.state_dir / "site.json", json.dumps(
+            {"round": round_idx, "applied_round": self.runtime.applied_round, "scales": scales,
+             "client": self.client_id}))
+
+    def use_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Take the client state ``context.state`` kept in memory (it is newer than the disk's only if equal)."""
+        if state:
+            self.client.state = dict(state)
+
+    # ----------------------------------------------------------- the work
+    def info(self) -> dict:
+        return {"client-id": self.client_id, "num-examples": self.client.num_examples,
+                "num-test": len(self.client.test), "categories": json.dumps(self.categories)}
+
+    def train(self, start: ClientStart) -> ClientUpdate:
+        t0 = time.perf_counter()
+        update = self.runtime.train(self.client, start)
+        self.save_state(start.round)
+        log.info("site %d trained round %d in %.1f s", self.client_id, start.round, time.perf_counter() - t0)
+        return update
+
+    def personalized(self, start: ClientStart) -> dict:
+        row = self.runtime.personalized(self.client, start, self.cfg.eval.batch_size) if self.client.test else {}
+        self.save_state(start.round - 1)  # the merges it applied
+        return row
+
+
+def _site_examples(data_path: str):
+    """A site's own examples: any file ``data.dataset`` takes, in its order."""
+    from data_prep.loaders import load_examples
+
+    return load_examples(str(data_path))
+
+
+def _histogram(examples) -> dict[str, int]:
+    from collections import Counter
+
+    return dict(sorted(Counter(e.category or "other" for e in examples).items()))
+
+
+def write_site_partitions(cfg: Config, out: Path) -> list[Path]:
+    """The run's partition, one folder per site with its examples in fedllm's own jsonl format (for local tests)."""
+    from fedllm.partitions import load_partitions
+
+    parts = load_partitions(cfg)
+    paths = []
+    for k, examples in enumerate(parts.clients):
+        folder = Path(out) / f"site-{k}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "data.jsonl"
+        atomic_write_text(path, "".join(json.dumps({"instruction": e.instruction, "input": e.input,
+                                                    "response": e.response, "category": e.category}) + "\n"
+                                        for e in examples))
+        paths.append(path)
+    atomic_write_text(Path(out) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return paths

@@ -1,0 +1,57 @@
+"""Flower: the Simulation Engine gives the in-process simulation's model, with the same run directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedllm.config import load_config
+from fedllm.simulation import Simulation
+from tests.conftest import assert_close_updates, tiny_overrides
+
+pytest.importorskip("flwr")
+pytest.importorskip("ray")
+
+
+@pytest.fixture(autouse=True)
+def quiet_flower(monkeypatch):
+    for key, value in {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_DEDUP_LOGS": "0",
+                       "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def files(run_dir) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name)
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "flexlora", "florist"])
+def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, builtin_base):
+    from flwr.simulation import run_simulation
+
+    from fedllm.flower.client_app import app as client_app
+    from fedllm.flower.server_app import server_app
+
+    extra = [f"aggregation.name={strategy}", "eval.limit=2", "federation.seed=3"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # every process computes as each Ray worker does (1 CPU each): the same float kernels
+    try:
+        reference = Simulation(load_config(None, tiny_overrides(tmp_path / "sim", *extra)), tmp_path / "sim")
+        reference.setup()
+        ref = reference.run()
+        cfg = load_config(None, tiny_overrides(tmp_path / "flower", *extra))
+        run_simulation(server_app(cfg, tmp_path / "flower", startup_timeout_s=300), client_app, num_supernodes=4,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    finally:
+        torch.set_num_threads(threads)
+    summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    assert files(tmp_path / "flower") == files(tmp_path / "sim")  # the same run directory
+    assert_close_updates(tmp_path / "sim", tmp_path / "flower", 1e-4)  # delta W of every module
+    assert summary["loss_after"] == pytest.approx(ref["loss_after"], rel=1e-4)
+    assert summary["communication"]["total_up_params"] == ref["communication"]["total_up_params"]
+    assert summary["communication"]["total_down_params"] == ref["communication"]["total_down_params"]
+    rows = [json.loads(x) for x in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2] and all(r["n_updates"] == 4 for r in rows[1:])
+    assert "personal_acc" in rows[-1]  # personalized evaluation ran on the sites
