@@ -107,23 +107,28 @@ class FlowerDriver(Driver):
         """Send each client's start to its site; returns (replies by client, failures by client)."""
         self.handshake()  # a restarted site has a new node id: find it again
         failures: dict[int, str] = {}
-        messages, sent = [], {}
+        messages: dict[int, Message] = {}
         for k, start in starts.items():
             if k not in self.nodes:
                 failures[k] = "site not connected"
                 continue
-            msg = Message(start_record(start, self.config_text, k), dst_node_id=self.nodes[k],
-                          message_type=message_type, group_id=str(round_idx))
-            messages.append(msg)
-            sent[self.nodes[k]] = k
+            messages[k] = Message(start_record(start, self.config_text, k), dst_node_id=self.nodes[k],
+                                  message_type=message_type, group_id=str(round_idx))
+        got = self.grid.send_and_receive(list(messages.values()), timeout=self.timeout) if messages else []
+        # the grid gave each message its id; an error reply for a node that is gone comes from the SuperLink
+        sent = {m.metadata.message_id: k for k, m in messages.items()}
         replies = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout) if messages else []:
-            k = sent[reply.metadata.src_node_id]
+        for reply in got:
+            k = sent.get(reply.metadata.reply_to_message_id)
+            if k is None:
+                log.warning("round %d: a reply to no message of this round (from node %s)", round_idx,
+                            reply.metadata.src_node_id)
+                continue
             if reply.has_error():
                 failures[k] = f"site error: {reply.error.reason}"
             else:
                 replies[k] = reply.content
-        for k in set(sent.values()) - set(replies) - set(failures):
+        for k in set(messages) - set(replies) - set(failures):
             failures[k] = f"no reply within federation.client_timeout_s={self.cfg.federation.client_timeout_s}"
         for k, why in failures.items():
             log.warning("round %d: client %d left out: %s", round_idx, k, why)

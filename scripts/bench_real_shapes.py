@@ -1,0 +1,273 @@
+"""One federated round at TinyLlama's real shapes on this machine: memory, client step, switching, aggregation.
+
+Builds a Llama with TinyLlama-1.1B's configuration (hidden 2048, 22 layers,
+intermediate 5632, 32 heads with 4 key/value heads, vocabulary 32000) and
+random weights, no download, and runs one round of fedllm's own loop (server,
+client runtime, simulation driver) with 10 clients of ranks
+[64, 32, 16, 16, 8, 8, 4, 4, 4, 4] on all seven projections, on random token
+batches of ``--seq-len`` tokens. It reports:
+
+- peak resident memory of the round with all clients and with 1 client (rank
+  64), each measured in its own process: one base is shared by every client,
+  so the ratio should stay near 1 (target <= 1.15);
+- one client optimizer step inside fedllm (AdamW, clip, scheduler, LoRA on the
+  rank-64 adapter) against a plain peft + torch loop doing the same step on
+  the same base weights and batch (target >= 0.9x the plain loop's speed);
+- the time to switch a client in (its downloaded factors written into the
+  shared base's adapter) and read its update out, against its local work at
+  150 steps (target <= 2%);
+- the server's aggregation time, and the per-phase split of the round.
+
+    python scripts/bench_real_shapes.py [--layers 22] [--strategy florist] [--steps 2] [--seq-len 256]
+
+Every number is from this machine and run (float kernels and timings differ
+between CPUs). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data_prep.prompts import TokenizedExample
+
+RANKS = [64, 32, 16, 16, 8, 8, 4, 4, 4, 4]
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                 rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def tinyllama(layers: int, seed: int = 0):
+    """TinyLlama-1.1B's architecture with ``layers`` decoder layers and random weights (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**TINYLLAMA, "num_hidden_layers": layers})).eval()
+
+
+def random_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[TokenizedExample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (seq_len,), generator=g).tolist()
+        out.append(TokenizedExample(ids, list(ids)))
+    return out
+
+
+def config_for(strategy: str, ranks: list[int], steps: int, batch_size: int, run_dir: Path):
+    from fedllm.config import load_config
+
+    if strategy == "floral":  # C adaptors of one rank r: the largest rank over 4 adaptors
+        ranks = [max(ranks) // 4]
+    return load_config(None, [f"aggregation.name={strategy}", f"federation.num_clients={len(ranks)}",
+                              f"lora.ranks=[{','.join(map(str, ranks))}]", f"lora.target_modules=[{','.join(MODULES)}]",
+                              f"client.local_steps={steps}", f"client.batch_size={batch_size}", "eval.benchmark=none",
+                              "eval.personalized=false", "federation.rounds=1", f"output.dir={run_dir}"])
+
+
+def make_driver(cfg, run_dir: Path, model, tokenizer, examples_per_client: int, seq_len: int):
+    """fedllm's simulation driver on an in-memory model and random token data."""
+    from fedllm.client.runtime import ClientData
+    from fedllm.simulation import Simulation
+
+    class RealShapes(Simulation):
+        def setup(self) -> None:
+            infos = self.client_infos({k: examples_per_client for k in range(self.cfg.federation.num_clients)})
+            self.runtime = self.build_runtime(model, tokenizer, [self.strategy.adapter_rank(i.rank) for i in infos])
+            vocab = model.config.vocab_size
+            self.clients = [ClientData(i.client_id, self.strategy.adapter_rank(i.rank), i.scale,
+                                       random_examples(examples_per_client, seq_len, vocab, i.client_id), [])
+                            for i in infos]
+            self.eval_data, self.benchmark, self.partition_stats = [], None, []
+            self.server = self.build_server(infos)
+
+    driver = RealShapes(cfg, run_dir)
+    driver.setup()
+    return driver
+
+
+def timed_round(driver) -> dict:
+    """One round, phase by phase (the driver's run_round, with a clock between the phases)."""
+    import fedllm.client.runtime as rt
+
+    switch, readout = [], []
+    switch_in, read_factors = driver.runtime.switch_in, rt.read_factors
+
+    def timed_switch(client, start):
+        t = time.perf_counter()
+        out = switch_in(client, start)
+        switch.append(time.perf_counter() - t)
+        return out
+
+    def timed_read(model, name):
+        t = time.perf_counter()
+        out = read_factors(model, name)
+        readout.append(time.perf_counter() - t)
+        return out
+
+    driver.runtime.switch_in, rt.read_factors = timed_switch, timed_read
+    try:
+        t0 = time.perf_counter()
+        plan = driver.server.plan_round(1)
+        t1 = time.perf_counter()
+        results = driver.train_clients(plan)
+        t2 = time.perf_counter()
+        row = driver.server.finish_round(plan, results)
+        t3 = time.perf_counter()
+        if driver.server.last_merged:
+            driver.runtime.apply_merges([(1, driver.server.last_merged)])
+        t4 = time.perf_counter()
+    finally:
+        driver.runtime.switch_in, rt.read_factors = switch_in, read_factors
+    bad = {k: v for k, v in results.items() if isinstance(v, str)}
+    if bad:
+        raise RuntimeError(f"clients failed: {bad}")
+    return {"phases_s": {"plan_and_downloads": t1 - t0, "client_training": t2 - t1,
+                         "validate_and_aggregate": t3 - t2, "merge_into_base": t4 - t3},
+            "aggregation_s": row["time_aggregate_s"], "n_updates": row["n_updates"],
+            "switch_in_s": switch, "read_out_s": readout,
+            "train_s": {k: u.metrics["train_s"] for k, u in results.items()},
+            "steps": {k: u.metrics["steps"] for k, u in results.items()}}
+
+
+def fedllm_step_s(driver, client_id: int, samples: int) -> float:
+    """One optimizer step of ``client_id`` inside fedllm: (time of 1 + samples steps - time of 1 step) / samples."""
+    client = driver.clients[client_id]
+    start = driver.server.client_start(2, client_id)
+    times = {}
+    for steps in (1, 1 + samples, 1):  # the first short run warms up; the last one is the one subtracted
+        driver.runtime.client_cfg.local_steps = steps
+        t = time.perf_counter()
+        driver.runtime.train(client, start)
+        times[steps] = time.perf_counter() - t
+    return (times[1 + samples] - times[1]) / samples
+
+
+def plain_step_s(model, rank: int, batch: dict, samples: int, cfg) -> float:
+    """The same step as a user would write it with peft and torch: forward, backward, clip, AdamW."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=cfg.lora.alpha_ratio * rank,
+                                                  target_modules=MODULES, lora_dropout=cfg.lora.dropout,
+                                                  task_type="CAUSAL_LM"))
+    peft_model.train()
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.client.lr, weight_decay=cfg.client.weight_decay)
+    times = []
+    for _ in range(1 + samples):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = peft_model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.client.max_grad_norm)
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return sum(times[1:]) / samples
+
+
+def child(args) -> dict:
+    """One measurement process: a round with ``--clients`` clients (and, for all of them, the step comparison)."""
+    from fedllm.builtin_model import build_tokenizer
+    from fedllm.logs import setup_logging
+
+    setup_logging("WARNING")
+    torch.manual_seed(0)
+    ranks = (RANKS * (args.clients // len(RANKS) + 1))[:args.clients]
+    tokenizer = build_tokenizer()
+    t = time.perf_counter()
+    model = tinyllama(args.layers)
+    build_s = time.perf_counter() - t
+    rss_model = peak_rss_mb()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = config_for(args.strategy, ranks, args.steps, args.batch_size, Path(tmp))
+        driver = make_driver(cfg, Path(tmp), model, tokenizer, args.examples, args.seq_len)
+        rnd = timed_round(driver)
+        out = {"clients": args.clients, "peak_rss_mb": peak_rss_mb(), "rss_after_model_mb": rss_model,
+               "model_build_s": build_s, "round": rnd}
+        if args.compare_step:
+            out["fedllm_step_s"] = fedllm_step_s(driver, 0, args.step_samples)
+            batch = next(iter_batches(driver, 0))
+            base = driver.runtime.model.unload()  # the same base weights, without fedllm's adapters
+            out["plain_step_s"] = plain_step_s(base, driver.clients[0].rank, batch, args.step_samples, cfg)
+    return out
+
+
+def iter_batches(driver, client_id: int):
+    from fedllm.client.base import batch_stream
+
+    client = driver.clients[client_id]
+    return batch_stream(client.train, driver.cfg.client.batch_size, driver.runtime.tokenizer.pad_token_id, 0)
+
+
+def run_child(args, clients: int, compare_step: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--clients", str(clients), "--layers", str(args.layers),
+           "--strategy", args.strategy, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+           "--batch-size", str(args.batch_size), "--examples", str(args.examples),
+           "--step-samples", str(args.step_samples)] + (["--compare-step"] if compare_step else [])
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"measurement process ({clients} clients) failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=22, help="decoder layers (TinyLlama has 22)")
+    p.add_argument("--strategy", default="florist", choices=["fedit", "flora", "flexlora", "florist", "floral"])
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--steps", type=int, default=2, help="local steps per client in the round")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--examples", type=int, default=4, help="random examples per client")
+    p.add_argument("--step-samples", type=int, default=3, help="steps timed for the step comparison")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compare-step", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    one = run_child(args, 1, False)
+    print(f"1 client: peak RSS {one['peak_rss_mb']:.0f} MB", flush=True)
+    many = run_child(args, args.clients, True)
+    print(f"{args.clients} clients: peak RSS {many['peak_rss_mb']:.0f} MB", flush=True)
+    rnd = many["round"]
+    step_s, plain_s = many["fedllm_step_s"], many["plain_step_s"]
+    switch_s = max(a + b for a, b in zip(rnd["switch_in_s"], rnd["read_out_s"], strict=True))
+    result = {
+        "model": "TinyLlama-1.1B shape, random weights", "layers": args.layers, "strategy": args.strategy,
+        "clients": args.clients, "ranks": (RANKS * (args.clients // len(RANKS) + 1))[:args.clients],
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size, "local_steps": args.steps, "threads": torch.get_num_threads(),
+        "peak_rss_mb": {"1_client": one["peak_rss_mb"], f"{args.clients}_clients": many["peak_rss_mb"]},
+        "memory_ratio": many["peak_rss_mb"] / one["peak_rss_mb"],
+        "fedllm_step_s": step_s, "plain_peft_step_s": plain_s, "step_speed_ratio": plain_s / step_s,
+        "switch_in_plus_read_out_s": switch_s, "switch_share_of_150_steps": switch_s / (150 * step_s),
+        "aggregation_s": rnd["aggregation_s"], "round_phases_s": rnd["phases_s"],
+        "client_train_s": rnd["train_s"],
+    }
+    result["targets_met"] = {"memory_ratio<=1.15": result["memory_ratio"] <= 1.15,
+                             "step_speed_ratio>=0.9": result["step_speed_ratio"] >= 0.9,
+                             "switch_share<=0.02": result["switch_share_of_150_steps"] <= 0.02}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

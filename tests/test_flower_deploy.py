@@ -1,0 +1,136 @@
+"""Flower's Deployment Engine on localhost: scripts/run_flower_local.sh plain and with TLS, a refused node, a site
+killed mid-run that rejoins from its state on disk. Each takes minutes (a SuperLink, SuperNodes and a fresh
+ClientApp process per message), hence ``slow``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["client.local_steps=20", "eval.limit=40"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(work: Path) -> dict:
+    return {**os.environ, "FLOWER_WORKDIR": str(work), "SUPERLINK_PORT": str(free_port()),
+            "SUPERNODE_PORT": str(free_port()), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def start(args: list[str], work: Path, env: dict) -> subprocess.Popen:
+    with open(work.parent / f"{work.name}.out", "w") as out:
+        return subprocess.Popen(["bash", str(ROOT / "scripts" / "run_flower_local.sh"), *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_rows(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while len(rows(run_dir)) < n:
+        assert proc.poll() is None, f"the run stopped early: {(run_dir.parent / 'work.out').read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"round {n - 1} did not finish in {timeout} s"
+        time.sleep(1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def finish(proc: subprocess.Popen, work: Path, timeout: float = 900) -> str:
+    proc.wait(timeout=timeout)
+    out = (work.parent / f"{work.name}.out").read_text()
+    assert proc.returncode == 0, out[-3000:] + (work / "run.log").read_text()[-3000:]
+    pids = [int(p.read_text()) for p in work.glob("site-*/supernode.pid")]
+    time.sleep(2)
+    assert pids and not any(alive(p) for p in pids), "a SuperNode outlived the script"
+    return out
+
+
+def test_local_deployment_runs_end_to_end(tmp_path):
+    work, run_dir = tmp_path / "work", tmp_path / "run"
+    proc = start(["default", "2", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env_for(work))
+    out = finish(proc, work)
+    assert "held-out loss" in out
+    names = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name}
+    assert {"metrics.jsonl", "summary.json", "config.yaml", "partition.json",
+            "global_adapter/adapter_model.safetensors", "checkpoints/round-0002/state.safetensors"} <= names
+    r = rows(run_dir)
+    assert [x["round"] for x in r] == [0, 1, 2] and all(x["n_updates"] == 2 for x in r[1:])
+    assert r[1]["up_params"] > 0 and r[-1]["eval_loss"] < r[0]["eval_loss"]
+    for k in (0, 1):  # each site kept its client state on its own disk
+        assert list((work / f"site-{k}" / "state").glob("client-*/site.json"))
+
+
+def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path):
+    work, run_dir = tmp_path / "work", tmp_path / "run"
+    env = env_for(work)
+    proc = start(["default", "2", "--tls", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env)
+    wait_rows(proc, run_dir, 1)  # the sites are connected
+    rogue = tmp_path / "rogue"
+    rogue.mkdir()
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(rogue / "key")], check=True)
+    with open(tmp_path / "rogue.log", "w") as log:
+        rogue_node = subprocess.Popen(
+            ["flower-supernode", "--root-certificates", str(work / "ca.crt"), "--auth-supernode-private-key",
+             str(rogue / "key"), "--superlink", f"127.0.0.1:{env['SUPERLINK_PORT']}", "--port", str(free_port()),
+             "--node-config", f"client-id=0 data-path='{work}/site-0/data.jsonl' state-dir='{rogue}'"],
+            env={**env, "FLWR_HOME": str(work / "flwr-home")}, stdout=log, stderr=subprocess.STDOUT)
+    refusal = "No SuperNode found with the given public key"
+    deadline = time.monotonic() + 120
+    while refusal not in (work / "superlink.log").read_text() and time.monotonic() < deadline:
+        time.sleep(1)
+    rogue_node.kill()
+    rogue_node.wait()
+    assert refusal in (work / "superlink.log").read_text(), (tmp_path / "rogue.log").read_text()[-2000:]
+    finish(proc, work)
+    assert "--insecure" not in (work / "superlink.log").read_text()  # TLS on (an insecure SuperLink warns)
+    assert rows(run_dir)[-1]["n_updates"] == 2  # the registered sites trained over TLS
+
+
+def test_a_killed_site_is_left_out_and_rejoins_from_its_state(tmp_path):
+    work, run_dir = tmp_path / "work", tmp_path / "run"
+    env = env_for(work)
+    proc = start(["default", "3", "--run-dir", str(run_dir), "federation.rounds=4", "federation.min_clients=2",
+                  *SMALL], work, env)
+    wait_rows(proc, run_dir, 2)  # round 1 done
+    os.kill(int((work / "site-1" / "supernode.pid").read_text()), signal.SIGTERM)
+    wait_rows(proc, run_dir, 3)  # round 2 finishes with the other two
+    with open(tmp_path / "restarted.log", "w") as log:
+        node = subprocess.Popen(
+            ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{env['SUPERLINK_PORT']}", "--port",
+             str(free_port()), "--node-config",
+             f"client-id=1 data-path='{work}/site-1/data.jsonl' state-dir='{work}/site-1/state'"],
+            env={**env, "FLWR_HOME": str(work / "flwr-home"), "OMP_NUM_THREADS": "1"}, stdout=log,
+            stderr=subprocess.STDOUT)
+    try:
+        finish(proc, work)
+    finally:
+        node.terminate()
+        node.wait(timeout=60)
+    r = rows(run_dir)
+    assert "1" in r[2]["failed"] and r[2]["n_updates"] == 2  # left out of round 2, the round finished
+    assert r[4]["n_updates"] == 3 and not r[4]["failed"]  # back in by round 4
+    log = (tmp_path / "restarted.log").read_text()
+    assert "state of round 1 from" in log  # the restarted site resumed its client state from disk
