@@ -74,11 +74,13 @@ def random_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[Tokeniz
 def config_for(strategy: str, ranks: list[int], steps: int, batch_size: int, run_dir: Path):
     from fedllm.config import load_config
 
+    clients = len(ranks)
     if strategy == "floral":  # C adaptors of one rank r: the largest rank over 4 adaptors
         ranks = [max(ranks) // 4]
-    return load_config(None, [f"aggregation.name={strategy}", f"federation.num_clients={len(ranks)}",
+    return load_config(None, [f"aggregation.name={strategy}", f"federation.num_clients={clients}",
                               f"lora.ranks=[{','.join(map(str, ranks))}]", f"lora.target_modules=[{','.join(MODULES)}]",
-                              f"client.local_steps={steps}", f"client.batch_size={batch_size}", "eval.benchmark=none",
+                              "lora.trainable_modules=[]", f"client.local_steps={steps}",
+                              f"client.batch_size={batch_size}", "eval.benchmark=none",
                               "eval.personalized=false", "federation.rounds=1", f"output.dir={run_dir}"])
 
 

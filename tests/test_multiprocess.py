@@ -44,7 +44,10 @@ def run_files(run_dir) -> list[str]:
 LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.fixed_rank=4"]}
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "flora", "flexlora", "florist", "floral"])
+# FedIT (parameter averaging) and FLoRIST (an SVD over the gathered updates) in the default run; the rest slow
+@pytest.mark.parametrize("strategy", ["fedit", pytest.param("flora", marks=pytest.mark.slow),
+                                      pytest.param("flexlora", marks=pytest.mark.slow), "florist",
+                                      pytest.param("floral", marks=pytest.mark.slow)])
 def test_two_processes_equal_one(tmp_path, strategy):
     """The same model within float tolerance (often bit-identical, but that is not promised)."""
     extra = [f"aggregation.name={strategy}", "eval.limit=2", *LAYOUT_EXTRA.get(strategy, [])]
@@ -95,7 +98,10 @@ def test_mmlu_two_processes_equal_one(tmp_path, builtin_base):
     one = json.loads((tmp_path / "one.json").read_text())
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["processes"] == 2 and one["processes"] == 1
-    assert one["accuracy"] == two["accuracy"] and one["n"] == two["n"] == 15
+    assert one["n"] == two["n"] == 15
     for r1, r2 in zip(one["records"], two["records"], strict=True):
-        assert (r1["subject"], r1["index"], r1["predicted"]) == (r2["subject"], r2["index"], r2["predicted"])
-        assert r1["loglikelihoods"] == pytest.approx(r2["loglikelihoods"], abs=1e-4)
+        assert (r1["subject"], r1["index"]) == (r2["subject"], r2["index"])
+        assert r1["loglikelihoods"] == pytest.approx(r2["loglikelihoods"], abs=1e-4), (r1, r2)
+        top = sorted(r1["loglikelihoods"], reverse=True)
+        if top[0] - top[1] > 1e-4:  # a near-tie may go either way under other float kernels
+            assert r1["predicted"] == r2["predicted"], (r1, r2)

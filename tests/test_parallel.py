@@ -165,7 +165,7 @@ def plain_flora(tmp_path_factory, builtin_base):
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-3 (sharded) by default
 def test_deepspeed_zero_through_shipped_config_matches_plain_run(tmp_path, stage, plain_flora):
     """A DeepSpeed ZeRO-2/3 engine (one CPU process) trains every client to the plain run's result.
 
