@@ -16,6 +16,7 @@ killed process left behind can be found and removed (:func:`clean_temporaries`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -61,15 +62,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _replaced_atomically(path: Path):
+    """Yield a temporary sibling of ``path`` to write; on success fsync it, honour the umask and rename it
+    over ``path``; on any failure remove it (nothing half-written is left)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
+        yield tmp
+        with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         honour_umask(Path(tmp))
         os.replace(tmp, path)
@@ -77,6 +78,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _replaced_atomically(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -109,24 +118,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        seen: set[int] = set()
-        unique = {}
-        for k, v in tensors.items():  # safetensors refuses tensors that share storage
-            ptr = v.untyped_storage().data_ptr()
-            unique[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
-            seen.add(ptr)
+    seen: set[int] = set()
+    unique = {}
+    for k, v in tensors.items():  # safetensors refuses tensors that share storage
+        ptr = v.untyped_storage().data_ptr()
+        unique[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+        seen.add(ptr)
+    with _replaced_atomically(Path(path)) as tmp:
         save_file(unique, tmp, metadata=metadata)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        honour_umask(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def file_sha256(path: Path) -> str:

@@ -351,14 +351,7 @@ class Simulation(Driver):
             from accelerate.utils import gather_object
 
             rows = {k: v for part in gather_object([rows]) for k, v in part.items()}
-        if not rows:
-            return {}
-
-        def mean(key: str) -> float:
-            return sum(r[key] for r in rows.values()) / len(rows)
-
-        return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
-                "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
+        return personal_summary(rows)
 
     def client_state_tensors(self) -> dict[str, Any]:
         return {f"client.{c.client_id}.{k}": v for c in self.clients for k, v in c.state.items()}
@@ -367,6 +360,18 @@ class Simulation(Driver):
         for c in self.clients:
             prefix = f"client.{c.client_id}."
             c.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def personal_summary(rows: dict[str, dict]) -> dict[str, Any]:
+    """The metrics row's personalized part: each client's row and the means over clients."""
+    if not rows:
+        return {}
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in rows.values()) / len(rows)
+
+    return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
+            "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
 
 
 def _fmt(x: float | None) -> str:

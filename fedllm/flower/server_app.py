@@ -35,7 +35,7 @@ from fedllm.flower.records import info_record, read_info, read_update, start_rec
 from fedllm.logs import setup_logging
 from fedllm.modeling import context_length
 from fedllm.partitions import load_partitions, max_seq_len, prompt_template
-from fedllm.simulation import Driver, assign_ranks, resolve_benchmark
+from fedllm.simulation import Driver, assign_ranks, personal_summary, resolve_benchmark
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +147,8 @@ class FlowerDriver(Driver):
     def personalized(self, round_idx: int) -> dict[str, Any]:
         starts = {k: self.server.client_start(round_idx + 1, k) for k in self.server.clients}
         replies, _ = self._exchange(starts, MessageType.EVALUATE, round_idx)
-        rows = {str(k): dict(c["metrics"]) for k, c in sorted(replies.items()) if len(c["metrics"])}
-        if not rows:
-            return {}
-
-        def mean(key: str) -> float:
-            return sum(r[key] for r in rows.values()) / len(rows)
-
-        return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
-                "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
+        return personal_summary({str(k): dict(c["metrics"]) for k, c in sorted(replies.items())
+                                 if len(c["metrics"])})
 
 
 def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> dict:
