@@ -26,14 +26,25 @@ def files(run_dir) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name)
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "flexlora", "florist"])
-def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, builtin_base):
+# FedIT, FlexLoRA and FLoRIST in the default run; FLoRA (merges on the sites), FLoRAL (routers on the sites)
+# and the stateful client algorithms (SCAFFOLD's c_k, Per-FedAvg) under -m slow
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("strategy,more", [
+    pytest.param("fedit", [], id="fedit"), pytest.param("flexlora", [], id="flexlora"),
+    pytest.param("florist", [], id="florist"), pytest.param("flora", [], marks=SLOW, id="flora"),
+    pytest.param("floral", ["lora.ranks=[4]"], marks=SLOW, id="floral"),
+    pytest.param("fedit", ["client.algorithm=scaffold"], marks=SLOW, id="fedit-scaffold"),
+    pytest.param("fedit", ["client.algorithm=perfedavg"], marks=SLOW, id="fedit-perfedavg"),
+])
+def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, more, builtin_base):
     from flwr.simulation import run_simulation
 
     from fedllm.flower.client_app import app as client_app
     from fedllm.flower.server_app import server_app
 
-    extra = [f"aggregation.name={strategy}", "eval.limit=2", "federation.seed=3"]
+    extra = [f"aggregation.name={strategy}", "eval.limit=2", "federation.seed=3", *more]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # every process computes as each Ray worker does (1 CPU each): the same float kernels
     try:
