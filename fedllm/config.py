@@ -255,7 +255,7 @@ def help_text() -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Build a validated :class:`Config` from an optional YAML file and overrides."""
-    from fedllm.overrides import apply_settings, flatten, parse_override
+    from fedllm.overrides import apply_settings, parse_override
 
     cfg = Config()
     if path is not None:
@@ -263,16 +263,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
         path = Path(path)
         text = read_text(path, "a YAML config file (see configs/)", ConfigError)
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
-        apply_settings(cfg, flatten(data, where=f"{path}: "))
+        _apply_yaml(cfg, text, str(path))
     apply_settings(cfg, dict(parse_override(text) for text in overrides or []))
     validate(cfg)
     return cfg
+
+
+def config_from_text(text: str, name: str = "<resolved config>") -> Config:
+    """A validated :class:`Config` from YAML text (a resolved config sent over the wire, e.g. to a Flower site)."""
+    cfg = Config()
+    _apply_yaml(cfg, text, name)
+    validate(cfg)
+    return cfg
+
+
+def config_to_text(cfg: Config) -> str:
+    """The resolved config as YAML: what ``config.yaml`` holds and :func:`config_from_text` reads back."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def _apply_yaml(cfg: Config, text: str, name: str) -> None:
+    """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``."""
+    from fedllm.overrides import apply_settings, flatten
+
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {name} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {name} must hold a mapping of sections")
+    apply_settings(cfg, flatten(data, where=f"{name}: "))
 
 
 def validate(cfg: Config) -> None:
@@ -346,4 +366,4 @@ def save_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as YAML (atomically, via the checkpoint helper)."""
     from fedllm.checkpoint import atomic_write_text
 
-    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write_text(path, config_to_text(cfg))

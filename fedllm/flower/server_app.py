@@ -30,7 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from data_prep.prompts import tokenize_examples
 from data_prep.schema import DataError
-from fedllm.config import Config, load_config
+from fedllm.config import Config, config_to_text, load_config
 from fedllm.flower.records import info_record, read_info, read_update, start_record
 from fedllm.logs import setup_logging
 from fedllm.modeling import context_length
@@ -46,7 +46,7 @@ class FlowerDriver(Driver):
     def __init__(self, cfg: Config, run_dir: Path, grid: Grid, accelerator=None, startup_timeout_s: float = 600.0):
         super().__init__(cfg, run_dir, accelerator)
         self.grid, self.startup_timeout_s = grid, startup_timeout_s
-        self.config_text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        self.config_text = config_to_text(cfg)
         self.nodes: dict[int, int] = {}  # client id -> node id
         self.timeout = cfg.federation.client_timeout_s or None
 

@@ -22,27 +22,16 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from fedllm.checkpoint import atomic_write_text, save_tensors_atomic
 from fedllm.client.runtime import ClientData
-from fedllm.config import Config, ConfigError, load_config
+from fedllm.config import Config, ConfigError, config_from_text, save_config
 from fedllm.factors import adapter_from_tensors, adapter_tensors
 from fedllm.protocol import ClientStart, ClientUpdate
 
 log = logging.getLogger(__name__)
 
 _SITES: dict[tuple, Site] = {}  # one per process and (state folder, config): a Ray worker hosts many nodes
-
-
-def config_from_text(text: str) -> Config:
-    """The run's resolved config as the server sent it (YAML)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-        fh.write(text)
-    try:
-        return load_config(fh.name)
-    finally:
-        Path(fh.name).unlink(missing_ok=True)
 
 
 def trajectory_digest(cfg: Config) -> str:
@@ -64,13 +53,14 @@ def site_for(config_text: str, node_config, run_id: int) -> Site:
     if client_id < 0:
         raise ConfigError("the SuperNode's --node-config names no client-id (e.g. --node-config \"client-id=0 "
                           "data-path=/data/site0.jsonl state-dir=/var/lib/fedllm\")")
-    digest = trajectory_digest(config_from_text(config_text))
+    cfg = config_from_text(config_text, "the server's resolved config")
+    digest = trajectory_digest(cfg)
     state_dir = Path(node_setting(node_config, "state-dir", Path(tempfile.gettempdir()) / "fedllm-sites" /
                                   f"run-{run_id}")) / f"client-{client_id}-{digest}"
     key = (str(state_dir), digest)
     if key not in _SITES:
-        _SITES[key] = Site(config_from_text(config_text), client_id, state_dir,
-                           node_setting(node_config, "data-path"), node_setting(node_config, "model-path"))
+        _SITES[key] = Site(cfg, client_id, state_dir, node_setting(node_config, "data-path"),
+                           node_setting(node_config, "model-path"))
     return _SITES[key]
 
 
@@ -205,5 +195,5 @@ def write_site_partitions(cfg: Config, out: Path) -> list[Path]:
                                                     "response": e.response, "category": e.category}) + "\n"
                                         for e in examples))
         paths.append(path)
-    atomic_write_text(Path(out) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    save_config(cfg, Path(out) / "config.yaml")
     return paths
