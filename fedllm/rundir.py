@@ -190,11 +190,9 @@ class RunLock:
 
     def release(self) -> None:
         if self.held:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # gone or unreadable: nothing of ours to remove
                 if json.loads(self.path.read_text()).get("pid") == os.getpid():
                     self.path.unlink()
-            except (OSError, ValueError):
-                pass
             self.held = False
             if self.made_folder:  # e.g. bad input refused before the run wrote anything
                 with contextlib.suppress(OSError):
