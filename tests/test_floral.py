@@ -172,9 +172,23 @@ def test_nothing_router_shaped_is_uploaded_or_corrected_by_any_algorithm(tmp_pat
     assert not any("router" in k for k in fed.server.algorithm.state_dict())
 
 
-def test_bias_adaptors_are_averaged_and_exported(tmp_path):
+def assert_export_matches_mixture(fed, out, client_id: int) -> None:
+    """Client ``client_id``'s exported personalized adapter gives the logits of its live router mixture."""
     from peft import AutoPeftModelForCausalLM
 
+    exported = AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    c = fed.clients[client_id]
+    switch_in(fed, c, fed.start_round)
+    fed.runtime.model.eval()
+    session = fed.runtime.open_mixture(c, fed.server.client_start(fed.start_round, c.client_id), own_router=True)
+    ids = torch.tensor([[1, 11, 22, 33, 44]])
+    with torch.no_grad():
+        mixed, theirs = fed.runtime.model(input_ids=ids).logits, exported(input_ids=ids).logits
+    session.close()
+    assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)
+
+
+def test_bias_adaptors_are_averaged_and_exported(tmp_path):
     from fedllm.export import export_run
 
     uploads = []
@@ -191,21 +205,10 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
     assert float(by_hand.abs().sum()) > 0  # they trained
     out = export_run(tmp_path / "r", tmp_path / "c1", client=1)
     assert json.loads((out / "adapter_config.json").read_text())["lora_bias"] is True
-    exported = AutoPeftModelForCausalLM.from_pretrained(out).eval()
-    c = fed.clients[1]
-    switch_in(fed, c, fed.start_round)
-    fed.runtime.model.eval()
-    session = fed.runtime.open_mixture(c, fed.server.client_start(fed.start_round, c.client_id), own_router=True)
-    ids = torch.tensor([[1, 11, 22, 33, 44]])
-    with torch.no_grad():
-        mixed, theirs = fed.runtime.model(input_ids=ids).logits, exported(input_ids=ids).logits
-    session.close()
-    assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)
+    assert_export_matches_mixture(fed, out, 1)
 
 
 def test_personalized_export_matches_mixture(tmp_path):
-    from peft import AutoPeftModelForCausalLM
-
     from fedllm.export import export_run
 
     cfg = load_config(None, tiny_overrides(tmp_path / "r", "aggregation.name=floral", "lora.ranks=[2]",
@@ -215,17 +218,7 @@ def test_personalized_export_matches_mixture(tmp_path):
     fed.setup()
     fed.run()
     out = export_run(tmp_path / "r", tmp_path / "c2", client=2)
-    exported = AutoPeftModelForCausalLM.from_pretrained(out).eval()
-    c = fed.clients[2]
-    switch_in(fed, c, fed.start_round)
-    fed.runtime.model.eval()
-    session = fed.runtime.open_mixture(c, fed.server.client_start(fed.start_round, c.client_id), own_router=True)
-    ids = torch.tensor([[1, 11, 22, 33, 44]])
-    with torch.no_grad():
-        mixed = fed.runtime.model(input_ids=ids).logits
-        theirs = exported(input_ids=ids).logits
-    session.close()
-    assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)
+    assert_export_matches_mixture(fed, out, 2)
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 6  # C * r
 
 
