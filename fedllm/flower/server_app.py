@@ -18,13 +18,13 @@ separated by spaces) and ``run-dir`` from the app's run config.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
@@ -62,12 +62,13 @@ class FlowerDriver(Driver):
             eval_examples = []
         max_len = max_seq_len(cfg, context_length(model))
         self.eval_data = tokenize_examples(eval_examples, tokenizer, prompt_template(cfg), max_len)
-        ranks = sorted({self.strategy.adapter_rank(r) for r in assign_ranks(cfg)})
+        lora_ranks = assign_ranks(cfg)
+        ranks = sorted({self.strategy.adapter_rank(r) for r in lora_ranks})
         self.runtime = self.build_runtime(model, tokenizer, ranks)  # the evaluation base: no client trains here
         infos = self.wait_for_sites()
         self.partition_stats = [{"client": k, "size": i["num-examples"] + i["num-test"],
-                                 "rank": assign_ranks(cfg)[k], "train": i["num-examples"], "test": i["num-test"],
-                                 "categories": yaml.safe_load(i["categories"])} for k, i in sorted(infos.items())]
+                                 "rank": lora_ranks[k], "train": i["num-examples"], "test": i["num-test"],
+                                 "categories": json.loads(i["categories"])} for k, i in sorted(infos.items())]
         self.server = self.build_server(self.client_infos({k: i["num-examples"] for k, i in infos.items()}))
 
     def handshake(self) -> dict[int, dict]:
