@@ -60,8 +60,8 @@ def run_one(name: str, layers: int) -> dict:
     strategy = STRATEGIES[name]()
     t0 = time.perf_counter()
     res = strategy.aggregate(updates, GlobalState())
-    for r in sorted(set(RANKS)):  # what each client downloads
-        strategy.client_start(res.state, r, 2.0, res.merged)
+    for k, r in enumerate(RANKS):  # what each client downloads
+        strategy.client_factors(res.state, r, 2.0, k)
     return {"strategy": name, "seconds": time.perf_counter() - t0, "peak_extra_mb": peak_mb() - before}
 
 
@@ -93,7 +93,7 @@ def dense_reference(dense_layers: int) -> dict:
             if (S[r - 1] - S[r]) / S[r - 1] < 0.01:
                 skipped += 1
                 continue
-            f = FlexLoRA().client_start(ours, r, 2.0, {}).factors[key]
+            f = FlexLoRA().client_factors(ours, r, 2.0, 0)[key]
             ref = (U[:, :r] * S[:r]) @ Vh[:r]
             trunc_err = max(trunc_err, float(torch.linalg.norm(f.delta() - ref) / torch.linalg.norm(ref)))
             checked += 1

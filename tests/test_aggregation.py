@@ -254,3 +254,29 @@ def test_flexlora_default_split_is_the_reference():
     from fedllm.config import load_config
 
     assert strategy_from_config(load_config(None, ["aggregation.name=flexlora"]).aggregation).split == "us"
+
+
+def _bench_aggregation():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_aggregation.py"
+    spec = importlib.util.spec_from_file_location("bench_aggregation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(n for n in STRATEGIES if n != "floral"))
+def test_server_cost_benchmark_runs_each_strategy(name):
+    """scripts/bench_aggregation.py's per-strategy step (aggregate + every client's download) on 1 layer."""
+    row = _bench_aggregation().run_one(name, layers=1)
+    assert row["strategy"] == name and row["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_server_cost_benchmark_agrees_with_the_dense_reference():
+    """The benchmark's dense-SVD reference on 1 TinyLlama-shaped layer: our factors within float error of it."""
+    ref = _bench_aggregation().dense_reference(1)
+    assert ref["max_rel_err_full"] < 1e-5 and ref["max_rel_err_truncated"] < 1e-4
+    assert ref["truncations_checked"] > 0
