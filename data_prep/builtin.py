@@ -33,12 +33,56 @@ LETTERS = ("A", "B", "C", "D")
 MAX_NUMBER = 99
 
 ANIMALS = (
-    "horse", "tiger", "zebra", "snake", "bird", "fish", "wolf", "frog", "duck", "cat", "dog", "cow", "lion",
-    "bear", "mouse", "sheep", "goat", "eagle", "shark", "whale", "rabbit", "fox", "deer", "owl",
+    "horse",
+    "tiger",
+    "zebra",
+    "snake",
+    "bird",
+    "fish",
+    "wolf",
+    "frog",
+    "duck",
+    "cat",
+    "dog",
+    "cow",
+    "lion",
+    "bear",
+    "mouse",
+    "sheep",
+    "goat",
+    "eagle",
+    "shark",
+    "whale",
+    "rabbit",
+    "fox",
+    "deer",
+    "owl",
 )
 THINGS = (
-    "apple", "house", "table", "chair", "train", "piano", "paper", "truck", "wheel", "lamp", "book", "door",
-    "stone", "bread", "robot", "ship", "cake", "hat", "cup", "bed", "car", "key", "box", "pen",
+    "apple",
+    "house",
+    "table",
+    "chair",
+    "train",
+    "piano",
+    "paper",
+    "truck",
+    "wheel",
+    "lamp",
+    "book",
+    "door",
+    "stone",
+    "bread",
+    "robot",
+    "ship",
+    "cake",
+    "hat",
+    "cup",
+    "bed",
+    "car",
+    "key",
+    "box",
+    "pen",
 )
 VOWELS = "aeiou"
 
@@ -102,8 +146,9 @@ def _multiple_of_three(rng: random.Random) -> Item:
 
 def _vowel(rng: random.Random) -> Item:
     c = rng.choice("abcdefghijklmnopqrstuvwxyz")
-    return _binary(f"Is the letter {c} a vowel or a consonant ?", c in VOWELS, "vowel", "consonant",
-                   ("number", "symbol"))
+    return _binary(
+        f"Is the letter {c} a vowel or a consonant ?", c in VOWELS, "vowel", "consonant", ("number", "symbol")
+    )
 
 
 def _animal(rng: random.Random) -> Item:
@@ -113,12 +158,16 @@ def _animal(rng: random.Random) -> Item:
 
 def _first_letter_vowel(rng: random.Random) -> Item:
     w = rng.choice(ANIMALS + THINGS)
-    return _binary(f"Does the word {w} start with a vowel ?", w[0] in VOWELS, "yes", "no", ("maybe", "unknown"))
+    return _binary(
+        f"Does the word {w} start with a vowel ?", w[0] in VOWELS, "yes", "no", ("maybe", "unknown")
+    )
 
 
 def _last_letter_vowel(rng: random.Random) -> Item:
     w = rng.choice(ANIMALS + THINGS)
-    return _binary(f"Does the word {w} end with a vowel ?", w[-1] in VOWELS, "yes", "no", ("maybe", "unknown"))
+    return _binary(
+        f"Does the word {w} end with a vowel ?", w[-1] in VOWELS, "yes", "no", ("maybe", "unknown")
+    )
 
 
 def _match(rng: random.Random) -> Item:
@@ -239,8 +288,10 @@ def vocabulary() -> list[str]:
     words.update(ANIMALS + THINGS)
     text = " ".join(
         [
-            "Is even odd both neither larger than yes no maybe unknown below above equal none plus a multiple of",
-            "three the letter vowel consonant number symbol an animal or thing color Does word start end with Which",
+            "Is even odd both neither larger than yes no maybe unknown below above equal none plus a "
+            "multiple of",
+            "three the letter vowel consonant number symbol an animal or thing color Does word start end "
+            "with Which",
             "Answer Question Below instruction that describes task",
             "Write response appropriately completes request Instruction Input Response paired with",
             "input provides further context The following are multiple choice questions with answers about",
@@ -283,12 +334,17 @@ def shift_labels(example: Example, group: int) -> Example:
         return example
     a, b = ANSWER_PAIRS[example.category]
     if example.instruction.endswith("Answer:"):
-        options = dict(line.split(". ", 1) for line in example.instruction.split("\n") if line[:3] in
-                       ("A. ", "B. ", "C. ", "D. "))
+        options = dict(
+            line.split(". ", 1)
+            for line in example.instruction.split("\n")
+            if line[:3] in ("A. ", "B. ", "C. ", "D. ")
+        )
         current = options[example.response]
         target = b if current == a else a
         letter = next(k for k, v in options.items() if v == target)
         return Example(example.instruction, example.input, letter, example.category)
     if example.response in (a, b):
-        return Example(example.instruction, example.input, b if example.response == a else a, example.category)
+        return Example(
+            example.instruction, example.input, b if example.response == a else a, example.category
+        )
     return example

@@ -49,7 +49,8 @@ def detect_format(record: dict, where: str) -> str:
         return "wizard"
     raise DataError(
         f"{where}: cannot tell the dataset format from fields {sorted(keys)}; expected dolly "
-        "(instruction, context, response), alpaca (instruction, input, output) or wizard (instruction, output)"
+        "(instruction, context, response), alpaca (instruction, input, output) or wizard (instruction, "
+        "output)"
     )
 
 
@@ -75,8 +76,10 @@ def to_example(record: dict, fmt: str, where: str) -> Example:
     for f in (inst_f, input_f, resp_f):
         value = record.get(f) if f else None
         if isinstance(value, str) and not _encodable(value):
-            raise DataError(f"{where}: field '{f}' holds text that is not valid Unicode (a lone surrogate, e.g. "
-                            "from a JSON \\ud800 escape)")
+            raise DataError(
+                f"{where}: field '{f}' holds text that is not valid Unicode (a lone surrogate, e.g. "
+                "from a JSON \\ud800 escape)"
+            )
     extra = record.get(input_f) if input_f else ""
     if extra is not None and not isinstance(extra, str):
         raise DataError(f"{where}: field '{input_f}' must be a string, got {type(extra).__name__}")
@@ -127,14 +130,21 @@ def _records_from_hub(hub_id: str) -> Iterable[tuple[dict, str]]:
         ds = load_dataset(hub_id, split="train")
     except Exception as e:  # datasets raises many types for offline / missing
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-        hint = "; offline mode is on: download it first or pass a local .json/.jsonl/.parquet file" if offline else ""
-        raise DataError(f"data.dataset: cannot load {hub_id!r} from the Hub{hint} ({type(e).__name__})") from None
+        hint = (
+            "; offline mode is on: download it first or pass a local .json/.jsonl/.parquet file"
+            if offline
+            else ""
+        )
+        raise DataError(
+            f"data.dataset: cannot load {hub_id!r} from the Hub{hint} ({type(e).__name__})"
+        ) from None
     for i, rec in enumerate(ds):
         yield rec, f"{hub_id}, row {i}"
 
 
-def load_examples(dataset: str, fmt: str = "auto", max_examples: int = 0, builtin_per_skill: int = 400,
-                  seed: int = 0) -> list[Example]:
+def load_examples(
+    dataset: str, fmt: str = "auto", max_examples: int = 0, builtin_per_skill: int = 400, seed: int = 0
+) -> list[Example]:
     """Examples of ``dataset``: 'builtin', a short name, a Hub id or a local file."""
     if dataset == "builtin":
         from data_prep import builtin
@@ -143,8 +153,11 @@ def load_examples(dataset: str, fmt: str = "auto", max_examples: int = 0, builti
         examples = builtin.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
         return examples[:max_examples] if max_examples else examples
     path = Path(dataset).expanduser()
-    if path.suffix.lower() in (".json", ".jsonl", ".parquet") or (os.sep in dataset and dataset.count("/") != 1) \
-            or path.exists():
+    if (
+        path.suffix.lower() in (".json", ".jsonl", ".parquet")
+        or (os.sep in dataset and dataset.count("/") != 1)
+        or path.exists()
+    ):
         try:
             check_readable(path, EXPECTED_FILE)
         except DataError as e:

@@ -36,7 +36,8 @@ def _check_feasible(n: int, num_clients: int, min_size: int) -> None:
     if n < num_clients * min_size:
         raise DataError(
             f"federation.num_clients = {num_clients} with data.min_examples_per_client = {min_size} needs "
-            f"{num_clients * min_size} examples, but the dataset has {n}: use fewer clients or a smaller minimum"
+            f"{num_clients * min_size} examples, but the dataset has {n}: use fewer clients or a smaller "
+            "minimum"
         )
 
 
@@ -55,8 +56,9 @@ def iid(n: int, num_clients: int, seed: int, min_size: int = 1) -> list[list[int
     return [sorted(idx[k::num_clients]) for k in range(num_clients)]
 
 
-def dirichlet(categories: list[str], num_clients: int, alpha: float, seed: int, min_size: int = 1,
-              max_tries: int = 100) -> list[list[int]]:
+def dirichlet(
+    categories: list[str], num_clients: int, alpha: float, seed: int, min_size: int = 1, max_tries: int = 100
+) -> list[list[int]]:
     """Indices per client, category shares drawn from Dir(alpha)."""
     _check_feasible(len(categories), num_clients, min_size)
     by_cat: dict[str, list[int]] = defaultdict(list)
@@ -80,8 +82,9 @@ def dirichlet(categories: list[str], num_clients: int, alpha: float, seed: int, 
     return [sorted(p) for p in parts]
 
 
-def shards(categories: list[str], num_clients: int, shards_per_client: int, seed: int,
-           min_size: int = 1) -> list[list[int]]:
+def shards(
+    categories: list[str], num_clients: int, shards_per_client: int, seed: int, min_size: int = 1
+) -> list[list[int]]:
     """Sort by category, cut into ``num_clients * shards_per_client`` shards, deal them out."""
     _check_feasible(len(categories), num_clients, min_size)
     rng = random.Random(seed)
@@ -93,8 +96,15 @@ def shards(categories: list[str], num_clients: int, shards_per_client: int, seed
     return [sorted(p) for p in _enforce_min(parts, min_size, rng)]
 
 
-def partition(examples: list[Example], method: str, num_clients: int, seed: int, alpha: float = 0.5,
-              shards_per_client: int = 2, min_size: int = 1) -> list[list[int]]:
+def partition(
+    examples: list[Example],
+    method: str,
+    num_clients: int,
+    seed: int,
+    alpha: float = 0.5,
+    shards_per_client: int = 2,
+    min_size: int = 1,
+) -> list[list[int]]:
     """Dispatch on ``data.partition``."""
     if method == "iid":
         return iid(len(examples), num_clients, seed, min_size)

@@ -67,7 +67,9 @@ def tokenize_example(example: Example, tokenizer, template: str, max_seq_len: in
     return TokenizedExample(full_ids, labels)
 
 
-def tokenize_examples(examples: list[Example], tokenizer, template: str, max_seq_len: int) -> list[TokenizedExample]:
+def tokenize_examples(
+    examples: list[Example], tokenizer, template: str, max_seq_len: int
+) -> list[TokenizedExample]:
     """Tokenize a list, dropping examples that truncation left without a response."""
     out = []
     for ex in examples:

@@ -55,7 +55,9 @@ def read_text(path: Path, expected: str, error: type[Exception] = DataError) -> 
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise error(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
-                    f"expected {expected}") from None
+        raise error(
+            f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+            f"expected {expected}"
+        ) from None
     except OSError as e:
         raise error(f"{path} cannot be read ({e.strerror or e}); expected {expected}") from None

@@ -67,10 +67,12 @@ def _read_csv(path: Path, subject: str) -> list[Question]:
     out = []
     text = _text(path, "a CSV file of rows question, A, B, C, D, answer (the original MMLU release)")
     for i, row in enumerate(csv.reader(io.StringIO(text, newline=""))):
-            where = f"{path}, row {i + 1}"
-            if len(row) != 6:
-                raise MMLUDataError(f"{where}: expected question, 4 choices and an answer (6 columns), got {len(row)}")
-            out.append(_check({"question": row[0], "choices": row[1:5], "answer": row[5]}, where, subject, i))
+        where = f"{path}, row {i + 1}"
+        if len(row) != 6:
+            raise MMLUDataError(
+                f"{where}: expected question, 4 choices and an answer (6 columns), got {len(row)}"
+            )
+        out.append(_check({"question": row[0], "choices": row[1:5], "answer": row[5]}, where, subject, i))
     return out
 
 
@@ -134,8 +136,9 @@ def _local(root: Path, split: str) -> list[Question]:
     )
 
 
-def load_questions(source: str, split: str = "test", subjects: list[str] | None = None,
-                   limit: int = 0) -> list[Question]:
+def load_questions(
+    source: str, split: str = "test", subjects: list[str] | None = None, limit: int = 0
+) -> list[Question]:
     """Questions of ``split`` from 'builtin', a local file/folder, or a Hub id.
 
     ``limit`` keeps the first N questions of each subject (deterministic).

@@ -48,7 +48,9 @@ def format_subject(subject: str) -> str:
 
 
 def format_question(q: Question, with_answer: bool) -> str:
-    text = q.question.strip() + "".join(f"\n{letter}. {c}" for letter, c in zip(LETTERS, q.choices, strict=True))
+    text = q.question.strip() + "".join(
+        f"\n{letter}. {c}" for letter, c in zip(LETTERS, q.choices, strict=True)
+    )
     text += "\nAnswer:"
     return text + (f" {LETTERS[q.answer]}\n\n" if with_answer else "")
 
@@ -58,8 +60,9 @@ def build_context(q: Question, shots: list[Question], tokenizer=None, max_len: i
     return _fitted_context(q, shots, tokenizer, max_len)[0]
 
 
-def _fitted_context(q: Question, shots: list[Question], tokenizer=None, max_len: int | None = None
-                    ) -> tuple[str, int]:
+def _fitted_context(
+    q: Question, shots: list[Question], tokenizer=None, max_len: int | None = None
+) -> tuple[str, int]:
     """The prompt and how many shots fit in ``max_len`` tokens (with one token to spare for a letter).
 
     Shots are dropped from the end, as the original MMLU code does; the
@@ -70,8 +73,12 @@ def _fitted_context(q: Question, shots: list[Question], tokenizer=None, max_len:
     while True:
         text = HEADER.format(format_subject(q.subject)) + "".join(format_question(s, True) for s in shots)
         text += format_question(q, False)
-        if not shots or tokenizer is None or max_len is None or \
-                len(tokenizer(text, verbose=False)["input_ids"]) + 1 <= max_len:
+        if (
+            not shots
+            or tokenizer is None
+            or max_len is None
+            or len(tokenizer(text, verbose=False)["input_ids"]) + 1 <= max_len
+        ):
             return text, len(shots)
         shots.pop()
 
@@ -91,48 +98,72 @@ def continuation_ids(tokenizer, context: str, continuation: str) -> tuple[list[i
     ctx = tokenizer(context, verbose=False)["input_ids"]
     whole = tokenizer(context + continuation, verbose=False)["input_ids"]
     if whole[: len(ctx)] == ctx and len(whole) > len(ctx):
-        return ctx, whole[len(ctx):]
+        return ctx, whole[len(ctx) :]
     return ctx, tokenizer(continuation, add_special_tokens=False)["input_ids"]
 
 
-def prompt_items(tokenizer, questions: list[Question], shots: dict[str, list[Question]] | None, k: int,
-                 max_len: int | None) -> tuple[list[Item], list[int]]:
+def prompt_items(
+    tokenizer, questions: list[Question], shots: dict[str, list[Question]] | None, k: int, max_len: int | None
+) -> tuple[list[Item], list[int]]:
     """Every question as a scoring item (grouped by subject and shots used), and the shots each really got."""
     items, used = [], []
     for q in questions:
         context, n = _fitted_context(q, (shots or {}).get(q.subject, [])[:k], tokenizer, max_len)
         enc = [continuation_ids(tokenizer, context, f" {letter}") for letter in LETTERS]
         ids = enc[0][0]
-        if max_len is not None and len(ids) + max(len(c) for _, c in enc) > max_len:  # even 0 shots do not fit
-            ids = ids[-(max_len - max(len(c) for _, c in enc)):]
+        if (
+            max_len is not None and len(ids) + max(len(c) for _, c in enc) > max_len
+        ):  # even 0 shots do not fit
+            ids = ids[-(max_len - max(len(c) for _, c in enc)) :]
         items.append(Item(ids, [c for _, c in enc], group=(q.subject, n)))
         used.append(n)
     return items, used
 
 
-def score_questions(model, tokenizer, questions: list[Question], shots: dict[str, list[Question]] | None = None,
-                    k: int = 0, batch_size: int = 16, reuse: bool = True, progress: bool = False) -> list[Record]:
+def score_questions(
+    model,
+    tokenizer,
+    questions: list[Question],
+    shots: dict[str, list[Question]] | None = None,
+    k: int = 0,
+    batch_size: int = 16,
+    reuse: bool = True,
+    progress: bool = False,
+) -> list[Record]:
     """Score every question (see eval/scoring.py for the paths); warns once if shots had to be dropped."""
     max_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     items, used = prompt_items(tokenizer, questions, shots, k, max_len)
     short = [n for n in used if n < k]
     if short:
-        log.warning("%d of %d questions did not fit the model's context (%s tokens) with %d shots: they were scored "
-                    "with fewer (as few as %d); each record says how many", len(short), len(used), max_len, k,
-                    min(short))
+        log.warning(
+            "%d of %d questions did not fit the model's context (%s tokens) with %d shots: they were scored "
+            "with fewer (as few as %d); each record says how many",
+            len(short),
+            len(used),
+            max_len,
+            k,
+            min(short),
+        )
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    with tqdm(total=len(items), desc="MMLU questions", unit="q", leave=False,
-              disable=None if progress else True) as bar:
+    with tqdm(
+        total=len(items), desc="MMLU questions", unit="q", leave=False, disable=None if progress else True
+    ) as bar:
         scores = score_items(model, items, pad_id, batch_size, reuse, bar.update)
     if progress and questions:
         elapsed = time.perf_counter() - t0
-        log.info("scored %d questions in %.1f s (%.1f questions/s)", len(questions), elapsed,
-                 len(questions) / max(elapsed, 1e-9))
-    return [Record(q.subject, q.index, q.answer, max(range(4), key=lambda c: s[c]), s, n)
-            for q, s, n in zip(questions, scores, used, strict=True)]
+        log.info(
+            "scored %d questions in %.1f s (%.1f questions/s)",
+            len(questions),
+            elapsed,
+            len(questions) / max(elapsed, 1e-9),
+        )
+    return [
+        Record(q.subject, q.index, q.answer, max(range(4), key=lambda c: s[c]), s, n)
+        for q, s, n in zip(questions, scores, used, strict=True)
+    ]
 
 
 def aggregate(records: list[Record], categories: dict[str, str] | None = None) -> dict:
@@ -162,8 +193,9 @@ class Benchmark:
     shots: int = 0
 
 
-def load_benchmark(source: str = "builtin", shots: int = 0, subjects: list[str] | None = None,
-                   limit: int = 0) -> Benchmark:
+def load_benchmark(
+    source: str = "builtin", shots: int = 0, subjects: list[str] | None = None, limit: int = 0
+) -> Benchmark:
     """Load (and check) the questions and their shots: bad data fails here, before any model is loaded."""
     questions = load_questions(source, "test", subjects, limit)
     dev: dict[str, list[Question]] = {}
@@ -173,9 +205,18 @@ def load_benchmark(source: str = "builtin", shots: int = 0, subjects: list[str] 
     return Benchmark(source, questions, dev, shots)
 
 
-def evaluate(model, tokenizer, bench: Benchmark | str = "builtin", shots: int = 0, subjects: list[str] | None = None,
-             limit: int = 0, batch_size: int = 16, accelerator=None, reuse: bool = True,
-             progress: bool = False) -> tuple[dict, list[Record]]:
+def evaluate(
+    model,
+    tokenizer,
+    bench: Benchmark | str = "builtin",
+    shots: int = 0,
+    subjects: list[str] | None = None,
+    limit: int = 0,
+    batch_size: int = 16,
+    accelerator=None,
+    reuse: bool = True,
+    progress: bool = False,
+) -> tuple[dict, list[Record]]:
     """Score (split over processes when ``accelerator`` has several) and aggregate.
 
     ``bench`` is a loaded :class:`Benchmark`, or a source to load with
@@ -186,7 +227,7 @@ def evaluate(model, tokenizer, bench: Benchmark | str = "builtin", shots: int = 
         bench = load_benchmark(bench, shots, subjects, limit)
     mine = bench.questions
     if accelerator is not None and accelerator.num_processes > 1:
-        mine = bench.questions[accelerator.process_index:: accelerator.num_processes]
+        mine = bench.questions[accelerator.process_index :: accelerator.num_processes]
     records = score_questions(model, tokenizer, mine, bench.dev, bench.shots, batch_size, reuse, progress)
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
@@ -208,8 +249,12 @@ def format_table(result: dict) -> str:
 
 def write_results(path: Path, result: dict, records: list[Record], meta: dict) -> None:
     """Results and per-question records as JSON, written atomically (a temporary file renamed into place)."""
-    payload = {**meta, **result, "records": [asdict(r) for r in records],
-               "shots_used": dict(sorted(Counter(r.shots for r in records).items()))}
+    payload = {
+        **meta,
+        **result,
+        "records": [asdict(r) for r in records],
+        "shots_used": dict(sorted(Counter(r.shots for r in records).items())),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -226,8 +271,15 @@ def write_results(path: Path, result: dict, records: list[Record], meta: dict) -
 
 def add_arguments(p: argparse.ArgumentParser, with_runs: bool = False) -> None:
     """The evaluation job's options (``with_runs``: fedllm's own run directories, for ``fedllm eval``)."""
-    p.add_argument("--model", help="base model: a Hub id, a local or merged folder" + (
-        ", or 'builtin' (the default); with --run: the run's own base (another is refused)" if with_runs else ""))
+    p.add_argument(
+        "--model",
+        help="base model: a Hub id, a local or merged folder"
+        + (
+            ", or 'builtin' (the default); with --run: the run's own base (another is refused)"
+            if with_runs
+            else ""
+        ),
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--adapter", help="a peft adapter folder to apply on the base")
     if with_runs:
@@ -240,30 +292,51 @@ def add_arguments(p: argparse.ArgumentParser, with_runs: bool = False) -> None:
     p.add_argument("--limit", type=int, default=0, help="first N questions per subject (0: all)")
     p.add_argument("--batch-size", type=int, default=16, help="questions per forward pass")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
-                   help="compute each subject's shared few-shot prefix once (exact; --no-prefix-reuse scores every "
-                   "question in full)")
+    p.add_argument(
+        "--prefix-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute each subject's shared few-shot prefix once (exact; --no-prefix-reuse scores every "
+        "question in full)",
+    )
     p.add_argument("--output", help="write results and per-question records to this JSON file")
 
 
 def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accelerator) -> dict:
     """Score ``bench``, print the table on the main process and write ``--output``; returns the result."""
-    result, records = evaluate(model, tokenizer, bench, batch_size=args.batch_size, accelerator=accelerator,
-                               reuse=args.prefix_reuse, progress=accelerator.is_main_process)
+    result, records = evaluate(
+        model,
+        tokenizer,
+        bench,
+        batch_size=args.batch_size,
+        accelerator=accelerator,
+        reuse=args.prefix_reuse,
+        progress=accelerator.is_main_process,
+    )
     if accelerator.is_main_process:
         print(format_table(result))
         if args.output:
-            meta = {"model": args.model, "adapter": args.adapter, "run": getattr(args, "run", None),
-                    "data": args.data, "shots": args.shots, "processes": accelerator.num_processes}
+            meta = {
+                "model": args.model,
+                "adapter": args.adapter,
+                "run": getattr(args, "run", None),
+                "data": args.data,
+                "shots": args.shots,
+                "processes": accelerator.num_processes,
+            }
             write_results(Path(args.output), result, records, meta)
     return result
 
 
 def load_model(name: str, adapter: str | None, dtype: str, device):
-    """A Hub id or local folder (plus an optional peft adapter) through from_pretrained, for the standalone job."""
+    """A Hub id or local folder (plus an optional peft adapter) through from_pretrained, for the standalone
+    job.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, "auto")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        dtype, "auto"
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device)
@@ -288,13 +361,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eval.mmlu", description="MMLU log-likelihood evaluation")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         if not args.model or args.model == "builtin":
-            raise MMLUDataError("--model: give a Hub id or a local model folder (fedllm's built-in base and run "
-                                "directories: use `fedllm eval`)")
-        bench = load_benchmark(args.data, args.shots, args.subjects, args.limit)  # bad data fails before the model
+            raise MMLUDataError(
+                "--model: give a Hub id or a local model folder (fedllm's built-in base and run "
+                "directories: use `fedllm eval`)"
+            )
+        bench = load_benchmark(
+            args.data, args.shots, args.subjects, args.limit
+        )  # bad data fails before the model
         accelerator = Accelerator(cpu=not torch.cuda.is_available())
         model, tokenizer = load_model(args.model, args.adapter, args.dtype, accelerator.device)
         run_job(args, bench, model, tokenizer, accelerator)

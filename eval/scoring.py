@@ -62,38 +62,44 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _letters(logits: torch.Tensor, rows: list[int], last: torch.Tensor, items: list[Item]) -> list[list[float]]:
+def _letters(
+    logits: torch.Tensor, rows: list[int], last: torch.Tensor, items: list[Item]
+) -> list[list[float]]:
     logp = torch.log_softmax(logits[torch.arange(len(rows), device=logits.device), last].float(), dim=-1)
     return [[logp[r, c[0]].item() for c in items[i].continuations] for r, i in enumerate(rows)]
 
 
 @torch.no_grad()
-def score_single_forward(model, items: list[Item], pad_id: int, batch_size: int,
-                         tick: Callable[[int], None] = lambda n: None) -> list[list[float]]:
+def score_single_forward(
+    model, items: list[Item], pad_id: int, batch_size: int, tick: Callable[[int], None] = lambda n: None
+) -> list[list[float]]:
     """Log-likelihoods of single-token continuations, one forward per prompt."""
     device = _device(model)
     order = sorted(range(len(items)), key=lambda i: -len(items[i].ids))
     out: list[list[float]] = [[] for _ in items]
     for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         ids, mask = _pad([items[i].ids for i in rows], pad_id, device)
         logits = model(input_ids=ids, attention_mask=mask).logits
-        for i, scores in zip(rows, _letters(logits, list(range(len(rows))), mask.sum(1) - 1, items), strict=True):
+        for i, scores in zip(
+            rows, _letters(logits, list(range(len(rows))), mask.sum(1) - 1, items), strict=True
+        ):
             out[i] = scores
         tick(len(rows))
     return out
 
 
 @torch.no_grad()
-def score_full(model, items: list[Item], pad_id: int, batch_size: int,
-               tick: Callable[[int], None] = lambda n: None) -> list[list[float]]:
+def score_full(
+    model, items: list[Item], pad_id: int, batch_size: int, tick: Callable[[int], None] = lambda n: None
+) -> list[list[float]]:
     """Sum of log-probabilities of each continuation after its prompt (any length)."""
     device = _device(model)
     seqs = [(i, c, it.ids + cont) for i, it in enumerate(items) for c, cont in enumerate(it.continuations)]
     order = sorted(range(len(seqs)), key=lambda j: -len(seqs[j][2]))
     out = [[0.0] * len(it.continuations) for it in items]
     for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+        chunk = order[start : start + batch_size]
         ids, mask = _pad([seqs[j][2] for j in chunk], pad_id, device)
         logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
         for row, j in enumerate(chunk):
@@ -129,7 +135,9 @@ def shared_prefix(seqs: list[list[int]]) -> tuple[int, list[int]]:
 
 
 def _cache_argument(model) -> str:
-    """The forward's name for a key/value cache: ``cache`` (transformers 5.2x) or ``past_key_values`` (before)."""
+    """The forward's name for a key/value cache: ``cache`` (transformers 5.2x) or ``past_key_values``
+    (before).
+    """
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -155,11 +163,14 @@ class PrefixScorer:
             if not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
                 return None
             return [(layer.keys, layer.values) for layer in layers]
-        return [tuple(kv[:2]) for kv in cache.to_legacy_cache()] if hasattr(cache, "to_legacy_cache") else None
+        return (
+            [tuple(kv[:2]) for kv in cache.to_legacy_cache()] if hasattr(cache, "to_legacy_cache") else None
+        )
 
     @torch.no_grad()
-    def _score_suffixes(self, states, n_prefix: int, suffixes: list[list[int]], items: list[Item]
-                        ) -> list[list[float]]:
+    def _score_suffixes(
+        self, states, n_prefix: int, suffixes: list[list[int]], items: list[Item]
+    ) -> list[list[float]]:
         from transformers import DynamicCache
 
         device = _device(self.model)
@@ -169,12 +180,19 @@ class PrefixScorer:
         cache = DynamicCache([(k.expand(b, *k.shape[1:]), v.expand(b, *v.shape[1:])) for k, v in states])
         attention = torch.cat([torch.ones(b, n_prefix, dtype=mask.dtype, device=device), mask], dim=1)
         positions = torch.arange(n_prefix, n_prefix + width, device=device).expand(b, width)
-        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                            **{_cache_argument(self.model): cache}).logits
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{_cache_argument(self.model): cache},
+        ).logits
         return _letters(logits, list(range(b)), mask.sum(1) - 1, items)
 
     def score_group(self, items: list[Item], tick: Callable[[int], None]) -> list[list[float]] | None:
-        """Scores of a group's prompts (all single-token continuations), or None where reuse does not apply."""
+        """Scores of a group's prompts (all single-token continuations), or None where reuse does not
+        apply.
+        """
         if self.enabled is False or len(items) < 2:
             return None
         n_prefix, sharing = shared_prefix([it.ids for it in items])
@@ -187,9 +205,10 @@ class PrefixScorer:
         out: list[list[float] | None] = [None] * len(items)
         order = sorted(sharing, key=lambda i: -len(items[i].ids))
         for start in range(0, len(order), self.batch_size):
-            rows = order[start:start + self.batch_size]
-            scores = self._score_suffixes(states, n_prefix, [items[i].ids[n_prefix:] for i in rows],
-                                          [items[i] for i in rows])
+            rows = order[start : start + self.batch_size]
+            scores = self._score_suffixes(
+                states, n_prefix, [items[i].ids[n_prefix:] for i in rows], [items[i] for i in rows]
+            )
             if self.enabled is None and not self._verify(items[rows[0]], scores[0]):
                 return None
             for i, s in zip(rows, scores, strict=True):
@@ -197,8 +216,13 @@ class PrefixScorer:
             tick(len(rows))
         rest = [i for i in range(len(items)) if out[i] is None]  # tokenized differently at the boundary
         if rest:
-            for i, s in zip(rest, score_single_forward(self.model, [items[i] for i in rest], self.pad_id,
-                                                       self.batch_size, tick), strict=True):
+            for i, s in zip(
+                rest,
+                score_single_forward(
+                    self.model, [items[i] for i in rest], self.pad_id, self.batch_size, tick
+                ),
+                strict=True,
+            ):
                 out[i] = s
         return out
 
@@ -219,9 +243,17 @@ class PrefixScorer:
         self.enabled = False
 
 
-def score_items(model, items: list[Item], pad_id: int, batch_size: int, reuse: bool = True,
-                tick: Callable[[int], None] = lambda n: None) -> list[list[float]]:
-    """Log-likelihood of every continuation of every item, by the fastest exact path (see module docstring)."""
+def score_items(
+    model,
+    items: list[Item],
+    pad_id: int,
+    batch_size: int,
+    reuse: bool = True,
+    tick: Callable[[int], None] = lambda n: None,
+) -> list[list[float]]:
+    """Log-likelihood of every continuation of every item, by the fastest exact path (see module
+    docstring).
+    """
     out: list[list[float] | None] = [None] * len(items)
     single = [i for i, it in enumerate(items) if it.single_token]
     if reuse:
@@ -235,11 +267,16 @@ def score_items(model, items: list[Item], pad_id: int, batch_size: int, reuse: b
                 out[i] = s
     plain = [i for i in single if out[i] is None]
     if plain:
-        for i, s in zip(plain, score_single_forward(model, [items[i] for i in plain], pad_id, batch_size, tick),
-                        strict=True):
+        for i, s in zip(
+            plain,
+            score_single_forward(model, [items[i] for i in plain], pad_id, batch_size, tick),
+            strict=True,
+        ):
             out[i] = s
     multi = [i for i, it in enumerate(items) if not it.single_token]
     if multi:
-        for i, s in zip(multi, score_full(model, [items[i] for i in multi], pad_id, batch_size, tick), strict=True):
+        for i, s in zip(
+            multi, score_full(model, [items[i] for i in multi], pad_id, batch_size, tick), strict=True
+        ):
             out[i] = s
     return out  # type: ignore[return-value]

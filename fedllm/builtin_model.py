@@ -102,8 +102,16 @@ def builtin_base_path(pretrain_steps: int, seed: int = 0, cache_dir: Path | None
     The key covers the pretraining data itself (and the vocabulary), so a
     change to the built-in skills or benchmark can never reuse a stale base.
     """
-    key = json.dumps({"v": BUILTIN_VERSION, "steps": pretrain_steps, "seed": seed, "arch": ARCH,
-                      "data": _data_digest(seed)}, sort_keys=True)
+    key = json.dumps(
+        {
+            "v": BUILTIN_VERSION,
+            "steps": pretrain_steps,
+            "seed": seed,
+            "arch": ARCH,
+            "data": _data_digest(seed),
+        },
+        sort_keys=True,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return (cache_dir or default_cache_dir()) / f"builtin-base-{digest}"
 
@@ -144,8 +152,10 @@ def pretraining_examples(seed: int, n_per_skill: int = 1500) -> list:
 
 def pretrain(model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3):
     """Full-parameter causal-LM pretraining (every token) on the built-in skills (see module docstring)."""
-    data = [TokenizedExample(t.input_ids, list(t.input_ids))
-            for t in tokenize_examples(pretraining_examples(seed), tokenizer, "plain", max_seq_len=96)]
+    data = [
+        TokenizedExample(t.input_ids, list(t.input_ids))
+        for t in tokenize_examples(pretraining_examples(seed), tokenizer, "plain", max_seq_len=96)
+    ]
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -117,7 +117,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def save_tensors_atomic(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     seen: set[int] = set()
     unique = {}
     for k, v in tensors.items():  # safetensors refuses tensors that share storage
@@ -144,7 +146,9 @@ def _cause(e: BaseException) -> str:
     return (m.group(1) or m.group(2)) if m else str(e)
 
 
-def save_checkpoint(run_dir: Path, round_idx: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+def save_checkpoint(
+    run_dir: Path, round_idx: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> Path:
     """Write ``checkpoints/round-NNNN`` atomically and point ``latest`` at it.
 
     The previous checkpoint is kept until the new one is complete, so a
@@ -159,8 +163,9 @@ def save_checkpoint(run_dir: Path, round_idx: int, tensors: dict[str, torch.Tens
         tmp = Path(tempfile.mkdtemp(prefix=f".round-{round_idx:04d}.", dir=ckpt_root))
         save_tensors_atomic(tmp / "state.safetensors", tensors)
         digest = file_sha256(tmp / "state.safetensors")
-        atomic_write_text(tmp / "meta.json", json.dumps({"format": CHECKPOINT_FORMAT, "sha256": digest, **meta},
-                                                        indent=1))
+        atomic_write_text(
+            tmp / "meta.json", json.dumps({"format": CHECKPOINT_FORMAT, "sha256": digest, **meta}, indent=1)
+        )
         honour_umask(tmp, directory=True)
         if final.exists():
             shutil.rmtree(final)
@@ -183,7 +188,9 @@ def checkpoint_round(path: Path) -> int | None:
 
 
 def round_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete-looking checkpoint folders, oldest round first (by number: round-10000 is after round-9999)."""
+    """Complete-looking checkpoint folders, oldest round first (by number: round-10000 is after
+    round-9999).
+    """
     root = Path(run_dir) / "checkpoints"
     found = [p for p in root.glob("round-*") if p.is_dir() and checkpoint_round(p) is not None]
     return sorted(found, key=checkpoint_round)
@@ -209,15 +216,19 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         raise CheckpointError(f"{meta_path} is not readable JSON ({_cause(e)})") from None
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise CheckpointError(f"{path}: checkpoint format {fmt} was written by another fedllm version "
-                              f"(this one reads format {CHECKPOINT_FORMAT})")
+        raise CheckpointError(
+            f"{path}: checkpoint format {fmt} was written by another fedllm version "
+            f"(this one reads format {CHECKPOINT_FORMAT})"
+        )
     try:
         digest = file_sha256(state_path)
     except OSError as e:
         raise CheckpointError(f"{state_path} cannot be read ({_cause(e)})") from None
     if digest != meta.get("sha256"):
-        raise CheckpointError(f"{state_path} does not match the checksum in {meta_path.name}: the file was changed "
-                              "or damaged after it was written")
+        raise CheckpointError(
+            f"{state_path} does not match the checksum in {meta_path.name}: the file was changed "
+            "or damaged after it was written"
+        )
     try:
         return load_file(str(state_path)), meta
     except Exception as e:  # safetensors raises its own error type for unparsable files
@@ -236,8 +247,11 @@ def load_latest(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str,
     None when the run has no checkpoint at all; a CheckpointError naming the
     newest damaged file when checkpoints exist but none verifies.
     """
-    candidates = [p for p in round_checkpoints(run_dir) if (p / "meta.json").exists() or
-                  (p / "state.safetensors").exists()]
+    candidates = [
+        p
+        for p in round_checkpoints(run_dir)
+        if (p / "meta.json").exists() or (p / "state.safetensors").exists()
+    ]
     first_error: CheckpointError | None = None
     for path in reversed(candidates):
         try:
@@ -255,7 +269,9 @@ def load_latest(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str,
 
 
 def clean_temporaries(folder: Path) -> list[Path]:
-    """Remove what killed writers left anywhere in ``folder`` (``.*.tmp`` files, ``.round-*``/``.export-*`` folders)."""
+    """Remove what killed writers left anywhere in ``folder`` (``.*.tmp`` files, ``.round-*``/``.export-*``
+    folders).
+    """
     removed = []
     for root, dirs, files in os.walk(folder):
         for d in list(dirs):

@@ -76,7 +76,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if state.is_main_process:
         if args.resume:
             rewrite = rundir.check_resume(run_dir, stored, cfg)
-            done = rundir.rounds_done(run_dir) >= cfg.federation.rounds and (run_dir / "summary.json").exists()
+            done = (
+                rundir.rounds_done(run_dir) >= cfg.federation.rounds and (run_dir / "summary.json").exists()
+            )
             action = "done" if done else "continue"
         else:
             action, rewrite = rundir.check_new_run(run_dir, cfg, args.overwrite), False
@@ -93,8 +95,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         action = broadcast_object_list([action])[0]
     try:
         if action == "done":
-            print(f"nothing to do: {run_dir} has finished all {cfg.federation.rounds} rounds; pass "
-                  f"federation.rounds=N (N > {cfg.federation.rounds}) to train it further", file=sys.stderr)
+            print(
+                f"nothing to do: {run_dir} has finished all {cfg.federation.rounds} rounds; pass "
+                f"federation.rounds=N (N > {cfg.federation.rounds}) to train it further",
+                file=sys.stderr,
+            )
             return 0
         if action == "continue":
             log.info("continuing the run in %s", run_dir)
@@ -109,8 +114,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if fed.acc.is_main_process:
         print_summary(summary)
     if summary.get("global_adapter") is None:
-        print("fedllm: error: no round produced a global update (every round was skipped: see 'failed' in "
-              f"{run_dir / 'metrics.jsonl'}); no adapter was written", file=sys.stderr)
+        print(
+            "fedllm: error: no round produced a global update (every round was skipped: see 'failed' in "
+            f"{run_dir / 'metrics.jsonl'}); no adapter was written",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -127,12 +135,16 @@ def print_summary(s: dict) -> None:
     print(f"strategy / client  {s['strategy']} / {s['algorithm']}, ranks {s['ranks']}")
     print(f"held-out loss      {f(s.get('loss_before'))} -> {f(s.get('loss_after'))}")
     if s.get("benchmark"):
-        print(f"accuracy           {f(s.get('accuracy_before'))} -> {f(s.get('accuracy_after'))}"
-              f" (best {f(s.get('accuracy_best'))}) on {benchmark_name(s['benchmark'])}")
+        print(
+            f"accuracy           {f(s.get('accuracy_before'))} -> {f(s.get('accuracy_after'))}"
+            f" (best {f(s.get('accuracy_best'))}) on {benchmark_name(s['benchmark'])}"
+        )
     else:
         print("accuracy           n/a (no benchmark: eval.benchmark=none)")
-    print(f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
-          f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)")
+    print(
+        f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
+        f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)"
+    )
     print(f"failed client calls {s['failed_client_calls']}, skipped rounds {s['skipped_rounds']}")
     print(f"wall time          {s['wall_s']:.1f} s")
     if s.get("note"):
@@ -148,10 +160,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from eval.mmlu import load_benchmark, run_job
     from fedllm.export import load_for_eval
 
-    bench = load_benchmark(args.data, args.shots, args.subjects, args.limit)  # bad data fails before the model loads
+    bench = load_benchmark(
+        args.data, args.shots, args.subjects, args.limit
+    )  # bad data fails before the model loads
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model, tokenizer = load_for_eval(args.model, args.adapter, args.run, args.round, args.client, args.dtype,
-                                     accelerator.device)
+    model, tokenizer = load_for_eval(
+        args.model, args.adapter, args.run, args.round, args.client, args.dtype, accelerator.device
+    )
     run_job(args, bench, model, tokenizer, accelerator)
     return 0
 
@@ -199,11 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a federated fine-tuning")
     r.add_argument("--config", help="experiment YAML (default: the built-in offline default)")
     r.add_argument("--output-dir", help="run directory (default: runs/<strategy>-<time>)")
-    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last completed round (may add rounds: "
-                   "federation.rounds=N)")
+    r.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its last completed round (may add rounds: federation.rounds=N)",
+    )
     r.add_argument("--overwrite", action="store_true", help="replace the previous fedllm run in --output-dir")
     r.add_argument("--help-config", action="store_true", help="list every config key with its help")
-    r.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. federation.rounds=3")
+    r.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. federation.rounds=3"
+    )
     r.set_defaults(func=cmd_run)
 
     e = sub.add_parser("eval", help="MMLU evaluation of a model, adapter or run")
@@ -218,19 +238,35 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--client", type=int, help="a client's personalized adapter")
     x.add_argument("--merge", action="store_true", help="write a full merged model instead of an adapter")
     x.add_argument("--output", help="output folder (default: RUN_DIR/export); must be new or empty")
-    x.add_argument("--overwrite", action="store_true", help="replace an existing --output (never the run itself)")
-    x.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the export (token from HF_TOKEN or login)")
+    x.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --output (never the run itself)"
+    )
+    x.add_argument(
+        "--push-to-hub", metavar="ORG/NAME", help="upload the export (token from HF_TOKEN or login)"
+    )
     x.add_argument("--private", action="store_true", help="create the Hub repo as private")
     x.set_defaults(func=cmd_export)
 
-    c = sub.add_parser("compare", help="run variants of a config over several seeds: mean +/- std, paired 95%% "
-                                       "intervals against the first variant")
-    c.add_argument("--config", help="experiment YAML every variant starts from (default: the built-in default)")
-    c.add_argument("--variant", action="append", required=True, metavar="NAME[:key=value,...]",
-                   help="a variant: its name and its overrides; the first is the baseline (repeat the option)")
+    c = sub.add_parser(
+        "compare",
+        help="run variants of a config over several seeds: mean +/- std, paired 95%% "
+        "intervals against the first variant",
+    )
+    c.add_argument(
+        "--config", help="experiment YAML every variant starts from (default: the built-in default)"
+    )
+    c.add_argument(
+        "--variant",
+        action="append",
+        required=True,
+        metavar="NAME[:key=value,...]",
+        help="a variant: its name and its overrides; the first is the baseline (repeat the option)",
+    )
     c.add_argument("--seeds", type=int, default=3, help="run federation.seed = 0..N-1 (default 3)")
     c.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of 0..N-1")
-    c.add_argument("--output-dir", default="runs/compare", help="runs go to DIR/<variant>/seed-<s> (reused if done)")
+    c.add_argument(
+        "--output-dir", default="runs/compare", help="runs go to DIR/<variant>/seed-<s> (reused if done)"
+    )
     c.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides common to every variant")
     c.set_defaults(func=cmd_compare)

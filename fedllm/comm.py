@@ -33,16 +33,20 @@ class Ledger:
     def round_summary(self) -> dict:
         b = self.bytes_per_param
         return {
-            "up_params": self.round_up, "down_params": self.round_down,
-            "up_bytes": self.round_up * b, "down_bytes": self.round_down * b,
+            "up_params": self.round_up,
+            "down_params": self.round_down,
+            "up_bytes": self.round_up * b,
+            "down_bytes": self.round_down * b,
         }
 
     def totals(self) -> dict:
         b = self.bytes_per_param
         up, down = sum(self.up_params.values()), sum(self.down_params.values())
         return {
-            "total_up_params": up, "total_down_params": down,
-            "total_up_bytes": up * b, "total_down_bytes": down * b,
+            "total_up_params": up,
+            "total_down_params": down,
+            "total_up_bytes": up * b,
+            "total_down_bytes": down * b,
             "per_client": {
                 str(c): {"up_params": self.up_params.get(c, 0), "down_params": self.down_params.get(c, 0)}
                 for c in sorted(set(self.up_params) | set(self.down_params))
@@ -50,7 +54,11 @@ class Ledger:
         }
 
     def state(self) -> dict:
-        return {"up": dict(self.up_params), "down": dict(self.down_params), "bytes_per_param": self.bytes_per_param}
+        return {
+            "up": dict(self.up_params),
+            "down": dict(self.down_params),
+            "bytes_per_param": self.bytes_per_param,
+        }
 
     @classmethod
     def from_state(cls, state: dict) -> Ledger:

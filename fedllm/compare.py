@@ -27,9 +27,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 # metric name -> (where it is read, how it is printed: accuracies in points, counts with separators)
 METRICS = {
@@ -43,8 +72,13 @@ METRICS = {
     "down_params": ("comm:total_down_params", "count"),
     "wall_s": ("summary:wall_s", "seconds"),
 }
-FORMATS = {"points": (100.0, ".1f", " points"), "percent": (100.0, ".1f", " %"), "loss": (1.0, ".4f", ""),
-           "count": (1.0, ",.0f", ""), "seconds": (1.0, ".1f", " s")}
+FORMATS = {
+    "points": (100.0, ".1f", " points"),
+    "percent": (100.0, ".1f", " %"),
+    "loss": (1.0, ".4f", ""),
+    "count": (1.0, ",.0f", ""),
+    "seconds": (1.0, ".1f", " s"),
+}
 
 
 def t_quantile(df: int) -> float:
@@ -59,11 +93,15 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``name`` or ``name:key=value,key=value`` (a value may not contain a comma: use a config file for lists)."""
+    """``name`` or ``name:key=value,key=value`` (a value may not contain a comma: use a config file for
+    lists).
+    """
     name, _, rest = text.partition(":")
     if not name.isidentifier():
-        raise ValueError(f"--variant {text!r}: the name before ':' must be an identifier, "
-                         "e.g. fedit:aggregation.name=fedit")
+        raise ValueError(
+            f"--variant {text!r}: the name before ':' must be an identifier, "
+            "e.g. fedit:aggregation.name=fedit"
+        )
     overrides = [o for o in rest.split(",") if o] if rest else []
     for o in overrides:
         if "=" not in o:
@@ -98,8 +136,11 @@ def run_metrics(run_dir: Path) -> dict[str, float | None]:
 
 def describe(values: list[float]) -> dict[str, float]:
     """Mean and sample standard deviation (0 for a single value)."""
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
 
 
 def paired(values: list[float], baseline: list[float]) -> dict[str, float | bool]:
@@ -109,7 +150,12 @@ def paired(values: list[float], baseline: list[float]) -> dict[str, float | bool
     if len(diffs) < 2:
         return {"diff": mean, "low": math.nan, "high": math.nan, "excludes_zero": False}
     half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return {"diff": mean, "low": mean - half, "high": mean + half, "excludes_zero": mean - half > 0 or mean + half < 0}
+    return {
+        "diff": mean,
+        "low": mean - half,
+        "high": mean + half,
+        "excludes_zero": mean - half > 0 or mean + half < 0,
+    }
 
 
 def summarize(results: dict[str, dict[int, dict[str, float | None]]]) -> dict:
@@ -137,7 +183,9 @@ def summarize(results: dict[str, dict[int, dict[str, float | None]]]) -> dict:
 def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
     """A text table: mean +/- std per variant and the paired difference with its 95% interval."""
     base = summary["baseline"]
-    lines = [f"seeds {summary['seeds']}; differences are paired per seed against '{base}', with 95% t intervals"]
+    lines = [
+        f"seeds {summary['seeds']}; differences are paired per seed against '{base}', with 95% t intervals"
+    ]
     for metric, per in summary["metrics"].items():
         if metrics and metric not in metrics:
             continue
@@ -152,13 +200,18 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
             d = e.get(f"vs_{base}")
             if d is not None:
                 verdict = "" if d["excludes_zero"] else "  (interval holds 0: no difference shown)"
-                text += f"   diff {num(d['diff'], True)}{unit} [{num(d['low'], True)}, {num(d['high'], True)}]{verdict}"
+                low, high = num(d["low"], True), num(d["high"], True)
+                text += f"   diff {num(d['diff'], True)}{unit} [{low}, {high}]{verdict}"
             lines.append(text)
     return "\n".join(lines)
 
 
-def _run_one(config: str | None, variant: Variant, seed: int, run_dir: Path, threads: int, extra: list[str]) -> Path:
-    if (run_dir / "summary.json").exists():  # finished earlier: reuse (the run is deterministic on this machine)
+def _run_one(
+    config: str | None, variant: Variant, seed: int, run_dir: Path, threads: int, extra: list[str]
+) -> Path:
+    if (
+        run_dir / "summary.json"
+    ).exists():  # finished earlier: reuse (the run is deterministic on this machine)
         return run_dir
     cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run", "--output-dir", str(run_dir)]
     if config:
@@ -170,8 +223,10 @@ def _run_one(config: str | None, variant: Variant, seed: int, run_dir: Path, thr
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # float results depend on the thread count
     out = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"variant {variant.name} seed {seed} failed (exit {out.returncode}): "
-                           f"{out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ''}")
+        raise RuntimeError(
+            f"variant {variant.name} seed {seed} failed (exit {out.returncode}): "
+            f"{out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ''}"
+        )
     return run_dir
 
 
@@ -180,13 +235,21 @@ def _build_bases(config: str | None, variants: list[Variant], extra: list[str]) 
     from fedllm.config import load_config
     from fedllm.modeling import resolve_model_path
 
-    for cfg in {(c.model.name, c.model.builtin_pretrain_steps): c for c in
-                (load_config(config, [*extra, *v.overrides]) for v in variants)}.values():
+    for cfg in {
+        (c.model.name, c.model.builtin_pretrain_steps): c
+        for c in (load_config(config, [*extra, *v.overrides]) for v in variants)
+    }.values():
         resolve_model_path(cfg.model.name, cfg.model.builtin_pretrain_steps)
 
 
-def compare(config: str | None, variants: list[Variant], seeds: list[int], out_root: Path, jobs: int = 1,
-            extra: list[str] | None = None) -> dict:
+def compare(
+    config: str | None,
+    variants: list[Variant],
+    seeds: list[int],
+    out_root: Path,
+    jobs: int = 1,
+    extra: list[str] | None = None,
+) -> dict:
     """Run every variant for every seed (``jobs`` at a time) and summarize; see the module docstring."""
     if not variants:
         raise ValueError("give at least one --variant")
@@ -196,13 +259,25 @@ def compare(config: str | None, variants: list[Variant], seeds: list[int], out_r
     _build_bases(config, variants, extra or [])
     tasks = [(v, s) for s in seeds for v in variants]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        dirs = list(pool.map(lambda t: _run_one(config, t[0], t[1], out_root / t[0].name / f"seed-{t[1]}", threads,
-                                                extra or []), tasks))
+        dirs = list(
+            pool.map(
+                lambda t: _run_one(
+                    config, t[0], t[1], out_root / t[0].name / f"seed-{t[1]}", threads, extra or []
+                ),
+                tasks,
+            )
+        )
     results: dict[str, dict[int, dict]] = {v.name: {} for v in variants}
     for (v, s), d in zip(tasks, dirs, strict=True):
         results[v.name][s] = run_metrics(d)
     summary = summarize(results)
-    summary.update({"config": config, "variants": {v.name: v.overrides for v in variants}, "threads_per_run": threads,
-                    "runs": {v.name: {str(s): str(out_root / v.name / f"seed-{s}") for s in seeds} for v in variants},
-                    "per_seed": {k: {str(s): m for s, m in r.items()} for k, r in results.items()}})
+    summary.update(
+        {
+            "config": config,
+            "variants": {v.name: v.overrides for v in variants},
+            "threads_per_run": threads,
+            "runs": {v.name: {str(s): str(out_root / v.name / f"seed-{s}") for s in seeds} for v in variants},
+            "per_seed": {k: {str(s): m for s, m in r.items()} for k, r in results.items()},
+        }
+    )
     return summary

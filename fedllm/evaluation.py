@@ -20,14 +20,18 @@ from fedllm.parallel import evaluation_engine
 
 
 @torch.no_grad()
-def heldout(model, tokenizer, data: list[TokenizedExample], batch_size: int) -> tuple[float | None, float | None]:
+def heldout(
+    model, tokenizer, data: list[TokenizedExample], batch_size: int
+) -> tuple[float | None, float | None]:
     """Mean response-token loss, and accuracy of the first response token."""
     if not data:
         return None, None
     device = next(model.parameters()).device
     total, tokens, hits = 0.0, 0, 0
     for i in range(0, len(data), batch_size):
-        batch = {k: v.to(device) for k, v in collate(data[i:i + batch_size], tokenizer.pad_token_id).items()}
+        batch = {
+            k: v.to(device) for k, v in collate(data[i : i + batch_size], tokenizer.pad_token_id).items()
+        }
         out = model(**batch)
         n = int((batch["labels"][:, 1:] != -100).sum())
         total += out.loss.item() * n
@@ -39,9 +43,16 @@ def heldout(model, tokenizer, data: list[TokenizedExample], batch_size: int) -> 
     return total / tokens, hits / len(data)
 
 
-def evaluate_global(runtime, global_model: tuple, eval_data: list[TokenizedExample], benchmark: Benchmark | None,
-                    batch_size: int) -> dict[str, Any]:
-    """Held-out loss and the benchmark of the global model (``Server.global_adapter()``) on ``runtime``'s base."""
+def evaluate_global(
+    runtime,
+    global_model: tuple,
+    eval_data: list[TokenizedExample],
+    benchmark: Benchmark | None,
+    batch_size: int,
+) -> dict[str, Any]:
+    """Held-out loss and the benchmark of the global model (``Server.global_adapter()``) on ``runtime``'s
+    base.
+    """
     t0 = time.perf_counter()
     has_adapter = runtime.install_global(*global_model)
     model, layout, acc = runtime.model, runtime.layout, runtime.acc
@@ -51,9 +62,14 @@ def evaluate_global(runtime, global_model: tuple, eval_data: list[TokenizedExamp
     with ctx, evaluation_engine(acc, layout, model, batch_size):
         out["eval_loss"], out["eval_token_acc"] = heldout(model, runtime.tokenizer, eval_data, batch_size)
         if benchmark is not None:
-            result, _ = score_benchmark(model, runtime.tokenizer, benchmark, batch_size=batch_size,
-                                        accelerator=None if lockstep else acc,
-                                        progress=acc.is_main_process and runtime.progress)
+            result, _ = score_benchmark(
+                model,
+                runtime.tokenizer,
+                benchmark,
+                batch_size=batch_size,
+                accelerator=None if lockstep else acc,
+                progress=acc.is_main_process and runtime.progress,
+            )
             out["accuracy"] = result["accuracy"]
             out["accuracy_categories"] = result["categories"]
     out["time_eval_s"] = time.perf_counter() - t0

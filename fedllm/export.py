@@ -32,9 +32,15 @@ class ExportError(RuntimeError):
     """An export cannot be made; says what is missing."""
 
 
-def write_peft_adapter(path: Path, adapter: Adapter, dense: dict[str, torch.Tensor], base_model: str,
-                       target_modules: list[str], modules_to_save: list[str],
-                       biases: dict[str, torch.Tensor] | None = None) -> None:
+def write_peft_adapter(
+    path: Path,
+    adapter: Adapter,
+    dense: dict[str, torch.Tensor],
+    base_model: str,
+    target_modules: list[str],
+    modules_to_save: list[str],
+    biases: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (scale 1: lora_alpha = r).
 
     ``biases`` (FLoRAL's mixed bias adaptors) become peft's ``lora_B`` biases (``lora_bias``).
@@ -52,9 +58,17 @@ def write_peft_adapter(path: Path, adapter: Adapter, dense: dict[str, torch.Tens
             tensors[f"{PEFT_PREFIX}{key}.lora_B.bias"] = biases[key].contiguous()
     for key, t in dense.items():
         tensors[f"{PEFT_PREFIX}{key}"] = t.contiguous()
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=sorted(target_modules), lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model,
-                        modules_to_save=sorted(modules_to_save) or None, lora_bias=bool(biases))
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank,
+        target_modules=sorted(target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+        modules_to_save=sorted(modules_to_save) or None,
+        lora_bias=bool(biases),
+    )
     path.mkdir(parents=True, exist_ok=True)
     save_tensors_atomic(path / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
     atomic_write_text(path / "adapter_config.json", json.dumps(config.to_dict(), indent=2, default=list))
@@ -68,14 +82,23 @@ def base_model_reference(cfg) -> str:
 
 
 def save_global_adapter(server, cfg, path: Path) -> None:
-    """The run's global model (``Server.global_adapter()`` plus everything merged) as a peft adapter folder."""
+    """The run's global model (``Server.global_adapter()`` plus everything merged) as a peft adapter
+    folder.
+    """
     adapter, dense, biases = server.global_adapter()
     adapter = concat(adapter, server.state.residual)
     if not adapter:
         log.warning("no global update to export (no round completed)")
         return
-    write_peft_adapter(path, adapter, dense, base_model_reference(cfg), cfg.lora.target_modules,
-                       cfg.lora.trainable_modules, biases)
+    write_peft_adapter(
+        path,
+        adapter,
+        dense,
+        base_model_reference(cfg),
+        cfg.lora.target_modules,
+        cfg.lora.trainable_modules,
+        biases,
+    )
 
 
 def run_config(run_dir: Path):
@@ -87,8 +110,9 @@ def run_config(run_dir: Path):
     return load_config(path)
 
 
-def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapter, dict[str, torch.Tensor],
-                                                                           dict[str, torch.Tensor]]:
+def adapter_from_run(
+    run_dir: Path, round_idx: int | None = None
+) -> tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Global adapter (+ residual), dense modules and LoRA biases of a run's round (latest if None)."""
     from fedllm import checkpoint as ckpt
     from fedllm.aggregation import STRATEGIES, GlobalState
@@ -103,24 +127,31 @@ def adapter_from_run(run_dir: Path, round_idx: int | None = None) -> tuple[Adapt
     else:
         path = run_dir / "checkpoints" / f"round-{round_idx:04d}"
         if round_idx < 1 or not (path / "meta.json").exists():
-            raise ExportError(f"{run_dir}: no checkpoint for round {round_idx} (kept: rounds {have}; rounds start at "
-                              "1 and only the newest output.keep_checkpoints are kept)")
+            raise ExportError(
+                f"{run_dir}: no checkpoint for round {round_idx} (kept: rounds {have}; rounds start at "
+                "1 and only the newest output.keep_checkpoints are kept)"
+            )
         tensors, meta = ckpt.load_checkpoint(path)
     cfg = run_config(run_dir)
-    state = GlobalState(adapter_from_tensors(tensors, meta["scales"], "global."),
-                        adapter_from_tensors(tensors, meta["scales"], "residual."),
-                        extras={k[len("extra."):]: v for k, v in tensors.items() if k.startswith("extra.")})
+    state = GlobalState(
+        adapter_from_tensors(tensors, meta["scales"], "global."),
+        adapter_from_tensors(tensors, meta["scales"], "residual."),
+        extras={k[len("extra.") :]: v for k, v in tensors.items() if k.startswith("extra.")},
+    )
     strategy = STRATEGIES[meta["strategy"]].from_config(cfg.aggregation)
-    dense = {k[len("dense."):]: v for k, v in tensors.items() if k.startswith("dense.")}
+    dense = {k[len("dense.") :]: v for k, v in tensors.items() if k.startswith("dense.")}
     adapter = concat(strategy.global_adapter(state), state.residual)
     if not adapter:
-        raise ExportError(f"{path}: the run has no global update at round {meta['round']} (every round so far was "
-                          "skipped): nothing to export")
+        raise ExportError(
+            f"{path}: the run has no global update at round {meta['round']} (every round so far was "
+            "skipped): nothing to export"
+        )
     return adapter, dense, strategy.global_biases(state)
 
 
-def personalized_adapter(run_dir: Path, client: int) -> tuple[Adapter, dict[str, torch.Tensor],
-                                                                dict[str, torch.Tensor]]:
+def personalized_adapter(
+    run_dir: Path, client: int
+) -> tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A client's personalized model: the global model plus its algorithm's personalization steps.
 
     The run is rebuilt from its directory (same data split, same seed) and the
@@ -145,20 +176,32 @@ def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
 
     run, target = Path(run_dir).resolve(), Path(out).resolve()
     if target == run or run.is_relative_to(target):
-        raise ExportError(f"--output {out} would replace the run directory {run_dir} itself: choose another folder")
+        raise ExportError(
+            f"--output {out} would replace the run directory {run_dir} itself: choose another folder"
+        )
     if target.is_relative_to(run) and target.relative_to(run).parts[0] in RUN_ENTRIES:
-        raise ExportError(f"--output {out} is inside the run's own files ({target.relative_to(run).parts[0]}): "
-                          "choose another folder")
+        raise ExportError(
+            f"--output {out} is inside the run's own files ({target.relative_to(run).parts[0]}): "
+            "choose another folder"
+        )
     try:
         check_writable_folder(target, "--output")
     except ValueError as e:
         raise ExportError(str(e)) from None
     if target.exists() and any(target.iterdir()) and not overwrite:
-        raise ExportError(f"--output {out} is not empty: pass --overwrite to replace it, or choose another folder")
+        raise ExportError(
+            f"--output {out} is not empty: pass --overwrite to replace it, or choose another folder"
+        )
 
 
-def export_run(run_dir: Path, out: Path, round_idx: int | None = None, merge: bool = False,
-               client: int | None = None, overwrite: bool = False) -> Path:
+def export_run(
+    run_dir: Path,
+    out: Path,
+    round_idx: int | None = None,
+    merge: bool = False,
+    client: int | None = None,
+    overwrite: bool = False,
+) -> Path:
     """``fedllm export``: adapter folder (or merged model) + model card.
 
     Written into a temporary sibling of ``out`` and renamed into place, so a
@@ -168,19 +211,26 @@ def export_run(run_dir: Path, out: Path, round_idx: int | None = None, merge: bo
     check_export_target(run_dir, out, overwrite)
     cfg = run_config(run_dir)
     if client is not None and round_idx is not None:
-        raise ExportError("--client exports a client's personalization of the latest round: leave --round out")
-    adapter, dense, biases = (personalized_adapter(run_dir, client) if client is not None else
-                              adapter_from_run(run_dir, round_idx))
+        raise ExportError(
+            "--client exports a client's personalization of the latest round: leave --round out"
+        )
+    adapter, dense, biases = (
+        personalized_adapter(run_dir, client) if client is not None else adapter_from_run(run_dir, round_idx)
+    )
     if merge and biases:
-        raise ExportError("--merge cannot fold FLoRAL's bias adaptors into a base whose layers have no bias: export "
-                          "the adapter (without --merge)")
+        raise ExportError(
+            "--merge cannot fold FLoRAL's bias adaptors into a base whose layers have no bias: export "
+            "the adapter (without --merge)"
+        )
     base = base_model_reference(cfg)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
     old: Path | None = None
     try:
-        write_peft_adapter(tmp, adapter, dense, base, cfg.lora.target_modules, cfg.lora.trainable_modules, biases)
+        write_peft_adapter(
+            tmp, adapter, dense, base, cfg.lora.target_modules, cfg.lora.trainable_modules, biases
+        )
         if merge:
             merged_dir = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
             _merge(base, tmp, merged_dir, cfg)
@@ -233,10 +283,18 @@ def card_facts(run_dir: Path, cfg, round_idx: int | None) -> dict:
     evals = [r for r in rows if r.get("eval_loss") is not None or r.get("accuracy") is not None]
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
     comm = next((r["cumulative"] for r in reversed(rows) if "cumulative" in r), {})
-    return {"round": upto, "eval_round": last.get("round"), "accuracy_before": first.get("accuracy"),
-            "accuracy": last.get("accuracy"), "loss_before": first.get("eval_loss"), "loss": last.get("eval_loss"),
-            "up_params": comm.get("total_up_params"), "down_params": comm.get("total_down_params"),
-            "up_bytes": comm.get("total_up_bytes"), "down_bytes": comm.get("total_down_bytes")}
+    return {
+        "round": upto,
+        "eval_round": last.get("round"),
+        "accuracy_before": first.get("accuracy"),
+        "accuracy": last.get("accuracy"),
+        "loss_before": first.get("eval_loss"),
+        "loss": last.get("eval_loss"),
+        "up_params": comm.get("total_up_params"),
+        "down_params": comm.get("total_down_params"),
+        "up_bytes": comm.get("total_up_bytes"),
+        "down_bytes": comm.get("total_down_bytes"),
+    }
 
 
 def benchmark_name(source: str) -> str:
@@ -245,8 +303,15 @@ def benchmark_name(source: str) -> str:
     return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
 
 
-def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, client: int | None = None,
-                     round_idx: int | None = None) -> None:
+def write_model_card(
+    folder: Path,
+    run_dir: Path,
+    cfg,
+    base: str,
+    merged: bool,
+    client: int | None = None,
+    round_idx: int | None = None,
+) -> None:
     """README.md with the Hub's metadata and what was exported (the round, its metrics and traffic).
 
     ``base_model`` and ``datasets`` name Hub ids only: a base or data set that
@@ -260,34 +325,53 @@ def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, 
     kind = "merged model" if merged else "LoRA adapter"
     base_id = hub_id(cfg.model.name)
     if base_id is None:
-        log.warning("model card: the base %r is not a Hub id, so base_model is left out of the card", cfg.model.name)
+        log.warning(
+            "model card: the base %r is not a Hub id, so base_model is left out of the card", cfg.model.name
+        )
     data_id = hub_id(HUB_IDS.get(cfg.data.dataset, cfg.data.dataset))
-    meta: dict = {"base_model": base_id, "library_name": "transformers" if merged else "peft",
-                  "license": "apache-2.0", "datasets": [data_id] if data_id else None,
-                  "pipeline_tag": "text-generation",
-                  "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm]}
+    meta: dict = {
+        "base_model": base_id,
+        "library_name": "transformers" if merged else "peft",
+        "license": "apache-2.0",
+        "datasets": [data_id] if data_id else None,
+        "pipeline_tag": "text-generation",
+        "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm],
+    }
     meta = {k: v for k, v in meta.items() if v is not None}
     summary_path = Path(run_dir) / "summary.json"
     source = json.loads(summary_path.read_text()).get("benchmark") if summary_path.exists() else None
     bench = benchmark_name(source) if source else None
     if bench and facts["accuracy"] is not None:
-        meta["model-index"] = [{
-            "name": f"fedllm-{cfg.aggregation.name}-round-{facts['round']}",
-            "results": [{
-                "task": {"type": "multiple-choice", "name": "Multiple-choice question answering"},
-                "dataset": {"type": source, "name": bench},
-                "metrics": [{"type": "accuracy", "value": round(facts["accuracy"], 4),
-                             "name": f"accuracy ({cfg.eval.shots}-shot)"}],
-            }],
-        }]
-    base_text = f"`{base_id}`" if base_id else ("the fedllm built-in base" if cfg.model.name == "builtin" else
-                                                 "a local base model")
+        meta["model-index"] = [
+            {
+                "name": f"fedllm-{cfg.aggregation.name}-round-{facts['round']}",
+                "results": [
+                    {
+                        "task": {"type": "multiple-choice", "name": "Multiple-choice question answering"},
+                        "dataset": {"type": source, "name": bench},
+                        "metrics": [
+                            {
+                                "type": "accuracy",
+                                "value": round(facts["accuracy"], 4),
+                                "name": f"accuracy ({cfg.eval.shots}-shot)",
+                            }
+                        ],
+                    }
+                ],
+            }
+        ]
+    base_text = (
+        f"`{base_id}`"
+        if base_id
+        else ("the fedllm built-in base" if cfg.model.name == "builtin" else "a local base model")
+    )
 
     def num(x, spec=".4f"):
         return "n/a" if x is None else format(x, spec)
 
     body = [
-        f"# fedllm {cfg.aggregation.name} {kind}" + (f" (client {client}, personalized)" if client is not None else ""),
+        f"# fedllm {cfg.aggregation.name} {kind}"
+        + (f" (client {client}, personalized)" if client is not None else ""),
         "",
         f"Federated fine-tuning of {base_text} with **{cfg.aggregation.name}** aggregation and "
         f"**{cfg.client.algorithm}** clients: {cfg.federation.num_clients} clients with LoRA ranks "
@@ -302,16 +386,23 @@ def write_model_card(folder: Path, run_dir: Path, cfg, base: str, merged: bool, 
         f"{num(facts['loss'])} |",
     ]
     if bench:
-        body.append(f"| {bench} accuracy (before round 1 -> round {facts['eval_round']}) | "
-                    f"{num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |")
+        body.append(
+            f"| {bench} accuracy (before round 1 -> round {facts['eval_round']}) | "
+            f"{num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |"
+        )
     body += [
         f"| communication up to round {facts['round']} | up {num(facts['up_params'], ',')} params "
-        f"({num(facts['up_bytes'] and facts['up_bytes'] / 1e6, '.2f')} MB), down {num(facts['down_params'], ',')} "
+        f"({num(facts['up_bytes'] and facts['up_bytes'] / 1e6, '.2f')} MB), "
+        f"down {num(facts['down_params'], ',')} "
         f"params ({num(facts['down_bytes'] and facts['down_bytes'] / 1e6, '.2f')} MB) |",
         "",
-        "Load it with " + ("`AutoModelForCausalLM.from_pretrained(...)`." if merged else
-                           "`peft.AutoPeftModelForCausalLM.from_pretrained(...)` (or `PeftModel.from_pretrained` on "
-                           "the base)."),
+        "Load it with "
+        + (
+            "`AutoModelForCausalLM.from_pretrained(...)`."
+            if merged
+            else "`peft.AutoPeftModelForCausalLM.from_pretrained(...)` (or `PeftModel.from_pretrained` on "
+            "the base)."
+        ),
     ]
     text = "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(body) + "\n"
     atomic_write_text(folder / "README.md", text)
@@ -329,20 +420,32 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                          commit_message="Upload fedllm export")
+        api.upload_folder(
+            folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message="Upload fedllm export"
+        )
     except OfflineModeIsEnabled:
-        raise ExportError(f"--push-to-hub {repo_id}: HF_HUB_OFFLINE=1 is set; the export is in {folder}: push it "
-                          f"later with `hf upload {repo_id} {folder}`") from None
+        raise ExportError(
+            f"--push-to-hub {repo_id}: HF_HUB_OFFLINE=1 is set; the export is in {folder}: push it "
+            f"later with `hf upload {repo_id} {folder}`"
+        ) from None
     except Exception as e:  # HTTP errors, the HTTP client's own network errors, bad ids: all one line here
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"--push-to-hub {repo_id} failed ({first}); the export is in {folder}: push it later with "
-                          f"`hf upload {repo_id} {folder}`") from None
+        raise ExportError(
+            f"--push-to-hub {repo_id} failed ({first}); the export is in {folder}: push it later with "
+            f"`hf upload {repo_id} {folder}`"
+        ) from None
     return repo_id
 
 
-def load_for_eval(model: str | None, adapter: str | None, run: str | None, round_idx: int | None,
-                  client: int | None, dtype: str, device):
+def load_for_eval(
+    model: str | None,
+    adapter: str | None,
+    run: str | None,
+    round_idx: int | None,
+    client: int | None,
+    dtype: str,
+    device,
+):
     """A model for ``fedllm eval``: base, base + adapter, merged folder, or a run's global model.
 
     With ``run`` the base is the run's own (``model.name`` in its config.yaml);
@@ -357,18 +460,33 @@ def load_for_eval(model: str | None, adapter: str | None, run: str | None, round
 
     if run is not None:
         cfg = run_config(Path(run))
-        if model is not None and model != cfg.model.name and \
-                resolve_base(model, cfg) != base_model_reference(cfg):
-            raise ExportError(f"--model {model} is not the base of run {run} ({cfg.model.name!r}, model.name in its "
-                              "config.yaml): leave --model out to evaluate the run on its own base")
-        adapter_, dense, biases = (personalized_adapter(Path(run), client) if client is not None else
-                                   adapter_from_run(Path(run), round_idx))
+        if (
+            model is not None
+            and model != cfg.model.name
+            and resolve_base(model, cfg) != base_model_reference(cfg)
+        ):
+            raise ExportError(
+                f"--model {model} is not the base of run {run} ({cfg.model.name!r}, model.name in its "
+                "config.yaml): leave --model out to evaluate the run on its own base"
+            )
+        adapter_, dense, biases = (
+            personalized_adapter(Path(run), client)
+            if client is not None
+            else adapter_from_run(Path(run), round_idx)
+        )
         model_cfg = cfg.model
         model_cfg.dtype = dtype
         base, tokenizer = load_base(model_cfg, device)
         with tempfile.TemporaryDirectory(prefix="fedllm-eval-") as tmp:
-            write_peft_adapter(Path(tmp), adapter_, dense, base_model_reference(cfg), cfg.lora.target_modules,
-                               cfg.lora.trainable_modules, biases)
+            write_peft_adapter(
+                Path(tmp),
+                adapter_,
+                dense,
+                base_model_reference(cfg),
+                cfg.lora.target_modules,
+                cfg.lora.trainable_modules,
+                biases,
+            )
             base = PeftModel.from_pretrained(base, tmp).to(device)
         return base.eval(), tokenizer
     if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():
@@ -383,8 +501,13 @@ def resolve_base(model: str, cfg) -> str:
     """What ``--model`` names, resolved the way the run's base was (the built-in base by its cache path)."""
     from fedllm.modeling import resolve_model_path
 
-    return resolve_model_path(model, cfg.model.builtin_pretrain_steps) if model == "builtin" else \
-        str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
+    return (
+        resolve_model_path(model, cfg.model.builtin_pretrain_steps)
+        if model == "builtin"
+        else str(Path(model).expanduser().resolve())
+        if Path(model).expanduser().exists()
+        else model
+    )
 
 
 __all__ = ["export_run", "load_for_eval", "push_to_hub", "save_global_adapter", "write_peft_adapter"]

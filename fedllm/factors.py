@@ -50,7 +50,9 @@ class LoraFactors:
         return self.A.numel() + self.B.numel()
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> LoraFactors:
-        return LoraFactors(self.A.to(device=device, dtype=dtype), self.B.to(device=device, dtype=dtype), self.scale)
+        return LoraFactors(
+            self.A.to(device=device, dtype=dtype), self.B.to(device=device, dtype=dtype), self.scale
+        )
 
 
 Adapter = dict[str, LoraFactors]
@@ -63,7 +65,7 @@ def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
 
 def module_key(peft_name: str) -> str:
     """peft's module name without its wrapper prefix, i.e. the base model's name."""
-    return peft_name[len(PEFT_PREFIX):] if peft_name.startswith(PEFT_PREFIX) else peft_name
+    return peft_name[len(PEFT_PREFIX) :] if peft_name.startswith(PEFT_PREFIX) else peft_name
 
 
 def lora_modules(model, adapter: str) -> dict[str, torch.nn.Module]:
@@ -96,7 +98,9 @@ def write_factors(model, adapter: str, factors: Adapter) -> None:
     modules = lora_modules(model, adapter)
     missing = sorted(set(modules) - set(factors))
     if missing:
-        raise KeyError(f"no factors for {len(missing)} LoRA module(s) of adapter {adapter!r}, e.g. {missing[0]}")
+        raise KeyError(
+            f"no factors for {len(missing)} LoRA module(s) of adapter {adapter!r}, e.g. {missing[0]}"
+        )
     with torch.no_grad():
         for name, module in modules.items():
             f = factors[name].with_scale(float(module.scaling[adapter]))
@@ -165,7 +169,9 @@ def concat(*adapters: Adapter) -> Adapter:
         for name, f in adapter.items():
             g = f.folded()
             if name in out:
-                out[name] = LoraFactors(torch.cat([out[name].A, g.A]), torch.cat([out[name].B, g.B], dim=1), 1.0)
+                out[name] = LoraFactors(
+                    torch.cat([out[name].A, g.A]), torch.cat([out[name].B, g.B], dim=1), 1.0
+                )
             else:
                 out[name] = g
     return out
@@ -190,6 +196,6 @@ def adapter_from_tensors(tensors: dict[str, Tensor], scales: dict[str, float], p
     out = {}
     for name, scale in scales.items():
         if name.startswith(prefix):
-            key = name[len(prefix):]
+            key = name[len(prefix) :]
             out[key] = LoraFactors(tensors[f"{name}.A"], tensors[f"{name}.B"], float(scale))
     return out

@@ -7,8 +7,19 @@ import os
 import sys
 
 # third-party loggers whose warnings say nothing a fedllm user can act on (shown with --log-level DEBUG)
-QUIET_LOGGERS = ("bitsandbytes", "httpx", "urllib3", "filelock", "accelerate", "torch.distributed", "DeepSpeed",
-                 "transformers", "peft", "datasets", "huggingface_hub")
+QUIET_LOGGERS = (
+    "bitsandbytes",
+    "httpx",
+    "urllib3",
+    "filelock",
+    "accelerate",
+    "torch.distributed",
+    "DeepSpeed",
+    "transformers",
+    "peft",
+    "datasets",
+    "huggingface_hub",
+)
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -25,8 +36,11 @@ def setup_logging(level: str = "INFO") -> None:
     rank = os.environ.get("RANK", "0")
     if rank != "0" and getattr(logging, level) < logging.WARNING:
         level = "WARNING"
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else \
-        f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s"
+    fmt = (
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        if rank == "0"
+        else f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s"
+    )
     logging.basicConfig(level=getattr(logging, level), format=fmt, datefmt="%H:%M:%S")
     if level == "DEBUG":
         return

@@ -60,16 +60,25 @@ def router_probs(logits: Tensor, temperature: float) -> Tensor:
 class MixtureSession:
     """Hooks that turn a client's rank C*r adapter into its router-weighted mixture (see module docstring)."""
 
-    def __init__(self, model, adapter: str, spec: MixtureSpec, router: dict[str, Tensor] | None,
-                 biases: dict[str, Tensor] | None = None):
+    def __init__(
+        self,
+        model,
+        adapter: str,
+        spec: MixtureSpec,
+        router: dict[str, Tensor] | None,
+        biases: dict[str, Tensor] | None = None,
+    ):
         self.spec = spec
         self.modules = lora_modules(model, adapter)
         self.adapter = adapter
         groups = sorted({router_group(k, spec.per_layer) for k in self.modules})
         device = next(iter(self.modules.values())).lora_A[adapter].weight.device
         self.logits = {
-            g: torch.nn.Parameter((router[g].clone() if router and g in router else torch.zeros(spec.num_adaptors))
-                                  .to(device, torch.float32))
+            g: torch.nn.Parameter(
+                (router[g].clone() if router and g in router else torch.zeros(spec.num_adaptors)).to(
+                    device, torch.float32
+                )
+            )
             for g in groups
         }
         # bias adaptors travel as their effective value s * b (s: the layer's LoRA scale), like folded factors
@@ -77,15 +86,20 @@ class MixtureSession:
         if spec.bias:
             for key, m in self.modules.items():
                 start = biases.get(key) if biases else None
-                value = start / self._scales[key] if start is not None else torch.zeros(spec.num_adaptors,
-                                                                                        m.out_features)
+                value = (
+                    start / self._scales[key]
+                    if start is not None
+                    else torch.zeros(spec.num_adaptors, m.out_features)
+                )
                 self.biases[key] = torch.nn.Parameter(value.to(device, torch.float32))
         self._handles = []
         for key, module in self.modules.items():
             group = router_group(key, spec.per_layer)
             self._handles.append(module.lora_A[adapter].register_forward_hook(self._scale_hook(group)))
             if spec.bias:
-                self._handles.append(module.lora_B[adapter].register_forward_hook(self._bias_hook(group, key)))
+                self._handles.append(
+                    module.lora_B[adapter].register_forward_hook(self._bias_hook(group, key))
+                )
             if spec.precondition_eps > 0:
                 self._handles += self._precondition(module)
 
@@ -116,17 +130,21 @@ class MixtureSession:
         def grad_a(g: Tensor) -> Tensor:
             out = g.clone()
             for i in range(c):
-                b = wb.detach()[:, i * r:(i + 1) * r].float()
+                b = wb.detach()[:, i * r : (i + 1) * r].float()
                 eye = torch.eye(r, device=g.device)
-                out[i * r:(i + 1) * r] = torch.linalg.solve(b.T @ b + eps * eye, g[i * r:(i + 1) * r].float())
+                out[i * r : (i + 1) * r] = torch.linalg.solve(
+                    b.T @ b + eps * eye, g[i * r : (i + 1) * r].float()
+                )
             return out
 
         def grad_b(g: Tensor) -> Tensor:
             out = g.clone()
             for i in range(c):
-                a = wa.detach()[i * r:(i + 1) * r].float()
+                a = wa.detach()[i * r : (i + 1) * r].float()
                 eye = torch.eye(r, device=g.device)
-                out[:, i * r:(i + 1) * r] = torch.linalg.solve(a @ a.T + eps * eye, g[:, i * r:(i + 1) * r].float().T).T
+                out[:, i * r : (i + 1) * r] = torch.linalg.solve(
+                    a @ a.T + eps * eye, g[:, i * r : (i + 1) * r].float().T
+                ).T
             return out
 
         return [wa.register_hook(grad_a), wb.register_hook(grad_b)]
@@ -142,11 +160,17 @@ class MixtureSession:
     def module_probs(self) -> dict[str, Tensor]:
         """Each target module's router probabilities (noise-free): what the server weights its adaptors by."""
         with torch.no_grad():
-            return {key: router_probs(self.logits[router_group(key, self.spec.per_layer)], self.spec.temperature)
-                    .detach().cpu() for key in self.modules}
+            return {
+                key: router_probs(self.logits[router_group(key, self.spec.per_layer)], self.spec.temperature)
+                .detach()
+                .cpu()
+                for key in self.modules
+            }
 
     def upload(self) -> dict[str, Tensor]:
-        """What the server receives besides the factors: per-module router probabilities, and the bias adaptors."""
+        """What the server receives besides the factors: per-module router probabilities, and the bias
+        adaptors.
+        """
         out = {f"router_probs.{k}": p for k, p in self.module_probs().items()}
         out.update({f"bias.{k}": self._scales[k] * b.detach().cpu() for k, b in self.biases.items()})
         return out
@@ -155,7 +179,9 @@ class MixtureSession:
         return {g: p.detach().cpu().clone() for g, p in self.logits.items()}
 
     def bake(self, factors: Adapter) -> tuple[Adapter, dict[str, Tensor]]:
-        """A plain LoRA with this mixture's forward: the router folded into B (and into one bias per module)."""
+        """A plain LoRA with this mixture's forward: the router folded into B (and into one bias per
+        module).
+        """
         probs = self.module_probs()
         out, biases = {}, {}
         for key, f in factors.items():

@@ -44,10 +44,14 @@ def check_model_reference(name: str) -> None:
     """Fail fast on a model that cannot be reached (offline Hub id, missing local path)."""
     if name == "builtin":
         return
-    looks_local = name.startswith((".", "/", "~")) or (os.sep in name and Path(name).expanduser().parent.exists())
+    looks_local = name.startswith((".", "/", "~")) or (
+        os.sep in name and Path(name).expanduser().parent.exists()
+    )
     if Path(name).expanduser().exists():
         if not (Path(name).expanduser() / "config.json").exists():
-            raise ModelError(f"model.name: local folder {name} has no config.json (expected a saved model folder)")
+            raise ModelError(
+                f"model.name: local folder {name} has no config.json (expected a saved model folder)"
+            )
         return
     if looks_local:
         raise ModelError(f"model.name: local path {name} does not exist")
@@ -85,7 +89,9 @@ def quantization_config(mode: str, compute_dtype: torch.dtype):
 
     if mode == "4bit":
         return BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype,
         )
     return BitsAndBytesConfig(load_in_8bit=True)
@@ -117,7 +123,9 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
         select_cpu_4bit_kernel(model, model_cfg.quant_cpu_kernel)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise ModelError(f"tokenizer of {model_cfg.name!r} has neither a pad nor an eos token; add a pad token")
+            raise ModelError(
+                f"tokenizer of {model_cfg.name!r} has neither a pad nor an eos token; add a pad token"
+            )
         tokenizer.pad_token = tokenizer.eos_token
         log.info("tokenizer has no pad token: using eos (%r) for padding", tokenizer.eos_token)
     if model_cfg.gradient_checkpointing:
@@ -147,8 +155,10 @@ def packed_kernel_problems(model) -> list[str]:
         out_f, in_f = m.out_features, m.in_features
         block = m.weight.quant_state.blocksize if m.weight.quant_state is not None else 64
         if out_f % PACKED_BLOCK_N or in_f % block:
-            problems.append(f"{name} ({out_f} x {in_f}, out x in): needs out_features % {PACKED_BLOCK_N} == 0 "
-                            f"and in_features % {block} == 0")
+            problems.append(
+                f"{name} ({out_f} x {in_f}, out x in): needs out_features % {PACKED_BLOCK_N} == 0 "
+                f"and in_features % {block} == 0"
+            )
     return problems
 
 
@@ -169,12 +179,16 @@ def select_cpu_4bit_kernel(model, kernel: str) -> str:
     layers = _linear4bit_layers(model)
     if kernel == "packed":
         if not has_avx512bf16():
-            raise ModelError("model.quant_cpu_kernel = packed needs a CPU with AVX512-BF16 (this one has none): "
-                             "use model.quant_cpu_kernel=dequant")
+            raise ModelError(
+                "model.quant_cpu_kernel = packed needs a CPU with AVX512-BF16 (this one has none): "
+                "use model.quant_cpu_kernel=dequant"
+            )
         problems = packed_kernel_problems(model)
         if problems:
-            raise ModelError(f"model.quant_cpu_kernel = packed: bitsandbytes' AVX512-BF16 4-bit kernel cannot take "
-                             f"{len(problems)} layer(s), e.g. {problems[0]}; use model.quant_cpu_kernel=dequant")
+            raise ModelError(
+                f"model.quant_cpu_kernel = packed: bitsandbytes' AVX512-BF16 4-bit kernel cannot take "
+                f"{len(problems)} layer(s), e.g. {problems[0]}; use model.quant_cpu_kernel=dequant"
+            )
         for m in layers.values():
             m.fedllm_dequant = (m.weight.data, copy.deepcopy(m.weight.quant_state))
     for m in layers.values():
@@ -295,8 +309,14 @@ def adapter_params(peft_model, name: str) -> dict[str, torch.nn.Parameter]:
     return params
 
 
-def install_adapter(peft_model, name: str, factors: Adapter, lora_cfg, dropout: float | None = None,
-                    biases: dict[str, torch.Tensor] | None = None) -> None:
+def install_adapter(
+    peft_model,
+    name: str,
+    factors: Adapter,
+    lora_cfg,
+    dropout: float | None = None,
+    biases: dict[str, torch.Tensor] | None = None,
+) -> None:
     """(Re)create adapter ``name`` with the rank of ``factors`` (zero-padded) and load them.
 
     Used for the global model and personalized models, whose rank is not a

@@ -103,8 +103,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-
-
 def apply_settings(cfg: Config, settings: dict[str, Any]) -> None:
     """Set every dotted key of ``settings`` on ``cfg`` (type-checked; unknown keys refused)."""
     for key, value in settings.items():

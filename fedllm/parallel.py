@@ -69,7 +69,7 @@ class Layout:
         """Clients this process trains: a strided share, or all of them in data mode."""
         if self.mode == "data":
             return list(clients)
-        return clients[self.process_index:: self.num_processes]
+        return clients[self.process_index :: self.num_processes]
 
     def split_batches(self, batches: Iterator[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
         """This process's rows of every batch, with the loss normalized by the batch's global token count.
@@ -81,7 +81,7 @@ class Layout:
         n = self.num_processes
         for batch in batches:
             tokens = int((batch["labels"][:, 1:] != -100).sum())
-            share = {k: v[self.process_index:: n] for k, v in batch.items()}
+            share = {k: v[self.process_index :: n] for k, v in batch.items()}
             share["num_items_in_batch"] = torch.tensor(max(tokens, 1) / n)
             yield share
 
@@ -95,35 +95,51 @@ def resolve_layout(mode: str, accelerator, cfg) -> Layout:
     if mode == "auto":
         mode = "data" if ds else "clients"
     if ds and mode == "clients":
-        raise ConfigError("federation.parallel = clients cannot run under DeepSpeed (it shards one model over all "
-                          "processes): use federation.parallel=data, or launch without a DeepSpeed config")
+        raise ConfigError(
+            "federation.parallel = clients cannot run under DeepSpeed (it shards one model over all "
+            "processes): use federation.parallel=data, or launch without a DeepSpeed config"
+        )
     layout = Layout(mode, accelerator.process_index, accelerator.num_processes, ds, stage)
     if layout.data_parallel:
         n = layout.num_processes
         if cfg.client.batch_size % n:
-            raise ConfigError(f"client.batch_size = {cfg.client.batch_size} must be a multiple of the {n} processes "
-                              "with federation.parallel=data (each process takes an equal share of every batch)")
+            raise ConfigError(
+                f"client.batch_size = {cfg.client.batch_size} must be a multiple of the {n} processes "
+                "with federation.parallel=data (each process takes an equal share of every batch)"
+            )
         if cfg.aggregation.name == "floral":
-            raise ConfigError("aggregation.name = floral is not supported with federation.parallel=data: its "
-                              "router parameters live outside the model; use federation.parallel=clients")
+            raise ConfigError(
+                "aggregation.name = floral is not supported with federation.parallel=data: its "
+                "router parameters live outside the model; use federation.parallel=clients"
+            )
     precision = str(getattr(accelerator, "mixed_precision", "no"))
     if precision == "fp16" and not ds:
-        raise ConfigError("mixed precision fp16 needs loss scaling, which fedllm's client loops leave to DeepSpeed: "
-                          "use bf16 (or no) in the accelerate config, or fp16 under a DeepSpeed config")
+        raise ConfigError(
+            "mixed precision fp16 needs loss scaling, which fedllm's client loops leave to DeepSpeed: "
+            "use bf16 (or no) in the accelerate config, or fp16 under a DeepSpeed config"
+        )
     if ds:
         if cfg.client.algorithm != "sft":
-            raise ConfigError(f"client.algorithm = {cfg.client.algorithm} changes gradients between backward and "
-                              "step, which a DeepSpeed engine does in one call: use client.algorithm=sft under "
-                              "DeepSpeed, or a plain multi-GPU launch")
+            raise ConfigError(
+                f"client.algorithm = {cfg.client.algorithm} changes gradients between backward and "
+                "step, which a DeepSpeed engine does in one call: use client.algorithm=sft under "
+                "DeepSpeed, or a plain multi-GPU launch"
+            )
         if cfg.client.grad_accum != 1:
-            raise ConfigError("client.grad_accum must be 1 under DeepSpeed (the engine accumulates by itself): "
-                              "raise client.batch_size instead")
+            raise ConfigError(
+                "client.grad_accum must be 1 under DeepSpeed (the engine accumulates by itself): "
+                "raise client.batch_size instead"
+            )
         if cfg.model.quantization != "none" and stage == 3:
-            raise ConfigError("model.quantization cannot be combined with DeepSpeed ZeRO-3: use ZeRO-2, or a "
-                              "full-precision base")
+            raise ConfigError(
+                "model.quantization cannot be combined with DeepSpeed ZeRO-3: use ZeRO-2, or a "
+                "full-precision base"
+            )
         if stage == 3 and cfg.eval.personalized:
-            raise ConfigError("eval.personalized must be false under DeepSpeed ZeRO-3 (every process must run the "
-                              "same forward passes): set eval.personalized=false")
+            raise ConfigError(
+                "eval.personalized must be false under DeepSpeed ZeRO-3 (every process must run the "
+                "same forward passes): set eval.personalized=false"
+            )
     return layout
 
 
@@ -137,8 +153,9 @@ def _deepspeed_batch(accelerator, micro_batch: int) -> dict:
 
 
 @contextlib.contextmanager
-def wrapped_for_training(accelerator, layout: Layout | None, model, optimizer, max_grad_norm: float,
-                         batch_size: int):
+def wrapped_for_training(
+    accelerator, layout: Layout | None, model, optimizer, max_grad_norm: float, batch_size: int
+):
     """``(model, optimizer)`` prepared by accelerate for one client's local training.
 
     The learning-rate scheduler stays the caller's, bound to the optimizer's
@@ -163,7 +180,9 @@ def wrapped_for_training(accelerator, layout: Layout | None, model, optimizer, m
 
 @contextlib.contextmanager
 def evaluation_engine(accelerator, layout: Layout | None, model, micro_batch: int):
-    """ZeRO-3 only: a DeepSpeed engine around ``model`` so that its sharded weights are gathered in forward."""
+    """ZeRO-3 only: a DeepSpeed engine around ``model`` so that its sharded weights are gathered in
+    forward.
+    """
     if layout is None or layout.zero_stage != 3:
         yield
         return

@@ -35,8 +35,15 @@ def load_partitions(cfg) -> Partitions:
     n_eval = min(d.eval_size, len(examples) // 5)
     eval_examples = [examples[i] for i in order[:n_eval]]
     pool = [examples[i] for i in order[n_eval:]]
-    parts = partition(pool, d.partition, cfg.federation.num_clients, seed, d.dirichlet_alpha, d.shards_per_client,
-                      d.min_examples_per_client)
+    parts = partition(
+        pool,
+        d.partition,
+        cfg.federation.num_clients,
+        seed,
+        d.dirichlet_alpha,
+        d.shards_per_client,
+        d.min_examples_per_client,
+    )
     clients, tests = [], []
     for k, idx in enumerate(parts):
         idx = list(idx)
@@ -52,21 +59,29 @@ def load_partitions(cfg) -> Partitions:
 
 
 def prompt_template(cfg) -> str:
-    return cfg.data.template if cfg.data.template != "auto" else ("plain" if cfg.data.dataset == "builtin" else
-                                                                  "alpaca")
+    return (
+        cfg.data.template
+        if cfg.data.template != "auto"
+        else ("plain" if cfg.data.dataset == "builtin" else "alpaca")
+    )
 
 
 def max_seq_len(cfg, context: int | None) -> int:
-    """``data.max_seq_len`` (default: the model's context, at most 512), refused when longer than the context."""
+    """``data.max_seq_len`` (default: the model's context, at most 512), refused when longer than the
+    context.
+    """
     max_len = cfg.data.max_seq_len or min(512, context or 512)
     if context is not None and max_len > context:
-        raise ValueError(f"data.max_seq_len = {max_len} exceeds the model's context length {context}: lower "
-                         "data.max_seq_len")
+        raise ValueError(
+            f"data.max_seq_len = {max_len} exceeds the model's context length {context}: lower "
+            "data.max_seq_len"
+        )
     return max_len
 
 
-def tokenize_client(examples: list[Example], n_test: int, tokenizer, template: str, max_len: int, client_id: int
-                    ) -> tuple[list[TokenizedExample], list[TokenizedExample]]:
+def tokenize_client(
+    examples: list[Example], n_test: int, tokenizer, template: str, max_len: int, client_id: int
+) -> tuple[list[TokenizedExample], list[TokenizedExample]]:
     """A client's (train, test) token sequences; refuses a client left with no training example."""
     train = tokenize_examples(examples[n_test:], tokenizer, template, max_len)
     test = tokenize_examples(examples[:n_test], tokenizer, template, max_len)

@@ -51,8 +51,13 @@ class ClientStart:
 
     def numel(self) -> int:
         """Parameters this download carries (the communication ledger counts these)."""
-        return ((adapter_numel(self.factors) if self.factors else 0) + sum(adapter_numel(m) for _, m in self.merges)
-                + _numel(self.dense) + _numel(self.extras) + _numel(self.algo))
+        return (
+            (adapter_numel(self.factors) if self.factors else 0)
+            + sum(adapter_numel(m) for _, m in self.merges)
+            + _numel(self.dense)
+            + _numel(self.extras)
+            + _numel(self.algo)
+        )
 
 
 @dataclass
@@ -116,12 +121,13 @@ class AlgorithmServer:
 
 # ---- messages as flat tensors + JSON metadata (Flower's ArrayRecord / ConfigRecord, or any transport) ----
 
+
 def _flat(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return {f"{prefix}{k}": v.detach().contiguous() for k, v in tensors.items()}
 
 
 def _part(tensors: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
@@ -132,16 +138,24 @@ def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
         scales.update(s)
     for prefix, part in (("dense.", start.dense), ("extras.", start.extras), ("algo.", start.algo)):
         tensors.update(_flat(prefix, part))
-    return tensors, {"round": start.round, "scales": scales, "has_factors": start.factors is not None,
-                     "merge_rounds": [r for r, _ in start.merges]}
+    return tensors, {
+        "round": start.round,
+        "scales": scales,
+        "has_factors": start.factors is not None,
+        "merge_rounds": [r for r, _ in start.merges],
+    }
 
 
 def decode_start(tensors: dict[str, Tensor], meta: dict) -> ClientStart:
     scales = meta["scales"]
-    return ClientStart(meta["round"], adapter_from_tensors(tensors, scales, "factors.") if meta["has_factors"]
-                       else None, [(r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in
-                                   meta["merge_rounds"]], _part(tensors, "dense."), _part(tensors, "extras."),
-                       _part(tensors, "algo."))
+    return ClientStart(
+        meta["round"],
+        adapter_from_tensors(tensors, scales, "factors.") if meta["has_factors"] else None,
+        [(r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in meta["merge_rounds"]],
+        _part(tensors, "dense."),
+        _part(tensors, "extras."),
+        _part(tensors, "algo."),
+    )
 
 
 def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict]:
@@ -151,12 +165,22 @@ def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict]:
     scales.update(s)
     tensors.update(_flat("dense.", update.dense))
     tensors.update(_flat("extras.", update.extras))
-    return tensors, {"client_id": update.client_id, "num_examples": update.num_examples, "scales": scales,
-                     "metrics": update.metrics}
+    return tensors, {
+        "client_id": update.client_id,
+        "num_examples": update.num_examples,
+        "scales": scales,
+        "metrics": update.metrics,
+    }
 
 
 def decode_update(tensors: dict[str, Tensor], meta: dict) -> ClientUpdate:
     scales = meta["scales"]
-    return ClientUpdate(meta["client_id"], meta["num_examples"], adapter_from_tensors(tensors, scales, "factors."),
-                        _part(tensors, "dense."), _part(tensors, "extras."), dict(meta["metrics"]),
-                        adapter_from_tensors(tensors, scales, "start."))
+    return ClientUpdate(
+        meta["client_id"],
+        meta["num_examples"],
+        adapter_from_tensors(tensors, scales, "factors."),
+        _part(tensors, "dense."),
+        _part(tensors, "extras."),
+        dict(meta["metrics"]),
+        adapter_from_tensors(tensors, scales, "start."),
+    )

@@ -24,7 +24,9 @@ from fedllm.checkpoint import atomic_write_text, read_jsonl
 def load_run(run_dir: Path) -> dict:
     rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
     if not rows:
-        raise ValueError(f"{run_dir}: no metrics.jsonl rows (not a fedllm run directory, or no round finished)")
+        raise ValueError(
+            f"{run_dir}: no metrics.jsonl rows (not a fedllm run directory, or no round finished)"
+        )
     summary_path = Path(run_dir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     config_path = Path(run_dir) / "config.yaml"
@@ -73,12 +75,30 @@ def group_runs(runs: list[dict]) -> list[dict]:
     for members in groups.values():
         parents = {Path(m["dir"]).resolve().parent.name for m in members}
         name = parents.pop() if len(members) > 1 and len(parents) == 1 else members[0]["name"]
-        out.append({"name": name, "strategy": members[0]["strategy"], "benchmark": members[0]["benchmark"],
-                    "runs": [m["dir"] for m in members], "seeds": [m["seed"] for m in members],
-                    **{k: _stats([m[k] for m in members]) for k in
-                       ("final_accuracy", "best_accuracy", "final_loss", "up_bytes", "down_bytes", "wall_s")},
-                    **{k: _curve([m[k] for m in members]) for k in
-                       ("accuracy_by_round", "accuracy_by_comm", "loss_by_round")}})
+        out.append(
+            {
+                "name": name,
+                "strategy": members[0]["strategy"],
+                "benchmark": members[0]["benchmark"],
+                "runs": [m["dir"] for m in members],
+                "seeds": [m["seed"] for m in members],
+                **{
+                    k: _stats([m[k] for m in members])
+                    for k in (
+                        "final_accuracy",
+                        "best_accuracy",
+                        "final_loss",
+                        "up_bytes",
+                        "down_bytes",
+                        "wall_s",
+                    )
+                },
+                **{
+                    k: _curve([m[k] for m in members])
+                    for k in ("accuracy_by_round", "accuracy_by_comm", "loss_by_round")
+                },
+            }
+        )
     return out
 
 
@@ -86,7 +106,11 @@ def _stats(values: list) -> dict | None:
     vals = [v for v in values if v is not None]
     if not vals:
         return None
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+    return {
+        "mean": statistics.fmean(vals),
+        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+        "n": len(vals),
+    }
 
 
 def _curve(curves: list[list]) -> list[tuple[float, float, float]]:
@@ -107,8 +131,10 @@ def _fmt(s: dict | None, spec: str, scale: float = 1.0) -> str:
 
 
 def table(groups: list[dict]) -> str:
-    head = (f"{'run (seeds)':<26} {'strategy':<9} {'benchmark':<10} {'final acc':>15} {'best acc':>15} "
-            f"{'loss':>15} {'up MB':>9} {'down MB':>9} {'wall s':>8}")
+    head = (
+        f"{'run (seeds)':<26} {'strategy':<9} {'benchmark':<10} {'final acc':>15} {'best acc':>15} "
+        f"{'loss':>15} {'up MB':>9} {'down MB':>9} {'wall s':>8}"
+    )
     lines = [head, "-" * len(head)]
     for g in groups:
         label = g["name"] + (f" ({len(g['runs'])})" if len(g["runs"]) > 1 else "")
@@ -126,8 +152,12 @@ def table(groups: list[dict]) -> str:
 
 PLOTS = (
     ("accuracy_by_round", "round", "benchmark accuracy", "accuracy_vs_round.png"),
-    ("accuracy_by_comm", "cumulative communication (bytes, up + down)", "benchmark accuracy",
-     "accuracy_vs_communication.png"),
+    (
+        "accuracy_by_comm",
+        "cumulative communication (bytes, up + down)",
+        "benchmark accuracy",
+        "accuracy_vs_communication.png",
+    ),
     ("loss_by_round", "round", "held-out loss", "loss_vs_round.png"),
 )
 
@@ -148,13 +178,21 @@ def plot(groups: list[dict], out_dir: Path) -> list[Path]:
                 continue
             xs, ys, sd = zip(*g[key], strict=True)
             n = len(g["runs"])
-            line, = ax.plot(xs, ys, marker="o", label=f"{g['name']} ({g['strategy']})" + (f", {n} seeds" if n > 1
-                                                                                          else ""))
+            (line,) = ax.plot(
+                xs, ys, marker="o", label=f"{g['name']} ({g['strategy']})" + (f", {n} seeds" if n > 1 else "")
+            )
             if n > 1:
-                ax.fill_between(xs, [y - s for y, s in zip(ys, sd, strict=True)],
-                                [y + s for y, s in zip(ys, sd, strict=True)], color=line.get_color(), alpha=0.2)
+                ax.fill_between(
+                    xs,
+                    [y - s for y, s in zip(ys, sd, strict=True)],
+                    [y + s for y, s in zip(ys, sd, strict=True)],
+                    color=line.get_color(),
+                    alpha=0.2,
+                )
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel + (" (mean ± std over seeds)" if any(len(g["runs"]) > 1 for g in groups) else ""))
+        ax.set_ylabel(
+            ylabel + (" (mean ± std over seeds)" if any(len(g["runs"]) > 1 for g in groups) else "")
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -174,6 +212,8 @@ def report(run_dirs: list[Path], out_dir: Path | None = None) -> str:
     paths = plot(groups, out)
     for r in runs:
         r.pop("config")
-    atomic_write_text(out / "report.json", json.dumps({"groups": groups, "runs": runs,
-                                                       "plots": [str(p) for p in paths]}, indent=1))
+    atomic_write_text(
+        out / "report.json",
+        json.dumps({"groups": groups, "runs": runs, "plots": [str(p) for p in paths]}, indent=1),
+    )
     return table(groups) + "\n\nplots: " + ", ".join(str(p) for p in paths)

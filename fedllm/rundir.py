@@ -27,9 +27,23 @@ log = logging.getLogger(__name__)
 
 LOCK = ".lock"
 # what a run writes at the top of its folder (export refuses to write over these)
-RUN_ENTRIES = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json", "checkpoints", "global_adapter", LOCK)
+RUN_ENTRIES = (
+    "config.yaml",
+    "partition.json",
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoints",
+    "global_adapter",
+    LOCK,
+)
 # keys a resume may change: they do not alter what the clients train (rounds: only more of them)
-RESUMABLE_CHANGES = ("federation.rounds", "federation.client_timeout_s", "federation.parallel", "eval.", "output.")
+RESUMABLE_CHANGES = (
+    "federation.rounds",
+    "federation.client_timeout_s",
+    "federation.parallel",
+    "eval.",
+    "output.",
+)
 
 
 class RunDirError(ValueError):
@@ -96,23 +110,29 @@ def check_resume(run_dir: Path, stored, given) -> bool:
     changes = config_changes(stored, given)
     refused = refused_changes(changes, done)
     if refused:
-        raise RunDirError(f"cannot continue {run_dir} with a changed config ({'; '.join(refused)}): these change "
-                          "what the clients train (data, partition, clients, ranks, modules, strategy, algorithm, "
-                          "seed, ...). Start a new run instead; a resume may only add rounds or change eval.*, "
-                          "output.*, federation.parallel and federation.client_timeout_s")
+        raise RunDirError(
+            f"cannot continue {run_dir} with a changed config ({'; '.join(refused)}): these change "
+            "what the clients train (data, partition, clients, ranks, modules, strategy, algorithm, "
+            "seed, ...). Start a new run instead; a resume may only add rounds or change eval.*, "
+            "output.*, federation.parallel and federation.client_timeout_s"
+        )
     return bool(changes)
 
 
 def check_new_run(run_dir: Path, cfg, overwrite: bool) -> str:
-    """What ``fedllm run --output-dir`` should do with ``run_dir``: 'new', 'continue', 'done' or 'overwrite'."""
+    """What ``fedllm run --output-dir`` should do with ``run_dir``: 'new', 'continue', 'done' or
+    'overwrite'.
+    """
     from fedllm.config import load_config
 
     check_writable_folder(run_dir, "--output-dir")
     if not run_dir.exists() or all(_owned(p) for p in run_dir.iterdir()):
         return "new"
     if not is_run_dir(run_dir):
-        raise RunDirError(f"--output-dir {run_dir} is not empty and holds no fedllm run: choose a new or empty folder "
-                          "(--overwrite only ever replaces a previous fedllm run)")
+        raise RunDirError(
+            f"--output-dir {run_dir} is not empty and holds no fedllm run: choose a new or empty folder "
+            "(--overwrite only ever replaces a previous fedllm run)"
+        )
     if overwrite:
         return "overwrite"
     stored = load_config(run_dir / "config.yaml")
@@ -120,8 +140,10 @@ def check_new_run(run_dir: Path, cfg, overwrite: bool) -> str:
     done = rounds_done(run_dir)
     if changes:
         diff = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in list(changes.items())[:6])
-        raise RunDirError(f"--output-dir {run_dir} already holds another run ({done} of {stored.federation.rounds} "
-                          f"rounds; config differs: {diff}). Choose a new folder, or pass --overwrite to replace it")
+        raise RunDirError(
+            f"--output-dir {run_dir} already holds another run ({done} of {stored.federation.rounds} "
+            f"rounds; config differs: {diff}). Choose a new folder, or pass --overwrite to replace it"
+        )
     if done >= cfg.federation.rounds and (run_dir / "summary.json").exists():
         return "done"
     return "continue"
@@ -172,7 +194,9 @@ class RunLock:
                 json.dump(self._mine(), fh)
             self.held = True
             return self
-        raise RunDirError(f"{self.path.parent} is being taken by another fedllm process at the same time; try again")
+        raise RunDirError(
+            f"{self.path.parent} is being taken by another fedllm process at the same time; try again"
+        )
 
     def _check_holder(self) -> None:
         """Refuse if a live process holds the lock; remove a stale lock."""
@@ -182,9 +206,11 @@ class RunLock:
             holder = {}
         pid, host = holder.get("pid"), holder.get("host")
         if isinstance(pid, int) and (host != socket.gethostname() or _alive(pid)):
-            raise RunDirError(f"{self.path.parent} is in use by another fedllm process (pid {pid} on {host}, since "
-                              f"{holder.get('since')}): wait for it to finish or stop it (a lock left by a process "
-                              f"that no longer runs on another host is {self.path}: delete it by hand)")
+            raise RunDirError(
+                f"{self.path.parent} is in use by another fedllm process (pid {pid} on {host}, since "
+                f"{holder.get('since')}): wait for it to finish or stop it (a lock left by a process "
+                f"that no longer runs on another host is {self.path}: delete it by hand)"
+            )
         log.warning("taking over %s from process %s, which no longer runs", self.path, pid)
         self.path.unlink(missing_ok=True)
 
@@ -214,11 +240,21 @@ class RunWriter:
     with ``enabled`` writes; every file is written atomically.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool = True, keep_checkpoints: int = 2, save_every_round: bool = True,
-                 tracker=None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool = True,
+        keep_checkpoints: int = 2,
+        save_every_round: bool = True,
+        tracker=None,
+    ) -> None:
         self.run_dir = Path(run_dir)
-        self.enabled, self.keep, self.save_every_round, self.tracker = enabled, keep_checkpoints, save_every_round, \
-            tracker
+        self.enabled, self.keep, self.save_every_round, self.tracker = (
+            enabled,
+            keep_checkpoints,
+            save_every_round,
+            tracker,
+        )
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
     def start(self, cfg, partition_stats: list[dict]) -> None:
@@ -231,8 +267,14 @@ class RunWriter:
         save_config(cfg, self.run_dir / "config.yaml")
         atomic_write_text(self.run_dir / "partition.json", json.dumps(partition_stats, indent=1))
         for s in partition_stats:
-            log.info("client %d: rank %d, %d train / %d test examples, categories %s",
-                     s["client"], s["rank"], s["train"], s["test"], s["categories"])
+            log.info(
+                "client %d: rank %d, %d train / %d test examples, categories %s",
+                s["client"],
+                s["rank"],
+                s["train"],
+                s["test"],
+                s["categories"],
+            )
 
     def rows(self) -> list[dict]:
         from fedllm.checkpoint import read_jsonl
@@ -255,8 +297,10 @@ class RunWriter:
             return
         append_line(self.metrics_path, json.dumps(row))
         if self.tracker is not None:
-            self.tracker({k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)},
-                         row["round"])
+            self.tracker(
+                {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+                row["round"],
+            )
 
     def checkpoint(self, round_idx: int, tensors: dict, meta: dict) -> None:
         from fedllm.checkpoint import prune_checkpoints, save_checkpoint
@@ -266,22 +310,32 @@ class RunWriter:
             prune_checkpoints(self.run_dir, keep=self.keep)
 
     def finish(self, summary: dict, write_adapter) -> dict:
-        """Complete ``summary`` from the metrics, write the global adapter (``write_adapter(path)``) and it."""
+        """Complete ``summary`` from the metrics, write the global adapter (``write_adapter(path)``)
+        and it.
+        """
         from fedllm.checkpoint import atomic_write_text
 
         rows = self.rows() if self.enabled else []
         evals = [r for r in rows if "accuracy" in r or "eval_loss" in r]
         if evals:
-            summary.update({
-                "loss_before": evals[0].get("eval_loss"), "loss_after": evals[-1].get("eval_loss"),
-                "accuracy_before": evals[0].get("accuracy"), "accuracy_after": evals[-1].get("accuracy"),
-                "accuracy_best": max((r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None),
-            })
+            summary.update(
+                {
+                    "loss_before": evals[0].get("eval_loss"),
+                    "loss_after": evals[-1].get("eval_loss"),
+                    "accuracy_before": evals[0].get("accuracy"),
+                    "accuracy_after": evals[-1].get("accuracy"),
+                    "accuracy_best": max(
+                        (r["accuracy"] for r in evals if r.get("accuracy") is not None), default=None
+                    ),
+                }
+            )
         summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
         summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]
         if summary.get("global_adapter") is None:
-            log.error("no round produced a global update (all %d were skipped): no adapter is written",
-                      summary.get("rounds", 0))
+            log.error(
+                "no round produced a global update (all %d were skipped): no adapter is written",
+                summary.get("rounds", 0),
+            )
         if self.enabled:
             if summary.get("global_adapter"):
                 write_adapter(self.run_dir / "global_adapter")

@@ -38,7 +38,9 @@ class ClientFailure(RuntimeError):
 
 @dataclass
 class RoundPlan:
-    """A round as the server planned it: who was sampled, who dropped out, what each active client downloads."""
+    """A round as the server planned it: who was sampled, who dropped out, what each active client
+    downloads.
+    """
 
     round: int
     sampled: list[int]
@@ -63,7 +65,9 @@ class Sampling:
 def validate_update(update: ClientUpdate, rank: int, timeout_s: float = 0.0) -> None:
     """Reject late, non-finite or mis-shaped updates before they reach the server math."""
     if timeout_s and update.metrics.get("train_s", 0.0) > timeout_s:
-        raise ClientFailure(f"ran {update.metrics['train_s']:.1f}s, past federation.client_timeout_s={timeout_s}")
+        raise ClientFailure(
+            f"ran {update.metrics['train_s']:.1f}s, past federation.client_timeout_s={timeout_s}"
+        )
     if update.start and set(update.factors) != set(update.start):
         raise ClientFailure("update covers other modules than the adapter")
     for key, f in update.factors.items():
@@ -71,8 +75,9 @@ def validate_update(update: ClientUpdate, rank: int, timeout_s: float = 0.0) -> 
         want_a = tuple(ref.A.shape) if ref is not None else (rank, f.A.shape[1])
         want_b = tuple(ref.B.shape) if ref is not None else (f.B.shape[0], rank)
         if tuple(f.A.shape) != want_a or tuple(f.B.shape) != want_b or f.A.shape[0] != rank:
-            raise ClientFailure(f"wrong shape at {key}: A{tuple(f.A.shape)} B{tuple(f.B.shape)}, "
-                                f"expected A{want_a} B{want_b}")
+            raise ClientFailure(
+                f"wrong shape at {key}: A{tuple(f.A.shape)} B{tuple(f.B.shape)}, expected A{want_a} B{want_b}"
+            )
         if not (torch.isfinite(f.A).all() and torch.isfinite(f.B).all()):
             raise ClientFailure(f"non-finite values at {key}")
     for key, t in list(update.dense.items()) + list(update.extras.items()):
@@ -81,17 +86,21 @@ def validate_update(update: ClientUpdate, rank: int, timeout_s: float = 0.0) -> 
 
 
 def clip_updates(updates: list[ClientUpdate], ratio: float, dense_start: dict[str, Tensor]) -> int:
-    """Scale each update's change to at most ``ratio`` x the round's median norm; returns how many were clipped.
+    """Scale each update's change to at most ``ratio`` x the round's median norm; returns how many were
+    clipped.
 
     The change is measured from what the client started with (factors and
     dense modules), so one hostile or broken client cannot dominate the
     aggregate by sending a huge update.
     """
+
     def delta_norm(u: ClientUpdate) -> float:
-        sq = sum(float((f.A - u.start[k].A).pow(2).sum() + (f.B - u.start[k].B).pow(2).sum())
-                 for k, f in u.factors.items())
+        sq = sum(
+            float((f.A - u.start[k].A).pow(2).sum() + (f.B - u.start[k].B).pow(2).sum())
+            for k, f in u.factors.items()
+        )
         sq += sum(float((t - dense_start[k]).pow(2).sum()) for k, t in u.dense.items())
-        return sq ** 0.5
+        return sq**0.5
 
     norms = [delta_norm(u) for u in updates]
     cap = ratio * float(torch.tensor(norms).median())
@@ -100,8 +109,12 @@ def clip_updates(updates: list[ClientUpdate], ratio: float, dense_start: dict[st
         if n <= cap or n == 0:
             continue
         c = cap / n
-        u.factors = {k: LoraFactors(u.start[k].A + c * (f.A - u.start[k].A), u.start[k].B + c * (f.B - u.start[k].B),
-                                    f.scale) for k, f in u.factors.items()}
+        u.factors = {
+            k: LoraFactors(
+                u.start[k].A + c * (f.A - u.start[k].A), u.start[k].B + c * (f.B - u.start[k].B), f.scale
+            )
+            for k, f in u.factors.items()
+        }
         u.dense = {k: dense_start[k] + c * (t - dense_start[k]) for k, t in u.dense.items()}
         clipped += 1
     return clipped
@@ -110,14 +123,26 @@ def clip_updates(updates: list[ClientUpdate], ratio: float, dense_start: dict[st
 class Server:
     """The server half of a federated run (see module docstring)."""
 
-    def __init__(self, strategy: Strategy, clients: list[ClientInfo], algorithm: AlgorithmServer | None = None,
-                 sampling: Sampling | None = None, dense: dict[str, Tensor] | None = None, min_clients: int = 1,
-                 clip_norm_ratio: float = 0.0, client_timeout_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        clients: list[ClientInfo],
+        algorithm: AlgorithmServer | None = None,
+        sampling: Sampling | None = None,
+        dense: dict[str, Tensor] | None = None,
+        min_clients: int = 1,
+        clip_norm_ratio: float = 0.0,
+        client_timeout_s: float = 0.0,
+    ) -> None:
         self.strategy = strategy
         self.clients = {c.client_id: c for c in clients}
         self.algorithm = algorithm or AlgorithmServer()
         self.sampling = sampling or Sampling()
-        self.min_clients, self.clip_norm_ratio, self.client_timeout_s = min_clients, clip_norm_ratio, client_timeout_s
+        self.min_clients, self.clip_norm_ratio, self.client_timeout_s = (
+            min_clients,
+            clip_norm_ratio,
+            client_timeout_s,
+        )
         self.state = GlobalState(dense=dict(dense or {}))
         self.ledger = Ledger()
         self.merges: list[tuple[int, Adapter]] = []  # merged updates some client has not downloaded yet
@@ -132,7 +157,9 @@ class Server:
         m = s.clients_per_round or max(1, round(s.fraction * n))
         sampled = sorted(random.Random(derive_seed(s.seed, round_idx, 1)).sample(sorted(self.clients), m))
         n_drop = round(s.dropout * len(sampled))
-        dropped = sorted(random.Random(derive_seed(s.seed, round_idx, 2)).sample(sampled, n_drop)) if n_drop else []
+        dropped = (
+            sorted(random.Random(derive_seed(s.seed, round_idx, 2)).sample(sampled, n_drop)) if n_drop else []
+        )
         return sampled, dropped
 
     def client_start(self, round_idx: int, client_id: int) -> ClientStart:
@@ -141,8 +168,14 @@ class Server:
         rank = self.strategy.adapter_rank(c.rank)
         factors = self.strategy.client_factors(self.state, c.rank, c.scale, client_id)
         merges = [(r, m) for r, m in self.merges if r > self.synced[client_id]]
-        return ClientStart(round_idx, factors, merges, dict(self.state.dense),
-                           self.strategy.client_extras(self.state, client_id), self.algorithm.download(rank))
+        return ClientStart(
+            round_idx,
+            factors,
+            merges,
+            dict(self.state.dense),
+            self.strategy.client_extras(self.state, client_id),
+            self.algorithm.download(rank),
+        )
 
     def plan_round(self, round_idx: int) -> RoundPlan:
         """Sample the round and hand out each active client's start; counts their downloads."""
@@ -186,8 +219,12 @@ class Server:
         skipped = len(updates) < self.min_clients
         merged: Adapter = {}
         if skipped:
-            log.warning("round %d skipped: %d valid update(s) < federation.min_clients = %d",
-                        plan.round, len(updates), self.min_clients)
+            log.warning(
+                "round %d skipped: %d valid update(s) < federation.min_clients = %d",
+                plan.round,
+                len(updates),
+                self.min_clients,
+            )
         else:
             updates.sort(key=lambda u: u.client_id)
             result = self.strategy.aggregate(updates, self.state)
@@ -201,48 +238,71 @@ class Server:
         self.last_merged = merged
         losses = [u.metrics["loss_mean"] for u in updates]
         return {
-            "round": plan.round, "sampled": plan.sampled, "dropped": plan.dropped, "failed": failures,
-            "n_updates": len(updates), "skipped": skipped,
+            "round": plan.round,
+            "sampled": plan.sampled,
+            "dropped": plan.dropped,
+            "failed": failures,
+            "n_updates": len(updates),
+            "skipped": skipped,
             "train_loss": sum(losses) / len(losses) if losses else None,
-            "client_loss": {str(u.client_id): [u.metrics["loss_first"], u.metrics["loss_last"]] for u in updates},
+            "client_loss": {
+                str(u.client_id): [u.metrics["loss_first"], u.metrics["loss_last"]] for u in updates
+            },
             **{f"agg_{k}": v for k, v in info.items()},
-            "n_failed": len(failures), "n_dropped": len(plan.dropped),
+            "n_failed": len(failures),
+            "n_dropped": len(plan.dropped),
             **self.ledger.round_summary(),
             "time_aggregate_s": time.perf_counter() - t0,
         }
 
     # ------------------------------------------------------ the global model
     def global_adapter(self) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
-        """The global model on top of the base with every merge applied: adapter, dense modules, LoRA biases."""
-        return (self.strategy.global_adapter(self.state), dict(self.state.dense),
-                self.strategy.global_biases(self.state))
+        """The global model on top of the base with every merge applied: adapter, dense modules, LoRA
+        biases.
+        """
+        return (
+            self.strategy.global_adapter(self.state),
+            dict(self.state.dense),
+            self.strategy.global_biases(self.state),
+        )
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Tensors and JSON metadata that restore this server exactly (see :meth:`load_state_dict`)."""
         tensors, scales = {}, {}
         for prefix, adapter in [("global.", self.state.factors), ("residual.", self.state.residual)] + [
-                (f"merge.{r}.", m) for r, m in self.merges]:
+            (f"merge.{r}.", m) for r, m in self.merges
+        ]:
             t, s = adapter_tensors(adapter, prefix)
             tensors.update(t)
             scales.update(s)
         tensors.update({f"dense.{k}": v for k, v in self.state.dense.items()})
         tensors.update({f"extra.{k}": v for k, v in self.state.extras.items() if isinstance(v, Tensor)})
         tensors.update({f"algo.{k}": v for k, v in self.algorithm.state_dict().items()})
-        meta = {"scales": scales, "ledger": self.ledger.state(), "strategy": self.strategy.name,
-                "merge_rounds": [r for r, _ in self.merges], "synced": {str(k): v for k, v in self.synced.items()},
-                "updated": self.updated_rounds}
+        meta = {
+            "scales": scales,
+            "ledger": self.ledger.state(),
+            "strategy": self.strategy.name,
+            "merge_rounds": [r for r, _ in self.merges],
+            "synced": {str(k): v for k, v in self.synced.items()},
+            "updated": self.updated_rounds,
+        }
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         def part(prefix: str) -> dict[str, Tensor]:
-            return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
         scales = meta["scales"]
-        self.state = GlobalState(adapter_from_tensors(tensors, scales, "global."),
-                                 adapter_from_tensors(tensors, scales, "residual."),
-                                 part("dense.") or self.state.dense, part("extra."))
-        self.merges = [(r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in meta.get("merge_rounds", [])]
+        self.state = GlobalState(
+            adapter_from_tensors(tensors, scales, "global."),
+            adapter_from_tensors(tensors, scales, "residual."),
+            part("dense.") or self.state.dense,
+            part("extra."),
+        )
+        self.merges = [
+            (r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in meta.get("merge_rounds", [])
+        ]
         self.last_merged = self.merges[-1][1] if self.merges else {}
         self.algorithm.load_state_dict(part("algo."))
         self.ledger = Ledger.from_state(meta["ledger"])

@@ -55,7 +55,9 @@ def assign_ranks(cfg: Config) -> list[int]:
 
 
 def resolve_benchmark(cfg: Config) -> Benchmark | None:
-    """The benchmark a run scores (see ``eval.benchmark``); loaded here, so bad data fails before the model loads.
+    """The benchmark a run scores (see ``eval.benchmark``).
+
+    Loaded here, so bad data fails before the model loads.
 
     With ``auto`` and a user's own data the built-in benchmark would measure
     nothing the data teaches, so MMLU is used when a copy can be loaded and
@@ -71,22 +73,52 @@ def resolve_benchmark(cfg: Config) -> Benchmark | None:
     try:
         return load_benchmark("cais/mmlu", e.shots, e.subjects or None, e.limit)
     except MMLUDataError as err:
-        log.warning("eval.benchmark = auto: MMLU cannot be loaded (%s); evaluating held-out loss only. Set "
-                    "eval.benchmark to a local MMLU copy (or none to silence this)", str(err).split(":")[0])
+        log.warning(
+            "eval.benchmark = auto: MMLU cannot be loaded (%s); evaluating held-out loss only. Set "
+            "eval.benchmark to a local MMLU copy (or none to silence this)",
+            str(err).split(":")[0],
+        )
         return None
 
 
-def make_runtime(cfg: Config, strategy, layout, accelerator, model, tokenizer, ranks: list[int],
-                 progress: bool = False) -> ClientRuntime:
-    """A client runtime on ``model`` with one adapter per rank in ``ranks`` (adapter ranks: FLoRAL's C * r)."""
+def make_runtime(
+    cfg: Config, strategy, layout, accelerator, model, tokenizer, ranks: list[int], progress: bool = False
+) -> ClientRuntime:
+    """A client runtime on ``model`` with one adapter per rank in ``ranks`` (adapter ranks: FLoRAL's
+    C * r).
+    """
     agg = cfg.aggregation
-    mixture = MixtureSpec(agg.num_adaptors, ranks[0] // agg.num_adaptors, agg.router_temperature, agg.router_noise,
-                          agg.router_per_layer, agg.stateful_routers, agg.router_lr, agg.precondition_eps,
-                          agg.bias_adaptors) if strategy.uses_routers else None
+    mixture = (
+        MixtureSpec(
+            agg.num_adaptors,
+            ranks[0] // agg.num_adaptors,
+            agg.router_temperature,
+            agg.router_noise,
+            agg.router_per_layer,
+            agg.stateful_routers,
+            agg.router_lr,
+            agg.precondition_eps,
+            agg.bias_adaptors,
+        )
+        if strategy.uses_routers
+        else None
+    )
     # merged updates cannot be written into 4/8-bit weights (or ZeRO-3 shards): keep them as a frozen adapter
     residual = strategy.merges_into_base and (is_quantized(model) or layout.zero_stage == 3)
-    return ClientRuntime(model, tokenizer, ranks, cfg.lora, cfg.client, cfg.federation.seed, layout, accelerator,
-                         mixture, residual, cfg.federation.client_timeout_s, progress=progress)
+    return ClientRuntime(
+        model,
+        tokenizer,
+        ranks,
+        cfg.lora,
+        cfg.client,
+        cfg.federation.seed,
+        layout,
+        accelerator,
+        mixture,
+        residual,
+        cfg.federation.client_timeout_s,
+        progress=progress,
+    )
 
 
 def client_infos(cfg: Config, strategy, sizes: dict[int, int]) -> list[ClientInfo]:
@@ -117,8 +149,13 @@ class Driver(abc.ABC):
         self.strategy = strategy_from_config(cfg.aggregation)
         self.start_round, self.wall_before = 1, 0.0
         self.t_start = time.perf_counter()
-        self.writer = RunWriter(self.run_dir, self.acc.is_main_process, cfg.output.keep_checkpoints,
-                                cfg.output.save_every_round, self.acc.log if cfg.output.log_with else None)
+        self.writer = RunWriter(
+            self.run_dir,
+            self.acc.is_main_process,
+            cfg.output.keep_checkpoints,
+            cfg.output.save_every_round,
+            self.acc.log if cfg.output.log_with else None,
+        )
 
     # -------------------------------------------------------- the pieces
     def load_model(self):
@@ -127,21 +164,39 @@ class Driver(abc.ABC):
             return load_base(self.cfg.model, self.acc.device)
 
     def build_runtime(self, model, tokenizer, ranks: list[int]) -> ClientRuntime:
-        return make_runtime(self.cfg, self.strategy, self.layout, self.acc, model, tokenizer, ranks,
-                            progress=self.quiet() is None)
+        return make_runtime(
+            self.cfg,
+            self.strategy,
+            self.layout,
+            self.acc,
+            model,
+            tokenizer,
+            ranks,
+            progress=self.quiet() is None,
+        )
 
     def build_server(self, clients: list[ClientInfo]) -> Server:
         cfg, fed = self.cfg, self.cfg.federation
         dense = self.runtime.initial_dense()
         n_dense = sum(t.numel() for t in dense.values())
         if n_dense > 5_000_000:
-            log.warning("lora.trainable_modules %s add %.1fM parameters to every upload and download; "
-                        "set lora.trainable_modules=[] for a LoRA-only federation", cfg.lora.trainable_modules,
-                        n_dense / 1e6)
+            log.warning(
+                "lora.trainable_modules %s add %.1fM parameters to every upload and download; "
+                "set lora.trainable_modules=[] for a LoRA-only federation",
+                cfg.lora.trainable_modules,
+                n_dense / 1e6,
+            )
         algorithm = ALGORITHMS[cfg.client.algorithm].server_half.from_config(cfg.client)
-        return Server(self.strategy, clients, algorithm,
-                      Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout), dense,
-                      fed.min_clients, cfg.aggregation.clip_norm_ratio, fed.client_timeout_s)
+        return Server(
+            self.strategy,
+            clients,
+            algorithm,
+            Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout),
+            dense,
+            fed.min_clients,
+            cfg.aggregation.clip_norm_ratio,
+            fed.client_timeout_s,
+        )
 
     def client_infos(self, sizes: dict[int, int]) -> list[ClientInfo]:
         return client_infos(self.cfg, self.strategy, sizes)
@@ -149,7 +204,9 @@ class Driver(abc.ABC):
     # ----------------------------------------------- where clients train
     @abc.abstractmethod
     def setup(self) -> None:
-        """Data, benchmark, the evaluation base (``runtime``) and the server; bad input fails before the model."""
+        """Data, benchmark, the evaluation base (``runtime``) and the server; bad input fails before the
+        model.
+        """
 
     @abc.abstractmethod
     def train_clients(self, plan) -> dict[int, Any]:
@@ -157,7 +214,9 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def personalized(self, round_idx: int) -> dict[str, Any]:
-        """Per-client rows of the personalized evaluation after ``round_idx`` (see ClientRuntime.personalized)."""
+        """Per-client rows of the personalized evaluation after ``round_idx`` (see
+        ClientRuntime.personalized).
+        """
 
     def client_state_tensors(self) -> dict[str, Any]:
         """Client state the run's checkpoint holds (the simulation's clients; a real site keeps its own)."""
@@ -187,19 +246,31 @@ class Driver(abc.ABC):
 
     # ----------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
-        return evaluate_global(self.runtime, self.server.global_adapter(), self.eval_data, self.benchmark,
-                               self.cfg.eval.batch_size)
+        return evaluate_global(
+            self.runtime,
+            self.server.global_adapter(),
+            self.eval_data,
+            self.benchmark,
+            self.cfg.eval.batch_size,
+        )
 
     # -------------------------------------------------------- checkpointing
     def checkpoint(self, round_idx: int) -> None:
         tensors, meta = self.server.state_dict()
         tensors.update(self.client_state_tensors())
-        meta.update({"seed": self.cfg.federation.seed, "rng": "derived from (seed, round, client)",
-                     "wall_s": self.elapsed()})
+        meta.update(
+            {
+                "seed": self.cfg.federation.seed,
+                "rng": "derived from (seed, round, client)",
+                "wall_s": self.elapsed(),
+            }
+        )
         self.writer.checkpoint(round_idx, tensors, meta)
 
     def restore(self) -> None:
-        """Continue after the newest intact checkpoint of the run directory (a damaged newer one is passed over)."""
+        """Continue after the newest intact checkpoint of the run directory (a damaged newer one is passed
+        over).
+        """
         from fedllm import checkpoint as ckpt
 
         found = ckpt.load_latest(self.run_dir)
@@ -208,8 +279,9 @@ class Driver(abc.ABC):
             return
         path, tensors, meta = found
         if meta["strategy"] != self.strategy.name:
-            raise ckpt.CheckpointError(f"{path}: written by strategy {meta['strategy']!r}, "
-                                       f"config says {self.strategy.name!r}")
+            raise ckpt.CheckpointError(
+                f"{path}: written by strategy {meta['strategy']!r}, config says {self.strategy.name!r}"
+            )
         self.server.load_state_dict(tensors, meta)
         self.load_client_state_tensors(tensors)
         self.runtime.restore_base(self.server.state.residual, meta["round"])
@@ -232,9 +304,14 @@ class Driver(abc.ABC):
         if not rows:  # the evaluation before round 1 (kept from the first attempt when there was one)
             row = {"round": 0, **self.evaluate()}
             self.writer.log(row)
-            log.info("before round 1: eval loss %s, accuracy %s", _fmt(row.get("eval_loss")),
-                     _fmt(row.get("accuracy")))
-        for r in tqdm(range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.quiet()):
+            log.info(
+                "before round 1: eval loss %s, accuracy %s",
+                _fmt(row.get("eval_loss")),
+                _fmt(row.get("accuracy")),
+            )
+        for r in tqdm(
+            range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.quiet()
+        ):
             row = self.run_round(r)
             if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
                 row.update(self.evaluate())
@@ -243,9 +320,15 @@ class Driver(abc.ABC):
             row["cumulative"] = {k: v for k, v in self.server.ledger.totals().items() if k != "per_client"}
             self.writer.log(row)
             self.checkpoint(r)
-            log.info("round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params",
-                     r, _fmt(row["train_loss"]), _fmt(row.get("eval_loss")), _fmt(row.get("accuracy")),
-                     row["up_params"], row["down_params"])
+            log.info(
+                "round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params",
+                r,
+                _fmt(row["train_loss"]),
+                _fmt(row.get("eval_loss")),
+                _fmt(row.get("accuracy")),
+                row["up_params"],
+                row["down_params"],
+            )
         summary = self.finish()
         if cfg.output.log_with:
             self.acc.end_training()
@@ -256,13 +339,19 @@ class Driver(abc.ABC):
 
         cfg, rt = self.cfg, self.runtime
         summary: dict[str, Any] = {
-            "run_dir": str(self.run_dir), "strategy": self.strategy.name, "algorithm": cfg.client.algorithm,
-            "rounds": cfg.federation.rounds, "wall_s": self.elapsed(),
+            "run_dir": str(self.run_dir),
+            "strategy": self.strategy.name,
+            "algorithm": cfg.client.algorithm,
+            "rounds": cfg.federation.rounds,
+            "wall_s": self.elapsed(),
             "ranks": [self.strategy.adapter_rank(c.rank) for c in self.server.clients.values()],
-            "processes": self.acc.num_processes, "parallel": self.layout.mode,
+            "processes": self.acc.num_processes,
+            "parallel": self.layout.mode,
             "benchmark": self.benchmark.source if self.benchmark is not None else None,
-            "mixed_precision": str(self.acc.mixed_precision), "communication": self.server.ledger.totals(),
-            "global_adapter": str(self.run_dir / "global_adapter") if self.server.updated_rounds else None}
+            "mixed_precision": str(self.acc.mixed_precision),
+            "communication": self.server.ledger.totals(),
+            "global_adapter": str(self.run_dir / "global_adapter") if self.server.updated_rounds else None,
+        }
         if self.layout.deepspeed:
             summary["deepspeed_zero_stage"] = self.layout.zero_stage
         if cfg.model.quantization != "none":
@@ -271,14 +360,21 @@ class Driver(abc.ABC):
             if kernel:
                 summary["quant_cpu_kernel"] = kernel
         if rt.residual_merges:
-            why = (f"the base is {cfg.model.quantization}-quantized" if cfg.model.quantization != "none"
-                   else "DeepSpeed ZeRO-3 shards the base weights")
+            why = (
+                f"the base is {cfg.model.quantization}-quantized"
+                if cfg.model.quantization != "none"
+                else "DeepSpeed ZeRO-3 shards the base weights"
+            )
             summary["residual_adapter_rank"] = rt.residual_rank
-            summary["note"] = (f"{why}, so the merged global update is kept as a frozen residual adapter (rank "
-                               f"{rt.residual_rank}) instead of being written into the base weights; the exported "
-                               "adapter holds it")
+            summary["note"] = (
+                f"{why}, so the merged global update is kept as a frozen residual adapter (rank "
+                f"{rt.residual_rank}) instead of being written into the base weights; the exported "
+                "adapter holds it"
+            )
         elif self.strategy.merges_into_base:
-            summary["note"] = "the global update is merged into the base; the exported adapter holds the residual"
+            summary["note"] = (
+                "the global update is merged into the base; the exported adapter holds the residual"
+            )
         summary = self.writer.finish(summary, lambda path: save_global_adapter(self.server, cfg, path))
         self.acc.wait_for_everyone()
         return summary
@@ -298,7 +394,9 @@ class Simulation(Driver):
         model, tokenizer = self.load_model()
         max_len = max_seq_len(cfg, context_length(model))
         infos = self.client_infos({k: 0 for k in range(cfg.federation.num_clients)})
-        self.runtime = self.build_runtime(model, tokenizer, [self.strategy.adapter_rank(c.rank) for c in infos])
+        self.runtime = self.build_runtime(
+            model, tokenizer, [self.strategy.adapter_rank(c.rank) for c in infos]
+        )
         template = prompt_template(cfg)
         self.eval_data = tokenize_examples(parts.eval_examples, tokenizer, template, max_len)
         self.clients: list[ClientData] = []
@@ -306,10 +404,12 @@ class Simulation(Driver):
             k = info.client_id
             train, test = tokenize_client(examples, n_test, tokenizer, template, max_len, k)
             if self.layout.data_parallel and len(train) < cfg.client.batch_size:
-                raise ValueError(f"client {k} has {len(train)} training examples, fewer than client.batch_size = "
-                                 f"{cfg.client.batch_size}, which federation.parallel=data splits over "
-                                 f"{self.layout.num_processes} processes: raise data.min_examples_per_client or "
-                                 "lower client.batch_size")
+                raise ValueError(
+                    f"client {k} has {len(train)} training examples, fewer than client.batch_size = "
+                    f"{cfg.client.batch_size}, which federation.parallel=data splits over "
+                    f"{self.layout.num_processes} processes: raise data.min_examples_per_client or "
+                    "lower client.batch_size"
+                )
             self.clients.append(ClientData(k, self.strategy.adapter_rank(info.rank), info.scale, train, test))
             info.num_examples = len(train)
         self.partition_stats = parts.stats
@@ -319,11 +419,17 @@ class Simulation(Driver):
 
     def train_clients(self, plan) -> dict[int, Any]:
         results: list[tuple[int, Any, dict]] = []
-        for k in tqdm(self.layout.my_clients(plan.active), desc=f"round {plan.round} clients", leave=False,
-                      disable=self.quiet()):
+        for k in tqdm(
+            self.layout.my_clients(plan.active),
+            desc=f"round {plan.round} clients",
+            leave=False,
+            disable=self.quiet(),
+        ):
             client = self.clients[k]
             try:
-                results.append((k, self.runtime.train(client, plan.starts[k], self.client_hook), client.state))
+                results.append(
+                    (k, self.runtime.train(client, plan.starts[k], self.client_hook), client.state)
+                )
             except Exception as e:  # a faulty client must not take the round down
                 log.warning("round %d: client %d left out: %s", plan.round, k, e)
                 log.debug("client %d traceback", k, exc_info=True)
@@ -341,12 +447,16 @@ class Simulation(Driver):
         return sorted((r for part in gather_object([results]) for r in part), key=lambda r: r[0])
 
     def personalized(self, round_idx: int) -> dict[str, Any]:
-        """Each client's test data: the global model, then its personalization (see ClientRuntime.personalized)."""
+        """Each client's test data: the global model, then its personalization (see
+        ClientRuntime.personalized).
+        """
         rows = {}
         for client in self.layout.my_clients(self.clients):
             if client.test:
                 start = self.server.client_start(round_idx + 1, client.client_id)
-                rows[str(client.client_id)] = self.runtime.personalized(client, start, self.cfg.eval.batch_size)
+                rows[str(client.client_id)] = self.runtime.personalized(
+                    client, start, self.cfg.eval.batch_size
+                )
         if self.layout.gathers:
             from accelerate.utils import gather_object
 
@@ -359,7 +469,7 @@ class Simulation(Driver):
     def load_client_state_tensors(self, tensors: dict[str, Any]) -> None:
         for c in self.clients:
             prefix = f"client.{c.client_id}."
-            c.state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            c.state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def personal_summary(rows: dict[str, dict]) -> dict[str, Any]:
@@ -370,8 +480,13 @@ def personal_summary(rows: dict[str, dict]) -> dict[str, Any]:
     def mean(key: str) -> float:
         return sum(r[key] for r in rows.values()) / len(rows)
 
-    return {"personal": rows, "global_client_acc": mean("global_acc"), "personal_acc": mean("personal_acc"),
-            "global_client_loss": mean("global_loss"), "personal_loss": mean("personal_loss")}
+    return {
+        "personal": rows,
+        "global_client_acc": mean("global_acc"),
+        "personal_acc": mean("personal_acc"),
+        "global_client_loss": mean("global_loss"),
+        "personal_loss": mean("personal_loss"),
+    }
 
 
 def _fmt(x: float | None) -> str:

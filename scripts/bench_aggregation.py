@@ -24,8 +24,12 @@ import torch
 RANKS = [64, 32, 16, 16, 8, 8, 4, 4, 4, 4]
 HIDDEN, INTER, KV = 2048, 5632, 256
 SHAPES = {  # out, in
-    "self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV, HIDDEN), "self_attn.v_proj": (KV, HIDDEN),
-    "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN),
+    "self_attn.q_proj": (HIDDEN, HIDDEN),
+    "self_attn.k_proj": (KV, HIDDEN),
+    "self_attn.v_proj": (KV, HIDDEN),
+    "self_attn.o_proj": (HIDDEN, HIDDEN),
+    "mlp.gate_proj": (INTER, HIDDEN),
+    "mlp.up_proj": (INTER, HIDDEN),
     "mlp.down_proj": (HIDDEN, INTER),
 }
 
@@ -97,8 +101,13 @@ def dense_reference(dense_layers: int) -> dict:
             ref = (U[:, :r] * S[:r]) @ Vh[:r]
             trunc_err = max(trunc_err, float(torch.linalg.norm(f.delta() - ref) / torch.linalg.norm(ref)))
             checked += 1
-    return {"dense_seconds_measured": dense_s, "max_rel_err_full": full_err, "max_rel_err_truncated": trunc_err,
-            "truncations_checked": checked, "truncations_skipped_near_ties": skipped}
+    return {
+        "dense_seconds_measured": dense_s,
+        "max_rel_err_full": full_err,
+        "max_rel_err_truncated": trunc_err,
+        "truncations_checked": checked,
+        "truncations_skipped_near_ties": skipped,
+    }
 
 
 def main() -> None:
@@ -115,16 +124,27 @@ def main() -> None:
 
     rows = {}
     for name in sorted(n for n in STRATEGIES if n != "floral"):
-        out = subprocess.run([sys.executable, __file__, "--only", name, "--layers", str(args.layers)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--only", name, "--layers", str(args.layers)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{name:9s} {rows[name]['seconds']:8.2f} s  peak +{rows[name]['peak_extra_mb']:8.1f} MB", flush=True)
+        print(
+            f"{name:9s} {rows[name]['seconds']:8.2f} s  peak +{rows[name]['peak_extra_mb']:8.1f} MB",
+            flush=True,
+        )
     ref = dense_reference(args.dense_layers)
     dense_total = ref["dense_seconds_measured"] * args.layers / args.dense_layers
-    print(f"dense FlexLoRA reference: {ref['dense_seconds_measured']:.2f} s on {args.dense_layers} layer(s), "
-          f"scaled x{args.layers / args.dense_layers:.0f} -> {dense_total:.1f} s")
+    print(
+        f"dense FlexLoRA reference: {ref['dense_seconds_measured']:.2f} s on {args.dense_layers} layer(s), "
+        f"scaled x{args.layers / args.dense_layers:.0f} -> {dense_total:.1f} s"
+    )
     result = {
-        "layers": args.layers, "ranks": RANKS, "threads": 1,
+        "layers": args.layers,
+        "ranks": RANKS,
+        "threads": 1,
         "strategies": rows,
         "dense_reference_seconds_scaled": dense_total,
         "dense_reference_note": f"timed on {args.dense_layers} layer(s) and scaled to {args.layers}",
@@ -132,9 +152,12 @@ def main() -> None:
         "speedup_florist_vs_dense": dense_total / rows["florist"]["seconds"],
         **{k: v for k, v in ref.items() if k != "dense_seconds_measured"},
     }
-    print(f"FlexLoRA {result['speedup_flexlora_vs_dense']:.0f}x, FLoRIST {result['speedup_florist_vs_dense']:.0f}x "
-          f"faster than dense; max rel err full {ref['max_rel_err_full']:.2e}, "
-          f"truncated {ref['max_rel_err_truncated']:.2e}")
+    print(
+        f"FlexLoRA {result['speedup_flexlora_vs_dense']:.0f}x, FLoRIST "
+        f"{result['speedup_florist_vs_dense']:.0f}x "
+        f"faster than dense; max rel err full {ref['max_rel_err_full']:.2e}, "
+        f"truncated {ref['max_rel_err_truncated']:.2e}"
+    )
     print(json.dumps(result))
 
 

@@ -33,21 +33,37 @@ def build_tokenizer(texts: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<s>", "</s>", "<pad>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=2000,
+            special_tokens=["<s>", "</s>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   model_max_length=2048)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=2048
+    )
 
 
 def build_model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -77,28 +93,44 @@ def timed(fn):
 def compare(name, scores, ref) -> dict:
     preds = [max(range(4), key=lambda c: s[c]) for s in scores]
     ref_preds = [max(range(4), key=lambda c: s[c]) for s in ref]
-    return {f"{name}_agreement": sum(a == b for a, b in zip(preds, ref_preds, strict=True)) / len(ref),
-            f"{name}_max_abs_dll": max(abs(a - b) for s, r in zip(scores, ref, strict=True)
-                                       for a, b in zip(s, r, strict=True))}
+    return {
+        f"{name}_agreement": sum(a == b for a, b in zip(preds, ref_preds, strict=True)) / len(ref),
+        f"{name}_max_abs_dll": max(
+            abs(a - b) for s, r in zip(scores, ref, strict=True) for a, b in zip(s, r, strict=True)
+        ),
+    }
 
 
 def bench(model, tokenizer, questions, dev, k, batch_size, with_naive) -> dict:
     from eval.mmlu import score_questions
 
     def run(reuse):
-        return [r.loglikelihoods for r in score_questions(model, tokenizer, questions, dev, k, batch_size,
-                                                          reuse=reuse)]
+        return [
+            r.loglikelihoods
+            for r in score_questions(model, tokenizer, questions, dev, k, batch_size, reuse=reuse)
+        ]
 
     run(True)  # warm-up (allocator, kernels)
     single, t_single = timed(lambda: run(False))
     reuse, t_reuse = timed(lambda: run(True))
     n = len(questions)
-    out = {"shots": k, "questions": n, "reuse_qps": n / t_reuse, "single_qps": n / t_single,
-           "reuse_over_single": t_single / t_reuse, **compare("reuse_vs_single", reuse, single)}
+    out = {
+        "shots": k,
+        "questions": n,
+        "reuse_qps": n / t_reuse,
+        "single_qps": n / t_single,
+        "reuse_over_single": t_single / t_reuse,
+        **compare("reuse_vs_single", reuse, single),
+    }
     if with_naive:
         slow, t_naive = timed(lambda: naive(model, tokenizer, questions, dev, k))
-        out.update({"naive_qps": n / t_naive, "reuse_over_naive": t_naive / t_reuse,
-                    **compare("reuse_vs_naive", reuse, slow)})
+        out.update(
+            {
+                "naive_qps": n / t_naive,
+                "reuse_over_naive": t_naive / t_reuse,
+                **compare("reuse_vs_naive", reuse, slow),
+            }
+        )
     return out
 
 
@@ -109,8 +141,17 @@ def export_for_harness(folder: Path, model, tokenizer, questions, dev) -> None:
     for split, qs in (("test", questions), ("dev", [q for s in dev.values() for q in s])):
         with open(folder / f"{split}.jsonl", "w") as fh:
             for q in qs:
-                fh.write(json.dumps({"question": q.question, "subject": q.subject, "choices": list(q.choices),
-                                     "answer": q.answer}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "question": q.question,
+                            "subject": q.subject,
+                            "choices": list(q.choices),
+                            "answer": q.answer,
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def main() -> None:
@@ -121,7 +162,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-naive", action="store_true", help="skip the slow one-forward-per-choice baseline")
-    p.add_argument("--export", help="also write model, tokenizer and questions here for lm-evaluation-harness")
+    p.add_argument(
+        "--export", help="also write model, tokenizer and questions here for lm-evaluation-harness"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from eval.data import load_questions
@@ -135,17 +178,25 @@ def main() -> None:
     tokenizer = build_tokenizer([build_context(q, dev[q.subject][: args.shots]) for q in questions])
     model = build_model(tokenizer)
     if args.export:
-        export_for_harness(Path(args.export), model, tokenizer, questions, {s: v[: args.shots] for s, v in dev.items()})
-    results = {"params_M": sum(p.numel() for p in model.parameters()) / 1e6, "threads": args.threads,
-               "batch_size": args.batch_size}
+        export_for_harness(
+            Path(args.export), model, tokenizer, questions, {s: v[: args.shots] for s, v in dev.items()}
+        )
+    results = {
+        "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+        "threads": args.threads,
+        "batch_size": args.batch_size,
+    }
     for k in sorted({0, args.shots}):
         r = bench(model, tokenizer, questions, dev, k, args.batch_size, not args.no_naive)
         results[f"{k}_shot"] = r
-        print(f"{k}-shot: reuse {r['reuse_qps']:.1f} q/s, single {r['single_qps']:.1f} q/s "
-              f"({r['reuse_over_single']:.2f}x)" + (f", naive {r['naive_qps']:.1f} q/s "
-                                                   f"({r['reuse_over_naive']:.1f}x)" if "naive_qps" in r else "")
-              + f"; agreement {r['reuse_vs_single_agreement']:.3f}, max |dLL| {r['reuse_vs_single_max_abs_dll']:.1e}",
-              flush=True)
+        print(
+            f"{k}-shot: reuse {r['reuse_qps']:.1f} q/s, single {r['single_qps']:.1f} q/s "
+            f"({r['reuse_over_single']:.2f}x)"
+            + (f", naive {r['naive_qps']:.1f} q/s ({r['reuse_over_naive']:.1f}x)" if "naive_qps" in r else "")
+            + f"; agreement {r['reuse_vs_single_agreement']:.3f}, max |dLL| "
+            f"{r['reuse_vs_single_max_abs_dll']:.1e}",
+            flush=True,
+        )
     print(json.dumps(results))
 
 

@@ -1,4 +1,4 @@
-"""One federated round at TinyLlama's real shapes on this machine: memory, client step, switching, aggregation.
+"""One federated round at TinyLlama's real shapes on this machine: memory, step, switching, aggregation.
 
 Builds a Llama with TinyLlama-1.1B's configuration (hidden 2048, 22 layers,
 intermediate 5632, 32 heads with 4 key/value heads, vocabulary 32000) and
@@ -44,9 +44,19 @@ from data_prep.prompts import TokenizedExample
 
 RANKS = [64, 32, 16, 16, 8, 8, 4, 4, 4, 4]
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                 rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+TINYLLAMA = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
 
 
 def peak_rss_mb() -> float:
@@ -77,11 +87,22 @@ def config_for(strategy: str, ranks: list[int], steps: int, batch_size: int, run
     clients = len(ranks)
     if strategy == "floral":  # C adaptors of one rank r: the largest rank over 4 adaptors
         ranks = [max(ranks) // 4]
-    return load_config(None, [f"aggregation.name={strategy}", f"federation.num_clients={clients}",
-                              f"lora.ranks=[{','.join(map(str, ranks))}]", f"lora.target_modules=[{','.join(MODULES)}]",
-                              "lora.trainable_modules=[]", f"client.local_steps={steps}",
-                              f"client.batch_size={batch_size}", "eval.benchmark=none",
-                              "eval.personalized=false", "federation.rounds=1", f"output.dir={run_dir}"])
+    return load_config(
+        None,
+        [
+            f"aggregation.name={strategy}",
+            f"federation.num_clients={clients}",
+            f"lora.ranks=[{','.join(map(str, ranks))}]",
+            f"lora.target_modules=[{','.join(MODULES)}]",
+            "lora.trainable_modules=[]",
+            f"client.local_steps={steps}",
+            f"client.batch_size={batch_size}",
+            "eval.benchmark=none",
+            "eval.personalized=false",
+            "federation.rounds=1",
+            f"output.dir={run_dir}",
+        ],
+    )
 
 
 def make_driver(cfg, run_dir: Path, model, tokenizer, examples_per_client: int, seq_len: int):
@@ -91,12 +112,23 @@ def make_driver(cfg, run_dir: Path, model, tokenizer, examples_per_client: int, 
 
     class RealShapes(Simulation):
         def setup(self) -> None:
-            infos = self.client_infos({k: examples_per_client for k in range(self.cfg.federation.num_clients)})
-            self.runtime = self.build_runtime(model, tokenizer, [self.strategy.adapter_rank(i.rank) for i in infos])
+            infos = self.client_infos(
+                {k: examples_per_client for k in range(self.cfg.federation.num_clients)}
+            )
+            self.runtime = self.build_runtime(
+                model, tokenizer, [self.strategy.adapter_rank(i.rank) for i in infos]
+            )
             vocab = model.config.vocab_size
-            self.clients = [ClientData(i.client_id, self.strategy.adapter_rank(i.rank), i.scale,
-                                       random_examples(examples_per_client, seq_len, vocab, i.client_id), [])
-                            for i in infos]
+            self.clients = [
+                ClientData(
+                    i.client_id,
+                    self.strategy.adapter_rank(i.rank),
+                    i.scale,
+                    random_examples(examples_per_client, seq_len, vocab, i.client_id),
+                    [],
+                )
+                for i in infos
+            ]
             self.eval_data, self.benchmark, self.partition_stats = [], None, []
             self.server = self.build_server(infos)
 
@@ -141,16 +173,26 @@ def timed_round(driver) -> dict:
     bad = {k: v for k, v in results.items() if isinstance(v, str)}
     if bad:
         raise RuntimeError(f"clients failed: {bad}")
-    return {"phases_s": {"plan_and_downloads": t1 - t0, "client_training": t2 - t1,
-                         "validate_and_aggregate": t3 - t2, "merge_into_base": t4 - t3},
-            "aggregation_s": row["time_aggregate_s"], "n_updates": row["n_updates"],
-            "switch_in_s": switch, "read_out_s": readout,
-            "train_s": {k: u.metrics["train_s"] for k, u in results.items()},
-            "steps": {k: u.metrics["steps"] for k, u in results.items()}}
+    return {
+        "phases_s": {
+            "plan_and_downloads": t1 - t0,
+            "client_training": t2 - t1,
+            "validate_and_aggregate": t3 - t2,
+            "merge_into_base": t4 - t3,
+        },
+        "aggregation_s": row["time_aggregate_s"],
+        "n_updates": row["n_updates"],
+        "switch_in_s": switch,
+        "read_out_s": readout,
+        "train_s": {k: u.metrics["train_s"] for k, u in results.items()},
+        "steps": {k: u.metrics["steps"] for k, u in results.items()},
+    }
 
 
 def fedllm_step_s(driver, client_id: int, samples: int) -> float:
-    """One optimizer step of ``client_id`` inside fedllm: (time of 1 + samples steps - time of 1 step) / samples."""
+    """One optimizer step of ``client_id`` inside fedllm: (time of 1 + samples steps - time of 1 step) /
+    samples.
+    """
     client = driver.clients[client_id]
     start = driver.server.client_start(2, client_id)
     times = {}
@@ -166,9 +208,16 @@ def plain_step_s(model, rank: int, batch: dict, samples: int, cfg) -> float:
     """The same step as a user would write it with peft and torch: forward, backward, clip, AdamW."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=cfg.lora.alpha_ratio * rank,
-                                                  target_modules=MODULES, lora_dropout=cfg.lora.dropout,
-                                                  task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=rank,
+            lora_alpha=cfg.lora.alpha_ratio * rank,
+            target_modules=MODULES,
+            lora_dropout=cfg.lora.dropout,
+            task_type="CAUSAL_LM",
+        ),
+    )
     peft_model.train()
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.client.lr, weight_decay=cfg.client.weight_decay)
@@ -185,13 +234,15 @@ def plain_step_s(model, rank: int, batch: dict, samples: int, cfg) -> float:
 
 
 def child(args) -> dict:
-    """One measurement process: a round with ``--clients`` clients (and, for all of them, the step comparison)."""
+    """One measurement process: a round with ``--clients`` clients (and, for all of them, the step
+    comparison).
+    """
     from fedllm.builtin_model import build_tokenizer
     from fedllm.logs import setup_logging
 
     setup_logging("WARNING")
     torch.manual_seed(0)
-    ranks = (RANKS * (args.clients // len(RANKS) + 1))[:args.clients]
+    ranks = (RANKS * (args.clients // len(RANKS) + 1))[: args.clients]
     tokenizer = build_tokenizer()
     t = time.perf_counter()
     model = tinyllama(args.layers)
@@ -201,8 +252,13 @@ def child(args) -> dict:
         cfg = config_for(args.strategy, ranks, args.steps, args.batch_size, Path(tmp))
         driver = make_driver(cfg, Path(tmp), model, tokenizer, args.examples, args.seq_len)
         rnd = timed_round(driver)
-        out = {"clients": args.clients, "peak_rss_mb": peak_rss_mb(), "rss_after_model_mb": rss_model,
-               "model_build_s": build_s, "round": rnd}
+        out = {
+            "clients": args.clients,
+            "peak_rss_mb": peak_rss_mb(),
+            "rss_after_model_mb": rss_model,
+            "model_build_s": build_s,
+            "round": rnd,
+        }
         if args.compare_step:
             out["fedllm_step_s"] = fedllm_step_s(driver, 0, args.step_samples)
             batch = next(iter_batches(driver, 0))
@@ -219,10 +275,27 @@ def iter_batches(driver, client_id: int):
 
 
 def run_child(args, clients: int, compare_step: bool) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--clients", str(clients), "--layers", str(args.layers),
-           "--strategy", args.strategy, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-           "--batch-size", str(args.batch_size), "--examples", str(args.examples),
-           "--step-samples", str(args.step_samples)] + (["--compare-step"] if compare_step else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--clients",
+        str(clients),
+        "--layers",
+        str(args.layers),
+        "--strategy",
+        args.strategy,
+        "--steps",
+        str(args.steps),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--examples",
+        str(args.examples),
+        "--step-samples",
+        str(args.step_samples),
+    ] + (["--compare-step"] if compare_step else [])
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -233,7 +306,9 @@ def run_child(args, clients: int, compare_step: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=22, help="decoder layers (TinyLlama has 22)")
-    p.add_argument("--strategy", default="florist", choices=["fedit", "flora", "flexlora", "florist", "floral"])
+    p.add_argument(
+        "--strategy", default="florist", choices=["fedit", "flora", "flexlora", "florist", "floral"]
+    )
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--steps", type=int, default=2, help="local steps per client in the round")
     p.add_argument("--seq-len", type=int, default=256)
@@ -254,20 +329,31 @@ def main() -> None:
     step_s, plain_s = many["fedllm_step_s"], many["plain_step_s"]
     switch_s = max(a + b for a, b in zip(rnd["switch_in_s"], rnd["read_out_s"], strict=True))
     result = {
-        "model": "TinyLlama-1.1B shape, random weights", "layers": args.layers, "strategy": args.strategy,
-        "clients": args.clients, "ranks": (RANKS * (args.clients // len(RANKS) + 1))[:args.clients],
+        "model": "TinyLlama-1.1B shape, random weights",
+        "layers": args.layers,
+        "strategy": args.strategy,
+        "clients": args.clients,
+        "ranks": (RANKS * (args.clients // len(RANKS) + 1))[: args.clients],
         "seq_len": args.seq_len,
-        "batch_size": args.batch_size, "local_steps": args.steps, "threads": torch.get_num_threads(),
+        "batch_size": args.batch_size,
+        "local_steps": args.steps,
+        "threads": torch.get_num_threads(),
         "peak_rss_mb": {"1_client": one["peak_rss_mb"], f"{args.clients}_clients": many["peak_rss_mb"]},
         "memory_ratio": many["peak_rss_mb"] / one["peak_rss_mb"],
-        "fedllm_step_s": step_s, "plain_peft_step_s": plain_s, "step_speed_ratio": plain_s / step_s,
-        "switch_in_plus_read_out_s": switch_s, "switch_share_of_150_steps": switch_s / (150 * step_s),
-        "aggregation_s": rnd["aggregation_s"], "round_phases_s": rnd["phases_s"],
+        "fedllm_step_s": step_s,
+        "plain_peft_step_s": plain_s,
+        "step_speed_ratio": plain_s / step_s,
+        "switch_in_plus_read_out_s": switch_s,
+        "switch_share_of_150_steps": switch_s / (150 * step_s),
+        "aggregation_s": rnd["aggregation_s"],
+        "round_phases_s": rnd["phases_s"],
         "client_train_s": rnd["train_s"],
     }
-    result["targets_met"] = {"memory_ratio<=1.15": result["memory_ratio"] <= 1.15,
-                             "step_speed_ratio>=0.9": result["step_speed_ratio"] >= 0.9,
-                             "switch_share<=0.02": result["switch_share_of_150_steps"] <= 0.02}
+    result["targets_met"] = {
+        "memory_ratio<=1.15": result["memory_ratio"] <= 1.15,
+        "step_speed_ratio>=0.9": result["step_speed_ratio"] >= 0.9,
+        "switch_share<=0.02": result["switch_share_of_150_steps"] <= 0.02,
+    }
     print(json.dumps(result))
 
 

@@ -18,12 +18,18 @@ from fedllm.cli import main as fedllm_main
 
 SUITES: dict[str, tuple[str | None, list[str]]] = {
     "default": (None, ["default"]),
-    "strategies": ("configs/builtin_fedit.yaml", [f"{s}:aggregation.name={s}" for s in
-                                                  ("fedit", "flora", "flexlora", "florist")]),
-    "floral": ("configs/builtin_clustered.yaml", ["fedit:aggregation.name=fedit", "floral:aggregation.name=floral",
-                                                  "local:aggregation.name=local"]),
-    "clients": ("configs/builtin_noniid_clients.yaml", [f"{a}:client.algorithm={a}" for a in
-                                                        ("sft", "fedprox", "scaffold", "perfedavg")]),
+    "strategies": (
+        "configs/builtin_fedit.yaml",
+        [f"{s}:aggregation.name={s}" for s in ("fedit", "flora", "flexlora", "florist")],
+    ),
+    "floral": (
+        "configs/builtin_clustered.yaml",
+        ["fedit:aggregation.name=fedit", "floral:aggregation.name=floral", "local:aggregation.name=local"],
+    ),
+    "clients": (
+        "configs/builtin_noniid_clients.yaml",
+        [f"{a}:client.algorithm={a}" for a in ("sft", "fedprox", "scaffold", "perfedavg")],
+    ),
 }
 
 
@@ -35,8 +41,17 @@ def main() -> int:
     p.add_argument("--output-dir")
     args, overrides = p.parse_known_args()
     config, variants = SUITES[args.suite]
-    argv = ["--log-level", "WARNING", "compare", "--seeds", str(args.seeds), "--jobs", str(args.jobs),
-            "--output-dir", args.output_dir or f"runs/compare-{args.suite}"]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "compare",
+        "--seeds",
+        str(args.seeds),
+        "--jobs",
+        str(args.jobs),
+        "--output-dir",
+        args.output_dir or f"runs/compare-{args.suite}",
+    ]
     argv += ["--config", config] if config else []
     for v in variants:
         argv += ["--variant", v]

@@ -43,8 +43,8 @@ fewshot_config:
   sampler: first_n
 output_type: multiple_choice
 description: "The following are multiple choice questions (with answers) about {name}.\\n\\n"
-doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choices[0]}}}}\\nB. {{{{choices[1]}}}}\\nC. {{{{choices[2]}}}}\\nD. \
-{{{{choices[3]}}}}\\nAnswer:"
+doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choices[0]}}}}\\nB. {{{{choices[1]}}}}\\nC. \
+{{{{choices[2]}}}}\\nD. {{{{choices[3]}}}}\\nAnswer:"
 doc_to_choice: ["A", "B", "C", "D"]
 doc_to_target: answer
 metric_list:
@@ -65,8 +65,9 @@ def write_tasks(folder: Path) -> list[str]:
             (folder / f"{subject}_{split}.jsonl").write_text("\n".join(lines) + "\n")
             if split == "test":
                 task = f"fedllm_mmlu_{subject}"
-                (folder / f"{task}.yaml").write_text(TASK.format(task=task, folder=folder, subject=subject,
-                                                                 name=subject.replace("_", " ")))
+                (folder / f"{task}.yaml").write_text(
+                    TASK.format(task=task, folder=folder, subject=subject, name=subject.replace("_", " "))
+                )
                 tasks.append(task)
     return sorted(tasks)
 
@@ -103,23 +104,79 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--per-subject", type=int, default=60)
     args = p.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_ALLOW_CODE_EVAL": "0"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_ALLOW_CODE_EVAL": "0",
+    }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        bench, _ = run_timed([sys.executable, str(ROOT / "scripts" / "bench_mmlu.py"), "--shots", str(args.shots),
-                              "--per-subject", str(args.per_subject), "--no-naive", "--threads", str(args.threads),
-                              "--batch-size", str(args.batch_size), "--export", str(folder)], env)
+        bench, _ = run_timed(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "bench_mmlu.py"),
+                "--shots",
+                str(args.shots),
+                "--per-subject",
+                str(args.per_subject),
+                "--no-naive",
+                "--threads",
+                str(args.threads),
+                "--batch-size",
+                str(args.batch_size),
+                "--export",
+                str(folder),
+            ],
+            env,
+        )
         tasks = write_tasks(folder)
         lm, lm_wall = run_timed(
-            [args.lm_eval_python, "-m", "lm_eval", "--model", "hf", "--model_args",
-             f"pretrained={folder / 'model'},dtype=float32", "--tasks", ",".join(tasks), "--include_path",
-             str(folder), "--num_fewshot", str(args.shots), "--batch_size", str(args.batch_size), "--device", "cpu",
-             "--log_samples", "--output_path", str(folder / "lm_eval_out")], env)
+            [
+                args.lm_eval_python,
+                "-m",
+                "lm_eval",
+                "--model",
+                "hf",
+                "--model_args",
+                f"pretrained={folder / 'model'},dtype=float32",
+                "--tasks",
+                ",".join(tasks),
+                "--include_path",
+                str(folder),
+                "--num_fewshot",
+                str(args.shots),
+                "--batch_size",
+                str(args.batch_size),
+                "--device",
+                "cpu",
+                "--log_samples",
+                "--output_path",
+                str(folder / "lm_eval_out"),
+            ],
+            env,
+        )
         ours, our_wall = run_timed(
-            [sys.executable, "-m", "fedllm.cli", "eval", "--model", str(folder / "model"), "--data", str(folder),
-             "--shots", str(args.shots), "--batch-size", str(args.batch_size), "--output",
-             str(folder / "fedllm.json")], env)
+            [
+                sys.executable,
+                "-m",
+                "fedllm.cli",
+                "eval",
+                "--model",
+                str(folder / "model"),
+                "--data",
+                str(folder),
+                "--shots",
+                str(args.shots),
+                "--batch-size",
+                str(args.batch_size),
+                "--output",
+                str(folder / "fedllm.json"),
+            ],
+            env,
+        )
         theirs = harness_scores(folder / "lm_eval_out")
         records = json.loads((folder / "fedllm.json").read_text())
     mine = {(r["subject"], r["index"]): r["loglikelihoods"] for r in records["records"]}
@@ -134,15 +191,27 @@ def main() -> None:
     lm_phase = harness_phase_s(lm.stderr)
     scored = re.findall(r"scored \d+ questions in ([\d.]+) s", ours.stderr + ours.stdout)
     our_phase = float(scored[-1]) if scored else None
-    result = {"questions": n, "shots": args.shots, "batch_size": args.batch_size, "threads": args.threads,
-              "lm_eval_wall_s": lm_wall, "fedllm_wall_s": our_wall, "wall_ratio": lm_wall / our_wall,
-              "lm_eval_loglikelihood_s": lm_phase, "fedllm_scoring_s": our_phase,
-              "scoring_ratio": lm_phase / our_phase if lm_phase and our_phase else None,
-              "same_predictions": agree, "max_abs_dll": max_dll,
-              "bench_mmlu": json.loads(bench.stdout.strip().splitlines()[-1])}  # reuse vs single, same model
-    print(f"{n} questions, {args.shots}-shot: lm-eval {lm_wall:.1f} s (log-likelihood phase {lm_phase} s), "
-          f"fedllm {our_wall:.1f} s (scoring {our_phase and round(our_phase, 1)} s); same prediction on {agree}/{n}, "
-          f"max |dLL| {max_dll:.1e}")
+    result = {
+        "questions": n,
+        "shots": args.shots,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "lm_eval_wall_s": lm_wall,
+        "fedllm_wall_s": our_wall,
+        "wall_ratio": lm_wall / our_wall,
+        "lm_eval_loglikelihood_s": lm_phase,
+        "fedllm_scoring_s": our_phase,
+        "scoring_ratio": lm_phase / our_phase if lm_phase and our_phase else None,
+        "same_predictions": agree,
+        "max_abs_dll": max_dll,
+        "bench_mmlu": json.loads(bench.stdout.strip().splitlines()[-1]),
+    }  # reuse vs single, same model
+    print(
+        f"{n} questions, {args.shots}-shot: lm-eval {lm_wall:.1f} s (log-likelihood phase {lm_phase} s), "
+        f"fedllm {our_wall:.1f} s (scoring {our_phase and round(our_phase, 1)} s); same prediction on "
+        f"{agree}/{n}, "
+        f"max |dLL| {max_dll:.1e}"
+    )
     print(json.dumps(result))
 
 

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check .
+ruff format --check .
 python -m pytest -q "$@"

@@ -33,10 +33,14 @@ def builtin_base(fedllm_cache):
     return ensure_builtin_base(TEST_PRETRAIN_STEPS)
 
 
-def random_factors(rank: int, out_dim: int, in_dim: int, scale: float, gen: torch.Generator,
-                   dtype=torch.float64) -> LoraFactors:
-    return LoraFactors(torch.randn(rank, in_dim, generator=gen, dtype=dtype),
-                       torch.randn(out_dim, rank, generator=gen, dtype=dtype), scale)
+def random_factors(
+    rank: int, out_dim: int, in_dim: int, scale: float, gen: torch.Generator, dtype=torch.float64
+) -> LoraFactors:
+    return LoraFactors(
+        torch.randn(rank, in_dim, generator=gen, dtype=dtype),
+        torch.randn(out_dim, rank, generator=gen, dtype=dtype),
+        scale,
+    )
 
 
 @pytest.fixture
@@ -82,7 +86,9 @@ def assert_close_updates(a, b, tol: float) -> None:
 
 
 def switch_in(sim, client, round_idx: int):
-    """Switch ``client`` in as it would start ``round_idx``; returns its trainable parameters and start factors."""
+    """Switch ``client`` in as it would start ``round_idx``; returns its trainable parameters and start
+    factors.
+    """
     return sim.runtime.switch_in(client, sim.server.client_start(round_idx, client.client_id))
 
 

@@ -147,8 +147,10 @@ def test_flexlora_never_forms_dense(gen, monkeypatch):
     # Layers larger than the sum of ranks (as in real models): no product may
     # have the out x in shape of the dense update.
     big_out, big_in = 300, 260
-    updates = [ClientUpdate(k, n, {"m.q_proj": random_factors(r, big_out, big_in, 2.0, gen)})
-               for k, (r, n) in enumerate(zip(RANKS, COUNTS, strict=True))]
+    updates = [
+        ClientUpdate(k, n, {"m.q_proj": random_factors(r, big_out, big_in, 2.0, gen)})
+        for k, (r, n) in enumerate(zip(RANKS, COUNTS, strict=True))
+    ]
     seen = []
     real_matmul = torch.Tensor.__matmul__
 
@@ -207,8 +209,12 @@ def test_shared_invariants(name, gen):
     # 1. identical clients give back that client's update
     same = [ClientUpdate(k, n, base[0].factors) for k, n in enumerate([5, 7, 11])]
     res = strategy.aggregate(same, GlobalState())
-    assert_close(effective_update(name, res, GlobalState())[key].delta(), base[0].factors[key].delta(),
-                 rtol=1e-6, atol=1e-9)
+    assert_close(
+        effective_update(name, res, GlobalState())[key].delta(),
+        base[0].factors[key].delta(),
+        rtol=1e-6,
+        atol=1e-9,
+    )
     # 2. reordering clients changes nothing
     a = effective_update(name, strategy.aggregate(base, GlobalState()), GlobalState())[key].delta()
     for perm in itertools.permutations(base):
@@ -233,13 +239,17 @@ def test_registry_rejects_bad_names():
 
 @pytest.mark.parametrize("split", ["us", "sqrt"])
 def test_flexlora_client_factors_follow_the_split(gen, split):
-    """'us' (the reference's default): B = U S, A = V^T with orthonormal rows; 'sqrt': balanced. Same product."""
+    """'us' (the reference's default): B = U S, A = V^T with orthonormal rows; 'sqrt': balanced. Same
+    product.
+    """
     updates = make_updates(gen, ranks=[8, 4, 8], counts=[10, 30, 60], modules=("m.q_proj",))
     strategy = FlexLoRA(split=split)
     res = strategy.aggregate(updates, GlobalState())
     start = strategy.client_factors(res.state, 4, 1.0, 0)["m.q_proj"]
     u, s, vh = torch.linalg.svd(dense_sum(updates, "m.q_proj"), full_matrices=False)
-    assert_close(start.delta(), (u[:, :4] * s[:4]) @ vh[:4], rtol=1e-6, atol=1e-8)  # the truncated SVD either way
+    assert_close(
+        start.delta(), (u[:, :4] * s[:4]) @ vh[:4], rtol=1e-6, atol=1e-8
+    )  # the truncated SVD either way
     gram_a = start.A @ start.A.T
     if split == "us":
         assert_close(gram_a, torch.eye(4, dtype=gram_a.dtype), rtol=1e-8, atol=1e-8)
@@ -276,7 +286,9 @@ def test_server_cost_benchmark_runs_each_strategy(name):
 
 @pytest.mark.slow
 def test_server_cost_benchmark_agrees_with_the_dense_reference():
-    """The benchmark's dense-SVD reference on 1 TinyLlama-shaped layer: our factors within float error of it."""
+    """The benchmark's dense-SVD reference on 1 TinyLlama-shaped layer: our factors within float
+    error of it.
+    """
     ref = _bench_aggregation().dense_reference(1)
     assert ref["max_rel_err_full"] < 1e-5 and ref["max_rel_err_truncated"] < 1e-4
     assert ref["truncations_checked"] > 0

@@ -34,8 +34,18 @@ class LeastSquares(nn.Module):
 
 def plan(steps, lr, seed=0, scheduler="constant", clip=0.0, grad_accum=1):
     """A plan whose AdamW and SGD learning rates are both ``lr``."""
-    return LocalPlan(round=1, client_id=0, steps=steps, seed=seed, lr=lr, sgd_lr=lr, batch_size=1,
-                     scheduler=scheduler, max_grad_norm=clip, grad_accum=grad_accum)
+    return LocalPlan(
+        round=1,
+        client_id=0,
+        steps=steps,
+        seed=seed,
+        lr=lr,
+        sgd_lr=lr,
+        batch_size=1,
+        scheduler=scheduler,
+        max_grad_norm=clip,
+        grad_accum=grad_accum,
+    )
 
 
 def test_fedprox_mu_zero_equals_sft():
@@ -46,7 +56,9 @@ def test_fedprox_mu_zero_equals_sft():
         model = LeastSquares(3)
         with torch.no_grad():
             model.theta.copy_(torch.tensor([0.3, -0.2, 0.1]))
-        algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), plan(15, 0.05), None, {})
+        algo.train(
+            model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), plan(15, 0.05), None, {}
+        )
         results.append(model.theta.detach().clone())
     assert torch.equal(results[0], results[1])
 
@@ -93,8 +105,15 @@ def federate(algo, data, rounds, local_steps, lr, **plan_kw):
             model = LeastSquares(len(theta))
             with torch.no_grad():
                 model.theta.copy_(theta)
-            res = algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}),
-                             plan(local_steps, lr, seed=r, **plan_kw), None, states[k], server.download(1))
+            res = algo.train(
+                model,
+                {"theta": model.theta},
+                itertools.repeat({"X": X, "y": y}),
+                plan(local_steps, lr, seed=r, **plan_kw),
+                None,
+                states[k],
+                server.download(1),
+            )
             new.append(model.theta.detach().clone())
             updates.append(SimpleNamespace(extras=res.extras, num_examples=len(y)))
         theta = sum(len(y) / n * t for (_, y), t in zip(data, new, strict=True))
@@ -126,16 +145,23 @@ def test_scaffold_with_unequal_sizes_cosine_and_clip_finds_the_weighted_optimum(
 def test_scaffold_control_variate_averages_with_example_weights():
     """Server step by hand: c += sum_k (n_k / n) dc_k with n over all clients (sampled or not)."""
     server = ScaffoldServer()
-    ups = [SimpleNamespace(extras={"dc.w": torch.tensor([1.0, 0.0])}, num_examples=10),
-           SimpleNamespace(extras={"dc.w": torch.tensor([0.0, 4.0])}, num_examples=30)]
+    ups = [
+        SimpleNamespace(extras={"dc.w": torch.tensor([1.0, 0.0])}, num_examples=10),
+        SimpleNamespace(extras={"dc.w": torch.tensor([0.0, 4.0])}, num_examples=30),
+    ]
     server.update(ups, 80)  # 40 more examples sit with clients not sampled this round
     assert_close(server.state_dict()["w"], torch.tensor([10 / 80, 30 / 80 * 4]))
 
 
 def test_scaffold_download_is_fitted_to_the_client_rank():
     server = ScaffoldServer()
-    server.load_state_dict({"m.A": torch.arange(12.0).reshape(4, 3), "m.B": torch.arange(8.0).reshape(2, 4),
-                            "lm_head.weight": torch.ones(5, 2)})
+    server.load_state_dict(
+        {
+            "m.A": torch.arange(12.0).reshape(4, 3),
+            "m.B": torch.arange(8.0).reshape(2, 4),
+            "lm_head.weight": torch.ones(5, 2),
+        }
+    )
     got = server.download(2)
     assert_close(got["m.A"], torch.arange(6.0).reshape(2, 3))  # the leading rows of A, columns of B
     assert_close(got["m.B"], torch.tensor([[0.0, 1.0], [4.0, 5.0]]))
@@ -147,8 +173,12 @@ def quadratic_batches(dim=3, seed=0):
     out = []
     for _ in range(3):
         M = torch.randn(dim, dim, generator=gen, dtype=torch.float64)
-        out.append({"H": M @ M.T + torch.eye(dim, dtype=torch.float64), "b": torch.randn(dim, generator=gen,
-                                                                                          dtype=torch.float64)})
+        out.append(
+            {
+                "H": M @ M.T + torch.eye(dim, dtype=torch.float64),
+                "b": torch.randn(dim, generator=gen, dtype=torch.float64),
+            }
+        )
     return out
 
 
@@ -161,7 +191,9 @@ def test_perfedavg_update_hand_computed(variant):
     with torch.no_grad():
         model.theta.copy_(theta0)
     algo = PerFedAvg(alpha=alpha, variant=variant)
-    algo.train(model, {"theta": model.theta}, iter([d1, d2, d3]), plan(1, beta), None, {})  # beta = client.sgd_lr
+    algo.train(
+        model, {"theta": model.theta}, iter([d1, d2, d3]), plan(1, beta), None, {}
+    )  # beta = client.sgd_lr
     inner = theta0 - alpha * (d1["H"] @ theta0 - d1["b"])
     g = d2["H"] @ inner - d2["b"]
     if variant == "hf":
@@ -189,7 +221,10 @@ def test_perfedavg_hessian_vector_product_sees_one_dropout_mask():
     then depend on perfedavg_fd_delta.
     """
     gen = torch.Generator().manual_seed(0)
-    X, y = torch.randn(40, 5, generator=gen, dtype=torch.float64), torch.randn(40, generator=gen, dtype=torch.float64)
+    X, y = (
+        torch.randn(40, 5, generator=gen, dtype=torch.float64),
+        torch.randn(40, generator=gen, dtype=torch.float64),
+    )
     results = []
     for delta in (1e-4, 1e-1):
         model = DropoutSquares(5)
@@ -197,7 +232,9 @@ def test_perfedavg_hessian_vector_product_sees_one_dropout_mask():
             model.theta.copy_(torch.linspace(-1, 1, 5, dtype=torch.float64))
         model.train()
         algo = PerFedAvg(alpha=0.05, variant="hf", fd_delta=delta)
-        algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), plan(1, 0.1, seed=3), None, {})
+        algo.train(
+            model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), plan(1, 0.1, seed=3), None, {}
+        )
         results.append(model.theta.detach().clone())
     assert_close(results[0], results[1], rtol=1e-8, atol=1e-10)
 
@@ -208,8 +245,9 @@ def test_perfedavg_gradients_average_the_accumulated_micro_batches():
     model = LeastSquares(3)
     with torch.no_grad():
         model.theta.copy_(theta0)
-    PerFedAvg(alpha=0.05, variant="fo").train(model, {"theta": model.theta}, iter(d), plan(1, 0.1, grad_accum=2),
-                                              None, {})
+    PerFedAvg(alpha=0.05, variant="fo").train(
+        model, {"theta": model.theta}, iter(d), plan(1, 0.1, grad_accum=2), None, {}
+    )
 
     def grad(batch, t):
         return batch["H"] @ t - batch["b"]
@@ -220,12 +258,23 @@ def test_perfedavg_gradients_average_the_accumulated_micro_batches():
 
 
 def test_sgd_steps_take_client_sgd_lr_and_personalization_too():
-    """client.lr is AdamW's; every plain-SGD step (SCAFFOLD, sft with sgd, personalization) takes client.sgd_lr."""
+    """client.lr is AdamW's; every plain-SGD step (SCAFFOLD, sft with sgd, personalization) takes
+    client.sgd_lr.
+    """
     X, y = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64)
     for algo in (Scaffold(), SFT(optimizer="sgd")):
         model = LeastSquares(2)
-        p = LocalPlan(round=1, client_id=0, steps=1, seed=0, lr=1e-9, sgd_lr=0.5, batch_size=1,
-                      scheduler="constant", max_grad_norm=0.0)
+        p = LocalPlan(
+            round=1,
+            client_id=0,
+            steps=1,
+            seed=0,
+            lr=1e-9,
+            sgd_lr=0.5,
+            batch_size=1,
+            scheduler="constant",
+            max_grad_norm=0.0,
+        )
         algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), p, None, {})
         assert_close(model.theta.detach(), 0.5 * torch.tensor([0.5, 1.0], dtype=torch.float64))  # -0.5 * grad
     model = LeastSquares(2)
@@ -249,8 +298,12 @@ def test_federated_run_with_each_algorithm(tmp_path, algorithm):
     from tests.conftest import tiny_overrides
 
     extra = ["client.perfedavg_variant=hf"] if algorithm == "perfedavg" else []
-    cfg = load_config(None, tiny_overrides(tmp_path / "r", f"client.algorithm={algorithm}",
-                                           "data.client_test_fraction=0.3", *extra))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "r", f"client.algorithm={algorithm}", "data.client_test_fraction=0.3", *extra
+        ),
+    )
     fed = Simulation(cfg, tmp_path / "r")
     fed.setup()
     fed.run()
@@ -270,8 +323,9 @@ def test_client_dropout_and_heterogeneous_steps(tmp_path):
     from fedllm.simulation import Simulation
     from tests.conftest import tiny_overrides
 
-    cfg = load_config(None, tiny_overrides(tmp_path / "r", "federation.dropout=0.5",
-                                           "client.local_steps_per_client=[1,3]"))
+    cfg = load_config(
+        None, tiny_overrides(tmp_path / "r", "federation.dropout=0.5", "client.local_steps_per_client=[1,3]")
+    )
     fed = Simulation(cfg, tmp_path / "r")
     fed.setup()
     fed.run()

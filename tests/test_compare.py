@@ -26,13 +26,27 @@ def test_statistics_hand_computed():
 
 
 def test_summary_names_no_winner_when_the_interval_holds_zero():
-    results = {"a": {0: {"accuracy": 0.5}, 1: {"accuracy": 0.6}, 2: {"accuracy": 0.55}},
-               "b": {0: {"accuracy": 0.6}, 1: {"accuracy": 0.4}, 2: {"accuracy": 0.6}}}
+    results = {
+        "a": {0: {"accuracy": 0.5}, 1: {"accuracy": 0.6}, 2: {"accuracy": 0.55}},
+        "b": {0: {"accuracy": 0.6}, 1: {"accuracy": 0.4}, 2: {"accuracy": 0.6}},
+    }
     for r in results.values():
         for m in r.values():
-            m.update({k: None for k in ("accuracy_gain", "heldout_loss", "heldout_loss_drop", "client_acc_global",
-                                        "client_acc_personal",
-                                        "up_params", "down_params", "wall_s")})
+            m.update(
+                {
+                    k: None
+                    for k in (
+                        "accuracy_gain",
+                        "heldout_loss",
+                        "heldout_loss_drop",
+                        "client_acc_global",
+                        "client_acc_personal",
+                        "up_params",
+                        "down_params",
+                        "wall_s",
+                    )
+                }
+            )
     s = summarize(results)
     assert s["baseline"] == "a" and s["seeds"] == [0, 1, 2] and list(s["metrics"]) == ["accuracy"]
     text = format_summary(s)
@@ -41,7 +55,9 @@ def test_summary_names_no_winner_when_the_interval_holds_zero():
 
 def test_variant_syntax_errors_name_the_variant():
     assert parse_variant("flora:aggregation.name=flora,lora.dropout=0.1").overrides == [
-        "aggregation.name=flora", "lora.dropout=0.1"]
+        "aggregation.name=flora",
+        "lora.dropout=0.1",
+    ]
     assert parse_variant("base").overrides == []
     with pytest.raises(ValueError, match="'x-y:a=b': the name before ':' must be an identifier"):
         parse_variant("x-y:a=b")
@@ -52,16 +68,45 @@ def test_variant_syntax_errors_name_the_variant():
 def test_compare_runs_every_variant_on_the_same_partitions(tmp_path, builtin_base, capsys):
     from fedllm.cli import main
 
-    common = [o for o in tiny_overrides(tmp_path, "federation.rounds=1", "eval.personalized=false")
-              if not o.startswith("output.dir")]
-    assert main(["compare", "--variant", "fedit:aggregation.name=fedit", "--variant", "flora:aggregation.name=flora",
-                 "--seeds", "2", "--jobs", "2", "--output-dir", str(tmp_path / "cmp"), *common]) == 0
+    common = [
+        o
+        for o in tiny_overrides(tmp_path, "federation.rounds=1", "eval.personalized=false")
+        if not o.startswith("output.dir")
+    ]
+    assert (
+        main(
+            [
+                "compare",
+                "--variant",
+                "fedit:aggregation.name=fedit",
+                "--variant",
+                "flora:aggregation.name=flora",
+                "--seeds",
+                "2",
+                "--jobs",
+                "2",
+                "--output-dir",
+                str(tmp_path / "cmp"),
+                *common,
+            ]
+        )
+        == 0
+    )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # last line: one JSON object
     assert last["seeds"] == [0, 1] and last["baseline"] == "fedit"
-    assert set(last["metrics"]["accuracy"]) == {"fedit", "flora"} and "vs_fedit" in last["metrics"]["accuracy"]["flora"]
-    part = {(v, s): (tmp_path / "cmp" / v / f"seed-{s}" / "partition.json").read_text()
-            for v in ("fedit", "flora") for s in (0, 1)}
+    assert (
+        set(last["metrics"]["accuracy"]) == {"fedit", "flora"}
+        and "vs_fedit" in last["metrics"]["accuracy"]["flora"]
+    )
+    part = {
+        (v, s): (tmp_path / "cmp" / v / f"seed-{s}" / "partition.json").read_text()
+        for v in ("fedit", "flora")
+        for s in (0, 1)
+    }
     assert part[("fedit", 0)] == part[("flora", 0)] and part[("fedit", 1)] == part[("flora", 1)]
     assert part[("fedit", 0)] != part[("fedit", 1)]  # another seed, another partition
     acc = last["per_seed"]["flora"]["1"]["accuracy"]
-    assert acc == json.loads((tmp_path / "cmp" / "flora" / "seed-1" / "summary.json").read_text())["accuracy_after"]
+    assert (
+        acc
+        == json.loads((tmp_path / "cmp" / "flora" / "seed-1" / "summary.json").read_text())["accuracy_after"]
+    )

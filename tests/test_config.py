@@ -17,7 +17,9 @@ def test_defaults_are_valid():
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("federation:\n  rounds: 7\nlora:\n  ranks: [2, 4]\naggregation:\n  name: florist\n")
-    cfg = load_config(path, ["federation.rounds=3", "aggregation.tau=0.8", "client.lr=1e-4", "lora.ranks=[8,8,4]"])
+    cfg = load_config(
+        path, ["federation.rounds=3", "aggregation.tau=0.8", "client.lr=1e-4", "lora.ranks=[8,8,4]"]
+    )
     assert cfg.federation.rounds == 3
     assert cfg.aggregation.name == "florist" and cfg.aggregation.tau == 0.8
     assert cfg.client.lr == pytest.approx(1e-4)
@@ -33,7 +35,10 @@ def test_int_is_accepted_for_float():
     [
         ("federaton.rounds=3", r"unknown config key 'federaton.rounds'.*did you mean 'federation.rounds'"),
         ("lora.rnaks=[4]", r"did you mean 'lora.ranks'"),
-        ("aggregation.name=fedsgd", r"aggregation.name = 'fedsgd' is unknown; valid choices: .*fedit.*flexlora"),
+        (
+            "aggregation.name=fedsgd",
+            r"aggregation.name = 'fedsgd' is unknown; valid choices: .*fedit.*flexlora",
+        ),
         ("aggregation.tau=0", r"aggregation.tau = 0.0 is invalid: expected in \(0, 1\]"),
         ("aggregation.tau=1.5", r"aggregation.tau"),
         ("aggregation.fixed_rank=-1", r"aggregation.fixed_rank"),
@@ -46,7 +51,10 @@ def test_int_is_accepted_for_float():
         ("client.lr=-1e-3", r"client.lr"),
         ("federation.clients_per_round=9", r"clients_per_round = 9 exceeds federation.num_clients = 4"),
         ("client.algorithm=adam", r"client.algorithm = 'adam' is unknown"),
-        ("data.partition=random", r"data.partition = 'random' is invalid: expected one of iid, dirichlet, shards"),
+        (
+            "data.partition=random",
+            r"data.partition = 'random' is invalid: expected one of iid, dirichlet, shards",
+        ),
         ("model.quantization=2bit", r"model.quantization"),
         ("lora.dropout=1.0", r"lora.dropout"),
         ("rounds=3", r"unknown config key 'rounds'"),

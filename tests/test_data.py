@@ -14,8 +14,12 @@ from data_prep.schema import DataError, Example
 
 DOLLY = [
     {"instruction": "Name a primary color.", "context": "", "response": "Red.", "category": "open_qa"},
-    {"instruction": "Summarize.", "context": "Cats sleep a lot.", "response": "Cats sleep.",
-     "category": "summarization"},
+    {
+        "instruction": "Summarize.",
+        "context": "Cats sleep a lot.",
+        "response": "Cats sleep.",
+        "category": "summarization",
+    },
 ]
 ALPACA = [
     {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
@@ -57,18 +61,24 @@ def test_loaders_map_real_schemas(tmp_path, records, fmt, suffix):
 def test_loader_errors_name_file_line_and_field(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_examples(str(tmp_path / "missing.jsonl"))
-    bad = write_jsonl(tmp_path / "bad.jsonl", [DOLLY[0], {"instruction": "x", "context": "", "category": "a"}])
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl", [DOLLY[0], {"instruction": "x", "context": "", "category": "a"}]
+    )
     with pytest.raises(DataError, match=r"bad.jsonl, line 2: missing required field 'response'"):
         load_examples(str(bad), "dolly")
     empty = write_jsonl(tmp_path / "empty.jsonl", [{"instruction": "  ", "input": "", "output": "x"}])
-    with pytest.raises(DataError, match=r"empty.jsonl, line 1: field 'instruction' must be a non-empty string"):
+    with pytest.raises(
+        DataError, match=r"empty.jsonl, line 1: field 'instruction' must be a non-empty string"
+    ):
         load_examples(str(empty))
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(ALPACA[0]) + "\n{not json\n")
     with pytest.raises(DataError, match=r"broken.jsonl, line 2: not valid JSON"):
         load_examples(str(broken))
     unknown = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "a", "completion": "b"}])
-    with pytest.raises(DataError, match=r"cannot tell the dataset format from fields \['completion', 'prompt'\]"):
+    with pytest.raises(
+        DataError, match=r"cannot tell the dataset format from fields \['completion', 'prompt'\]"
+    ):
         load_examples(str(unknown))
     txt = tmp_path / "d.csv"
     txt.write_text("a,b\n")
@@ -142,7 +152,9 @@ def test_builtin_benchmark_is_balanced_and_held_out():
 
 
 def test_pretraining_never_shows_the_benchmark_skills_as_multiple_choice():
-    """The base learns the format on the format skills only: the benchmark skills' format is the federated lesson."""
+    """The base learns the format on the format skills only: the benchmark skills' format is the federated
+    lesson.
+    """
     from fedllm.builtin_model import pretraining_examples
 
     examples = pretraining_examples(seed=0, n_per_skill=50)
@@ -167,8 +179,10 @@ def test_loss_only_on_response_tokens(tokenizer):
     assert tok.labels[prompt_len:] == tok.input_ids[prompt_len:]
     assert tokenizer.convert_ids_to_tokens(tok.labels[prompt_len]) == "5"
     assert tok.input_ids[-1] == tokenizer.eos_token_id
-    batch = collate([tok, tokenize_example(Example("Is 3 even or odd ?", "", "odd"), tokenizer, "plain", 64)],
-                    tokenizer.pad_token_id)
+    batch = collate(
+        [tok, tokenize_example(Example("Is 3 even or odd ?", "", "odd"), tokenizer, "plain", 64)],
+        tokenizer.pad_token_id,
+    )
     assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
 
 
@@ -211,8 +225,11 @@ def _unreadable_files(tmp_path):
     truncated.write_bytes(truncated.read_bytes()[:200])
     folder = tmp_path / "folder.jsonl"
     folder.mkdir()
-    cases = [(garbage, "is not UTF-8 text (byte 0xa1 at offset 0)"), (truncated, "not a readable parquet file"),
-             (folder, "is a directory")]
+    cases = [
+        (garbage, "is not UTF-8 text (byte 0xa1 at offset 0)"),
+        (truncated, "not a readable parquet file"),
+        (folder, "is a directory"),
+    ]
     if os.geteuid() != 0:  # root reads any file: no permission error to provoke
         locked = write_jsonl(tmp_path / "locked.jsonl", DOLLY)
         locked.chmod(0)
@@ -255,6 +272,10 @@ def test_read_errors_other_than_decoding_name_the_file(tmp_path, monkeypatch):
 
 def test_lone_surrogate_is_refused_with_file_line_and_field(tmp_path):
     path = tmp_path / "s.jsonl"
-    path.write_text(json.dumps(DOLLY[0]) + "\n" + '{"instruction": "hi \\ud800", "context": "", "response": "x"}\n')
-    with pytest.raises(DataError, match=r"s.jsonl, line 2: field 'instruction' holds text that is not valid Unicode"):
+    path.write_text(
+        json.dumps(DOLLY[0]) + "\n" + '{"instruction": "hi \\ud800", "context": "", "response": "x"}\n'
+    )
+    with pytest.raises(
+        DataError, match=r"s.jsonl, line 2: field 'instruction' holds text that is not valid Unicode"
+    ):
         load_examples(str(path))

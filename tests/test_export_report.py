@@ -34,14 +34,18 @@ def test_adapter_export_loads_both_ways(finished_run, tmp_path):
     from fedllm.export import base_model_reference, export_run
 
     out = export_run(finished_run, tmp_path / "adapter")
-    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {
+        p.name for p in out.iterdir()
+    }
     base_path = base_model_reference(load_config(finished_run / "config.yaml"))
     a = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), out).eval()
     b = AutoPeftModelForCausalLM.from_pretrained(out).eval()
     ids = torch.tensor([[1, 7, 20, 33, 5]])
     torch.testing.assert_close(logits(a, ids), logits(b, ids))
     # and it is the run's own global adapter
-    g = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), finished_run / "global_adapter")
+    g = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path), finished_run / "global_adapter"
+    )
     torch.testing.assert_close(logits(a, ids), logits(g.eval(), ids))
 
 
@@ -53,12 +57,19 @@ def test_merged_export_equals_base_plus_adapter(finished_run, tmp_path):
 
     merged = export_run(finished_run, tmp_path / "merged", merge=True)
     names = {p.name for p in merged.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+        "README.md",
+    } <= names
     m = AutoModelForCausalLM.from_pretrained(merged).eval()
     AutoTokenizer.from_pretrained(merged)
     base_path = base_model_reference(load_config(finished_run / "config.yaml"))
-    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path),
-                                    finished_run / "global_adapter").eval()
+    ref = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path), finished_run / "global_adapter"
+    ).eval()
     ids = torch.tensor([[1, 9, 11, 40, 2]])
     torch.testing.assert_close(logits(m, ids), logits(ref, ids), rtol=1e-4, atol=1e-5)
 
@@ -139,10 +150,17 @@ def test_push_uses_exact_repo_and_files_and_never_writes_the_token(finished_run,
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     out = tmp_path / "push"
-    assert main(["export", str(finished_run), "--output", str(out), "--push-to-hub", "org/fed-model",
-                 "--private"]) == 0
+    assert (
+        main(
+            ["export", str(finished_run), "--output", str(out), "--push-to-hub", "org/fed-model", "--private"]
+        )
+        == 0
+    )
     assert calls["create"] == ("org/fed-model", True)
-    assert calls["upload"] == ("org/fed-model", ["README.md", "adapter_config.json", "adapter_model.safetensors"])
+    assert calls["upload"] == (
+        "org/fed-model",
+        ["README.md", "adapter_config.json", "adapter_model.safetensors"],
+    )
     for folder in (out, finished_run):
         for p in folder.rglob("*"):
             if p.is_file():
@@ -196,7 +214,9 @@ def test_report_table_and_plots(finished_run, tmp_path):
     rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
     expected = [[r["round"], r["accuracy"]] for r in rows if r.get("accuracy") is not None]
     assert data["runs"][0]["accuracy_by_round"] == expected
-    assert [[x, y] for x, y, _ in data["groups"][0]["loss_by_round"]] == [[r["round"], r["eval_loss"]] for r in rows]
+    assert [[x, y] for x, y, _ in data["groups"][0]["loss_by_round"]] == [
+        [r["round"], r["eval_loss"]] for r in rows
+    ]
     comm = [c for c, _ in data["runs"][0]["accuracy_by_comm"]]
     assert comm == sorted(comm) and len(comm) == len(expected)
     for name in ("accuracy_vs_round.png", "accuracy_vs_communication.png", "loss_vs_round.png"):
@@ -210,12 +230,24 @@ def _fake_run(path, seed, accs, losses, strategy="fedit"):
     import yaml
 
     path.mkdir(parents=True)
-    cfg = {"aggregation": {"name": strategy}, "federation": {"seed": seed}, "output": {"dir": str(path)},
-           "eval": {"benchmark": "builtin"}}
+    cfg = {
+        "aggregation": {"name": strategy},
+        "federation": {"seed": seed},
+        "output": {"dir": str(path)},
+        "eval": {"benchmark": "builtin"},
+    }
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    rows = [{"round": i, "accuracy": a, "eval_loss": lo, "up_bytes": 10, "down_bytes": 20,
-             "cumulative": {"total_up_bytes": 10 * i, "total_down_bytes": 20 * i}}
-            for i, (a, lo) in enumerate(zip(accs, losses, strict=True))]
+    rows = [
+        {
+            "round": i,
+            "accuracy": a,
+            "eval_loss": lo,
+            "up_bytes": 10,
+            "down_bytes": 20,
+            "cumulative": {"total_up_bytes": 10 * i, "total_down_bytes": 20 * i},
+        }
+        for i, (a, lo) in enumerate(zip(accs, losses, strict=True))
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (path / "summary.json").write_text(json.dumps({"strategy": strategy, "wall_s": 1.0 + seed}))
     return path
@@ -225,8 +257,10 @@ def test_report_groups_seeds_into_mean_and_band(tmp_path):
     """Seeds of one variant are one line: mean +/- std per round; another strategy is another group."""
     from fedllm.report import report
 
-    runs = [_fake_run(tmp_path / "fedit" / f"seed-{s}", s, accs, [0.5, 0.4]) for s, accs in
-            enumerate([[0.3, 0.5], [0.3, 0.7], [0.3, 0.6]])]
+    runs = [
+        _fake_run(tmp_path / "fedit" / f"seed-{s}", s, accs, [0.5, 0.4])
+        for s, accs in enumerate([[0.3, 0.5], [0.3, 0.7], [0.3, 0.6]])
+    ]
     runs.append(_fake_run(tmp_path / "flora" / "seed-0", 0, [0.3, 0.9], [0.5, 0.3], strategy="flora"))
     text = report(runs, tmp_path / "out")
     data = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -240,7 +274,9 @@ def test_report_groups_seeds_into_mean_and_band(tmp_path):
 
 def test_tensorboard_tracker_logs_rounds(tmp_path):
     pytest.importorskip("tensorboard")
-    cfg = load_config(None, tiny_overrides(tmp_path / "tb", "output.log_with=[tensorboard]", "federation.rounds=1"))
+    cfg = load_config(
+        None, tiny_overrides(tmp_path / "tb", "output.log_with=[tensorboard]", "federation.rounds=1")
+    )
     fed = Simulation(cfg, tmp_path / "tb")
     fed.setup()
     fed.run()
@@ -249,7 +285,9 @@ def test_tensorboard_tracker_logs_rounds(tmp_path):
 
 
 @pytest.mark.parametrize("offline", ["1", "0"])
-def test_push_without_network_is_one_line_and_keeps_the_export(finished_run, tmp_path, monkeypatch, capsys, offline):
+def test_push_without_network_is_one_line_and_keeps_the_export(
+    finished_run, tmp_path, monkeypatch, capsys, offline
+):
     from fedllm.cli import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", offline)  # "0": the machine has no route to the Hub either way
@@ -262,5 +300,8 @@ def test_push_without_network_is_one_line_and_keeps_the_export(finished_run, tmp
         main(["export", str(finished_run), "--output", str(out), "--push-to-hub", "org/fed-model"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
-    assert err.startswith("fedllm: error: --push-to-hub org/fed-model") and f"hf upload org/fed-model {out}" in err
+    assert (
+        err.startswith("fedllm: error: --push-to-hub org/fed-model")
+        and f"hf upload org/fed-model {out}" in err
+    )
     assert (out / "adapter_model.safetensors").exists()

@@ -16,13 +16,17 @@ def peft_model(builtin_base):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(builtin_base)
-    return attach_lora(base, [4, 8], LoraConfig(ranks=[4, 8], alpha_ratio=2.0, target_modules=["q_proj", "v_proj"]))
+    return attach_lora(
+        base, [4, 8], LoraConfig(ranks=[4, 8], alpha_ratio=2.0, target_modules=["q_proj", "v_proj"])
+    )
 
 
 def test_round_trip_and_copies(peft_model):
     name = adapter_name(8)
-    factors = {k: LoraFactors(torch.randn_like(f.A), torch.randn_like(f.B), f.scale)
-               for k, f in fresh_factors(peft_model, name, 0).items()}
+    factors = {
+        k: LoraFactors(torch.randn_like(f.A), torch.randn_like(f.B), f.scale)
+        for k, f in fresh_factors(peft_model, name, 0).items()
+    }
     write_factors(peft_model, name, factors)
     back = read_factors(peft_model, name)
     assert set(back) == set(factors)
@@ -71,8 +75,10 @@ def test_write_rejects_bad_shapes_and_missing_modules(peft_model):
 def test_merge_into_base_equals_adapter_forward(peft_model):
     name = adapter_name(8)
     gen = torch.Generator().manual_seed(3)
-    factors = {k: LoraFactors(0.1 * torch.randn_like(f.A), 0.1 * torch.randn(f.B.shape, generator=gen), f.scale)
-               for k, f in fresh_factors(peft_model, name, 3).items()}
+    factors = {
+        k: LoraFactors(0.1 * torch.randn_like(f.A), 0.1 * torch.randn(f.B.shape, generator=gen), f.scale)
+        for k, f in fresh_factors(peft_model, name, 3).items()
+    }
     ids = torch.tensor([[1, 5, 9, 12, 7]])
     install_adapter(peft_model, "probe", factors, LoraConfig(target_modules=["q_proj", "v_proj"]))
     peft_model.set_adapter("probe")

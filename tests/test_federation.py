@@ -44,7 +44,11 @@ def test_two_round_run_writes_everything(tmp_path, strategy):
     model = PeftModel.from_pretrained(base, d / "global_adapter").eval()
     ids = torch.tensor([[1, 20, 30, 40, 50]])
     install_global(fed)
-    ctx = torch.no_grad() if fed.strategy.global_adapter(fed.server.state) else fed.runtime.model.disable_adapter()
+    ctx = (
+        torch.no_grad()
+        if fed.strategy.global_adapter(fed.server.state)
+        else fed.runtime.model.disable_adapter()
+    )
     with ctx, torch.no_grad():
         ours = fed.runtime.model(input_ids=ids).logits
     with torch.no_grad():
@@ -76,8 +80,9 @@ def test_same_seed_same_result(tmp_path):
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fedllm.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fedllm.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 @pytest.mark.parametrize(
@@ -91,8 +96,14 @@ def cli(*args, cwd=None):
     ],
 )
 def test_cli_fails_fast_with_one_message(tmp_path, args, message):
-    out = cli("run", "--output-dir", str(tmp_path / "r"), "data.builtin_examples_per_skill=20",
-              "model.builtin_pretrain_steps=60", *args)
+    out = cli(
+        "run",
+        "--output-dir",
+        str(tmp_path / "r"),
+        "data.builtin_examples_per_skill=20",
+        "model.builtin_pretrain_steps=60",
+        *args,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr
     assert "Traceback" not in out.stderr
@@ -100,8 +111,12 @@ def test_cli_fails_fast_with_one_message(tmp_path, args, message):
 
 def test_cli_record_without_fields(tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"instruction": "a", "context": "", "response": "b", "category": "x"}) + "\n"
-                    + json.dumps({"instruction": "a", "context": ""}) + "\n")
+    data.write_text(
+        json.dumps({"instruction": "a", "context": "", "response": "b", "category": "x"})
+        + "\n"
+        + json.dumps({"instruction": "a", "context": ""})
+        + "\n"
+    )
     out = cli("run", "--output-dir", str(tmp_path / "r"), f"data.dataset={data}")
     assert out.returncode == 2
     assert f"{data}, line 2: missing required field 'response'" in out.stderr

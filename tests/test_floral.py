@@ -26,12 +26,16 @@ def test_mixture_forward_equals_stacked_lora(builtin_base, bias):
     lora = LoraConfig(ranks=[6], target_modules=["q_proj", "v_proj", "down_proj"])
     model = attach_lora(AutoModelForCausalLM.from_pretrained(builtin_base), [6], lora).eval()
     gen = torch.Generator().manual_seed(0)
-    factors = {k: LoraFactors(f.A, 0.2 * torch.randn(f.B.shape, generator=gen), f.scale)
-               for k, f in fresh_factors(model, "r6", 1).items()}
+    factors = {
+        k: LoraFactors(f.A, 0.2 * torch.randn(f.B.shape, generator=gen), f.scale)
+        for k, f in fresh_factors(model, "r6", 1).items()
+    }
     write_factors(model, "r6", factors)
     spec = MixtureSpec(num_adaptors=3, rank=2, temperature=0.7, per_layer=True, bias=bias)
     router = {g: torch.randn(3, generator=gen) for g in ("layer0", "layer1", "layer2")}
-    biases = {k: 0.1 * torch.randn(3, f.B.shape[0], generator=gen) for k, f in factors.items()} if bias else None
+    biases = (
+        {k: 0.1 * torch.randn(3, f.B.shape[0], generator=gen) for k, f in factors.items()} if bias else None
+    )
     ids = torch.tensor([[1, 30, 40, 50, 60, 7]])
     session = MixtureSession(model, "r6", spec, router, biases)
     with torch.no_grad():
@@ -41,7 +45,7 @@ def test_mixture_forward_equals_stacked_lora(builtin_base, bias):
     key = next(iter(factors))
     pi = torch.softmax(router["layer0"] / 0.7, -1)
     f = factors[key]
-    by_hand = sum(pi[c] * f.scale * f.B[:, 2 * c:2 * c + 2] @ f.A[2 * c:2 * c + 2] for c in range(3))
+    by_hand = sum(pi[c] * f.scale * f.B[:, 2 * c : 2 * c + 2] @ f.A[2 * c : 2 * c + 2] for c in range(3))
     assert_close(baked[key].delta(), by_hand)
     if bias:  # the bias adaptors travel as s * b: the mixed bias is pi @ (s b)
         assert_close(baked_bias[key], pi @ biases[key])
@@ -58,14 +62,19 @@ def probs_extras(probs: dict[str, list[float]]) -> dict[str, torch.Tensor]:
 
 def test_aggregation_weights_hand_computed():
     p = [0.25, 0.75]
-    u = [ClientUpdate(0, 1, {}, extras=probs_extras({"m": [0.8, 0.2]})),
-         ClientUpdate(1, 3, {}, extras=probs_extras({"m": [0.4, 0.6]}))]
+    u = [
+        ClientUpdate(0, 1, {}, extras=probs_extras({"m": [0.8, 0.2]})),
+        ClientUpdate(1, 3, {}, extras=probs_extras({"m": [0.4, 0.6]})),
+    ]
     w = adaptor_weights(u, p, "m")
     # adaptor 0: 0.25*0.8 = 0.2 vs 0.75*0.4 = 0.3 -> 0.4 / 0.6; adaptor 1: 0.05 vs 0.45 -> 0.1 / 0.9
     assert_close(w, torch.tensor([[0.4, 0.1], [0.6, 0.9]], dtype=torch.float64))
     a = [torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)]  # C=2, r=1
     b = [torch.full((4, 2), 1.0), torch.full((4, 2), 2.0)]
-    ups = [ClientUpdate(k, n, {"m": LoraFactors(a[k], b[k], 1.0)}, extras=u[k].extras) for k, n in ((0, 1), (1, 3))]
+    ups = [
+        ClientUpdate(k, n, {"m": LoraFactors(a[k], b[k], 1.0)}, extras=u[k].extras)
+        for k, n in ((0, 1), (1, 3))
+    ]
     g = FLoRAL(num_adaptors=2).aggregate(ups, GlobalState()).state.factors["m"]
     assert_close(g.A[0], torch.full((3,), 0.4 * 1 + 0.6 * 2))
     assert_close(g.A[1], torch.full((3,), 0.1 * 1 + 0.9 * 2))
@@ -73,13 +82,26 @@ def test_aggregation_weights_hand_computed():
 
 
 def test_each_layer_is_weighted_by_its_own_router():
-    """Per-layer routers: layer 0's adaptors follow layer 0's probabilities, layer 1's its own (not their mean)."""
-    probs = [{"layers.0.q": [0.9, 0.1], "layers.1.q": [0.1, 0.9]}, {"layers.0.q": [0.1, 0.9], "layers.1.q": [0.9, 0.1]}]
+    """Per-layer routers: layer 0's adaptors follow layer 0's probabilities, layer 1's its own (not their
+    mean).
+    """
+    probs = [
+        {"layers.0.q": [0.9, 0.1], "layers.1.q": [0.1, 0.9]},
+        {"layers.0.q": [0.1, 0.9], "layers.1.q": [0.9, 0.1]},
+    ]
     a = [torch.full((2, 3), 1.0), torch.full((2, 3), 3.0)]
-    ups = [ClientUpdate(k, 1, {m: LoraFactors(a[k], torch.ones(4, 2), 1.0) for m in probs[k]},
-                        extras=probs_extras(probs[k])) for k in range(2)]
+    ups = [
+        ClientUpdate(
+            k,
+            1,
+            {m: LoraFactors(a[k], torch.ones(4, 2), 1.0) for m in probs[k]},
+            extras=probs_extras(probs[k]),
+        )
+        for k in range(2)
+    ]
     g = FLoRAL(num_adaptors=2).aggregate(ups, GlobalState()).state.factors
-    # equal p_k: layer 0, adaptor 0: weights 0.9 / 0.1 -> 0.9 * 1 + 0.1 * 3 = 1.2; layer 1, adaptor 0: 0.1 / 0.9 -> 2.8
+    # equal p_k: layer 0, adaptor 0: weights 0.9 / 0.1 -> 0.9 * 1 + 0.1 * 3 = 1.2; layer 1, adaptor 0: 0.1 /
+    # 0.9 -> 2.8
     assert_close(g["layers.0.q"].A[0], torch.full((3,), 1.2))
     assert_close(g["layers.1.q"].A[0], torch.full((3,), 2.8))
 
@@ -89,8 +111,16 @@ def test_an_adaptor_nobody_uses_is_kept_not_nan():
     pi = torch.softmax(torch.tensor([0.0, -200.0]), -1)
     assert pi[1] == 0
     before = GlobalState({"m": LoraFactors(torch.full((2, 3), 5.0), torch.full((4, 2), 7.0), 1.0)})
-    ups = [ClientUpdate(k, n, {"m": LoraFactors(torch.full((2, 3), float(k)), torch.ones(4, 2), 1.0)},
-                        extras={"router_probs.m": pi}, start=before.factors) for k, n in ((0, 3), (1, 5))]
+    ups = [
+        ClientUpdate(
+            k,
+            n,
+            {"m": LoraFactors(torch.full((2, 3), float(k)), torch.ones(4, 2), 1.0)},
+            extras={"router_probs.m": pi},
+            start=before.factors,
+        )
+        for k, n in ((0, 3), (1, 5))
+    ]
     res = FLoRAL(num_adaptors=2).aggregate(ups, before)
     g = res.state.factors["m"]
     assert torch.isfinite(g.A).all() and torch.isfinite(g.B).all()
@@ -101,8 +131,10 @@ def test_an_adaptor_nobody_uses_is_kept_not_nan():
 
 def test_one_adaptor_is_fedit():
     gen = torch.Generator().manual_seed(3)
-    ups = [ClientUpdate(k, n, {"m": random_factors(4, 6, 5, 2.0, gen)}, extras={"router_probs.m": torch.ones(1)})
-           for k, n in enumerate([3, 9, 4])]
+    ups = [
+        ClientUpdate(k, n, {"m": random_factors(4, 6, 5, 2.0, gen)}, extras={"router_probs.m": torch.ones(1)})
+        for k, n in enumerate([3, 9, 4])
+    ]
     a = FLoRAL(num_adaptors=1).aggregate(ups, GlobalState()).state.factors["m"]
     b = FedIT().aggregate(ups, GlobalState()).state.factors["m"]
     assert_close(a.A, b.A)
@@ -112,14 +144,25 @@ def test_one_adaptor_is_fedit():
 def test_floral_needs_one_rank_and_refuses_perfedavg():
     with pytest.raises(ConfigError, match="floral mixes C adaptors of one rank"):
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4,8]"])
-    with pytest.raises(ConfigError, match="client.algorithm = perfedavg cannot run with aggregation.name = floral"):
+    with pytest.raises(
+        ConfigError, match="client.algorithm = perfedavg cannot run with aggregation.name = floral"
+    ):
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=perfedavg"])
 
 
 def floral_run(tmp_path, *extra, hook=None):
-    cfg = load_config(None, tiny_overrides(tmp_path / "r", "aggregation.name=floral", "lora.ranks=[4]",
-                                           "aggregation.num_adaptors=2", "data.client_test_fraction=0.3",
-                                           "client.local_steps=3", *extra))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "r",
+            "aggregation.name=floral",
+            "lora.ranks=[4]",
+            "aggregation.num_adaptors=2",
+            "data.client_test_fraction=0.3",
+            "client.local_steps=3",
+            *extra,
+        ),
+    )
     fed = Simulation(cfg, tmp_path / "r", client_hook=hook)
     fed.setup()
     fed.run()
@@ -138,7 +181,9 @@ def test_routers_stay_local_and_follow_statefulness(tmp_path, monkeypatch, state
 
     monkeypatch.setattr(MixtureSession, "__init__", spy)
     uploads = []
-    fed = floral_run(tmp_path, f"aggregation.stateful_routers={stateful}", hook=lambda r, k, u: uploads.append(u) or u)
+    fed = floral_run(
+        tmp_path, f"aggregation.stateful_routers={stateful}", hook=lambda r, k, u: uploads.append(u) or u
+    )
     modules = set(uploads[0].factors)
     for u in uploads:  # no router parameter travels: only the probabilities it gives each module
         assert set(u.extras) == {f"router_probs.{m}" for m in modules}
@@ -155,17 +200,24 @@ def test_routers_stay_local_and_follow_statefulness(tmp_path, monkeypatch, state
 
 @pytest.mark.parametrize("algorithm", ["sft", "fedprox", "scaffold"])
 def test_nothing_router_shaped_is_uploaded_or_corrected_by_any_algorithm(tmp_path, algorithm):
-    """The router is outside every algorithm: no control variate, no proximal pull, no upload, no state clash."""
+    """The router is outside every algorithm: no control variate, no proximal pull, no upload, no
+    state clash.
+    """
     uploads = []
-    fed = floral_run(tmp_path, f"client.algorithm={algorithm}", "client.mu=10",
-                     hook=lambda r, k, u: uploads.append(u) or u)
+    fed = floral_run(
+        tmp_path, f"client.algorithm={algorithm}", "client.mu=10", hook=lambda r, k, u: uploads.append(u) or u
+    )
     for u in uploads:
         assert all(k.startswith(("router_probs.", "dc.")) for k in u.extras), sorted(u.extras)
-        assert not any("router" in k.removeprefix("dc.") for k in u.extras if k.startswith("dc.")), sorted(u.extras)
+        assert not any("router" in k.removeprefix("dc.") for k in u.extras if k.startswith("dc.")), sorted(
+            u.extras
+        )
         assert not any("router" in k for k in u.factors)
     for c in fed.clients:
         router = c.state["router.all"]
-        assert router.shape == (2,) and not torch.equal(router, torch.zeros(2))  # trained, and not overwritten
+        assert router.shape == (2,) and not torch.equal(
+            router, torch.zeros(2)
+        )  # trained, and not overwritten
         assert not any(k.startswith("algo.router") for k in c.state)
         if algorithm == "scaffold":
             assert any(k.startswith("algo.") for k in c.state)  # c_k kept under its own names
@@ -180,7 +232,9 @@ def assert_export_matches_mixture(fed, out, client_id: int) -> None:
     c = fed.clients[client_id]
     switch_in(fed, c, fed.start_round)
     fed.runtime.model.eval()
-    session = fed.runtime.open_mixture(c, fed.server.client_start(fed.start_round, c.client_id), own_router=True)
+    session = fed.runtime.open_mixture(
+        c, fed.server.client_start(fed.start_round, c.client_id), own_router=True
+    )
     ids = torch.tensor([[1, 11, 22, 33, 44]])
     with torch.no_grad():
         mixed, theirs = fed.runtime.model(input_ids=ids).logits, exported(input_ids=ids).logits
@@ -192,8 +246,12 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
     from fedllm.export import export_run
 
     uploads = []
-    fed = floral_run(tmp_path, "aggregation.bias_adaptors=true", "aggregation.router_lr=0.5",
-                     hook=lambda r, k, u: uploads.append(u) or u)
+    fed = floral_run(
+        tmp_path,
+        "aggregation.bias_adaptors=true",
+        "aggregation.router_lr=0.5",
+        hook=lambda r, k, u: uploads.append(u) or u,
+    )
     biases = {k: v for k, v in fed.server.state.extras.items() if k.startswith("bias.")}
     modules = {k.removeprefix("bias.") for k in biases}
     assert modules == set(fed.server.state.factors) and all(v.shape[0] == 2 for v in biases.values())
@@ -211,9 +269,17 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
 def test_personalized_export_matches_mixture(tmp_path):
     from fedllm.export import export_run
 
-    cfg = load_config(None, tiny_overrides(tmp_path / "r", "aggregation.name=floral", "lora.ranks=[2]",
-                                           "aggregation.num_adaptors=3", "client.local_steps=3",
-                                           "aggregation.router_lr=0.5"))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "r",
+            "aggregation.name=floral",
+            "lora.ranks=[2]",
+            "aggregation.num_adaptors=3",
+            "client.local_steps=3",
+            "aggregation.router_lr=0.5",
+        ),
+    )
     fed = Simulation(cfg, tmp_path / "r")
     fed.setup()
     fed.run()
@@ -228,8 +294,14 @@ def test_lora_preconditioning_transforms_gradients(builtin_base):
     lora = LoraConfig(ranks=[4], target_modules=["q_proj"])
     model = attach_lora(AutoModelForCausalLM.from_pretrained(builtin_base), [4], lora)
     gen = torch.Generator().manual_seed(0)
-    write_factors(model, "r4", {k: LoraFactors(f.A, 0.3 * torch.randn(f.B.shape, generator=gen), f.scale)
-                                for k, f in fresh_factors(model, "r4", 2).items()})
+    write_factors(
+        model,
+        "r4",
+        {
+            k: LoraFactors(f.A, 0.3 * torch.randn(f.B.shape, generator=gen), f.scale)
+            for k, f in fresh_factors(model, "r4", 2).items()
+        },
+    )
     ids = torch.tensor([[1, 30, 40, 50, 60, 7]])
     grads = {}
     for eps in (0.0, 0.1):
@@ -237,14 +309,24 @@ def test_lora_preconditioning_transforms_gradients(builtin_base):
         model.zero_grad()
         model(input_ids=ids, labels=ids).loss.backward()
         layer = next(iter(session.modules.values()))
-        grads[eps] = (layer.lora_A["r4"].weight.grad.clone(), layer.lora_B["r4"].weight.grad.clone(),
-                      layer.lora_A["r4"].weight.detach().clone(), layer.lora_B["r4"].weight.detach().clone())
+        grads[eps] = (
+            layer.lora_A["r4"].weight.grad.clone(),
+            layer.lora_B["r4"].weight.grad.clone(),
+            layer.lora_A["r4"].weight.detach().clone(),
+            layer.lora_B["r4"].weight.detach().clone(),
+        )
         session.close()
     ga, gb, a, b = grads[0.0]
     pa, pb, _, _ = grads[0.1]
     for c in range(2):
         rows = slice(2 * c, 2 * c + 2)
         bc, ac = b[:, rows], a[rows]
-        assert_close(pa[rows], torch.linalg.solve(bc.T @ bc + 0.1 * torch.eye(2), ga[rows]), rtol=1e-4, atol=1e-6)
-        assert_close(pb[:, rows], torch.linalg.solve(ac @ ac.T + 0.1 * torch.eye(2), gb[:, rows].T).T,
-                     rtol=1e-4, atol=1e-6)
+        assert_close(
+            pa[rows], torch.linalg.solve(bc.T @ bc + 0.1 * torch.eye(2), ga[rows]), rtol=1e-4, atol=1e-6
+        )
+        assert_close(
+            pb[:, rows],
+            torch.linalg.solve(ac @ ac.T + 0.1 * torch.eye(2), gb[:, rows].T).T,
+            rtol=1e-4,
+            atol=1e-6,
+        )

@@ -17,13 +17,19 @@ pytest.importorskip("ray")
 
 @pytest.fixture(autouse=True)
 def quiet_flower(monkeypatch):
-    for key, value in {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_DEDUP_LOGS": "0",
-                       "RAY_USAGE_STATS_ENABLED": "0"}.items():
+    for key, value in {
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }.items():
         monkeypatch.setenv(key, value)
 
 
 def files(run_dir) -> list[str]:
-    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name)
+    return sorted(
+        str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name
+    )
 
 
 # FedIT, FlexLoRA and FLoRIST in the default run; FLoRA (merges on the sites), FLoRAL (routers on the sites)
@@ -31,13 +37,18 @@ def files(run_dir) -> list[str]:
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("strategy,more", [
-    pytest.param("fedit", [], id="fedit"), pytest.param("flexlora", [], id="flexlora"),
-    pytest.param("florist", [], id="florist"), pytest.param("flora", [], marks=SLOW, id="flora"),
-    pytest.param("floral", ["lora.ranks=[4]"], marks=SLOW, id="floral"),
-    pytest.param("fedit", ["client.algorithm=scaffold"], marks=SLOW, id="fedit-scaffold"),
-    pytest.param("fedit", ["client.algorithm=perfedavg"], marks=SLOW, id="fedit-perfedavg"),
-])
+@pytest.mark.parametrize(
+    "strategy,more",
+    [
+        pytest.param("fedit", [], id="fedit"),
+        pytest.param("flexlora", [], id="flexlora"),
+        pytest.param("florist", [], id="florist"),
+        pytest.param("flora", [], marks=SLOW, id="flora"),
+        pytest.param("floral", ["lora.ranks=[4]"], marks=SLOW, id="floral"),
+        pytest.param("fedit", ["client.algorithm=scaffold"], marks=SLOW, id="fedit-scaffold"),
+        pytest.param("fedit", ["client.algorithm=perfedavg"], marks=SLOW, id="fedit-perfedavg"),
+    ],
+)
 def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, more, builtin_base):
     from flwr.simulation import run_simulation
 
@@ -46,15 +57,23 @@ def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, more
 
     extra = [f"aggregation.name={strategy}", "eval.limit=2", "federation.seed=3", *more]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # every process computes as each Ray worker does (1 CPU each): the same float kernels
+    torch.set_num_threads(
+        1
+    )  # every process computes as each Ray worker does (1 CPU each): the same float kernels
     try:
         reference = Simulation(load_config(None, tiny_overrides(tmp_path / "sim", *extra)), tmp_path / "sim")
         reference.setup()
         ref = reference.run()
         cfg = load_config(None, tiny_overrides(tmp_path / "flower", *extra))
-        run_simulation(server_app(cfg, tmp_path / "flower", startup_timeout_s=300), client_app, num_supernodes=4,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 2, "include_dashboard": False}})
+        run_simulation(
+            server_app(cfg, tmp_path / "flower", startup_timeout_s=300),
+            client_app,
+            num_supernodes=4,
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"num_cpus": 2, "include_dashboard": False},
+            },
+        )
     finally:
         torch.set_num_threads(threads)
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())

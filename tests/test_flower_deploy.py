@@ -1,6 +1,6 @@
-"""Flower's Deployment Engine on localhost: scripts/run_flower_local.sh plain and with TLS, a refused node, a site
-killed mid-run that rejoins from its state on disk. Each takes minutes (a SuperLink, SuperNodes and a fresh
-ClientApp process per message), hence ``slow``."""
+"""Flower's Deployment Engine on localhost: scripts/run_flower_local.sh plain and with TLS, a refused node, a
+site killed mid-run that rejoins from its state on disk. Each takes minutes (a SuperLink, SuperNodes and a
+fresh ClientApp process per message), hence ``slow``."""
 
 from __future__ import annotations
 
@@ -27,14 +27,25 @@ def free_port() -> int:
 
 
 def env_for(work: Path) -> dict:
-    return {**os.environ, "FLOWER_WORKDIR": str(work), "SUPERLINK_PORT": str(free_port()),
-            "SUPERNODE_PORT": str(free_port()), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return {
+        **os.environ,
+        "FLOWER_WORKDIR": str(work),
+        "SUPERLINK_PORT": str(free_port()),
+        "SUPERNODE_PORT": str(free_port()),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
 
 
 def start(args: list[str], work: Path, env: dict) -> subprocess.Popen:
     with open(work.parent / f"{work.name}.out", "w") as out:
-        return subprocess.Popen(["bash", str(ROOT / "scripts" / "run_flower_local.sh"), *args], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "run_flower_local.sh"), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -45,7 +56,9 @@ def rows(run_dir: Path) -> list[dict]:
 def wait_rows(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while len(rows(run_dir)) < n:
-        assert proc.poll() is None, f"the run stopped early: {(run_dir.parent / 'work.out').read_text()[-3000:]}"
+        assert proc.poll() is None, (
+            f"the run stopped early: {(run_dir.parent / 'work.out').read_text()[-3000:]}"
+        )
         assert time.monotonic() < deadline, f"round {n - 1} did not finish in {timeout} s"
         time.sleep(1)
 
@@ -70,12 +83,20 @@ def finish(proc: subprocess.Popen, work: Path, timeout: float = 900) -> str:
 
 def test_local_deployment_runs_end_to_end(tmp_path):
     work, run_dir = tmp_path / "work", tmp_path / "run"
-    proc = start(["default", "2", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env_for(work))
+    proc = start(
+        ["default", "2", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env_for(work)
+    )
     out = finish(proc, work)
     assert "held-out loss" in out
     names = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name}
-    assert {"metrics.jsonl", "summary.json", "config.yaml", "partition.json",
-            "global_adapter/adapter_model.safetensors", "checkpoints/round-0002/state.safetensors"} <= names
+    assert {
+        "metrics.jsonl",
+        "summary.json",
+        "config.yaml",
+        "partition.json",
+        "global_adapter/adapter_model.safetensors",
+        "checkpoints/round-0002/state.safetensors",
+    } <= names
     r = rows(run_dir)
     assert [x["round"] for x in r] == [0, 1, 2] and all(x["n_updates"] == 2 for x in r[1:])
     assert r[1]["up_params"] > 0 and r[-1]["eval_loss"] < r[0]["eval_loss"]
@@ -86,17 +107,34 @@ def test_local_deployment_runs_end_to_end(tmp_path):
 def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path):
     work, run_dir = tmp_path / "work", tmp_path / "run"
     env = env_for(work)
-    proc = start(["default", "2", "--tls", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env)
+    proc = start(
+        ["default", "2", "--tls", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env
+    )
     wait_rows(proc, run_dir, 1)  # the sites are connected
     rogue = tmp_path / "rogue"
     rogue.mkdir()
-    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(rogue / "key")], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(rogue / "key")], check=True
+    )
     with open(tmp_path / "rogue.log", "w") as log:
         rogue_node = subprocess.Popen(
-            ["flower-supernode", "--root-certificates", str(work / "ca.crt"), "--auth-supernode-private-key",
-             str(rogue / "key"), "--superlink", f"127.0.0.1:{env['SUPERLINK_PORT']}", "--port", str(free_port()),
-             "--node-config", f"client-id=0 data-path='{work}/site-0/data.jsonl' state-dir='{rogue}'"],
-            env={**env, "FLWR_HOME": str(work / "flwr-home")}, stdout=log, stderr=subprocess.STDOUT)
+            [
+                "flower-supernode",
+                "--root-certificates",
+                str(work / "ca.crt"),
+                "--auth-supernode-private-key",
+                str(rogue / "key"),
+                "--superlink",
+                f"127.0.0.1:{env['SUPERLINK_PORT']}",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                f"client-id=0 data-path='{work}/site-0/data.jsonl' state-dir='{rogue}'",
+            ],
+            env={**env, "FLWR_HOME": str(work / "flwr-home")},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     refusal = "No SuperNode found with the given public key"
     deadline = time.monotonic() + 120
     while refusal not in (work / "superlink.log").read_text() and time.monotonic() < deadline:
@@ -112,18 +150,38 @@ def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path):
 def test_a_killed_site_is_left_out_and_rejoins_from_its_state(tmp_path):
     work, run_dir = tmp_path / "work", tmp_path / "run"
     env = env_for(work)
-    proc = start(["default", "3", "--run-dir", str(run_dir), "federation.rounds=4", "federation.min_clients=2",
-                  *SMALL], work, env)
+    proc = start(
+        [
+            "default",
+            "3",
+            "--run-dir",
+            str(run_dir),
+            "federation.rounds=4",
+            "federation.min_clients=2",
+            *SMALL,
+        ],
+        work,
+        env,
+    )
     wait_rows(proc, run_dir, 2)  # round 1 done
     os.kill(int((work / "site-1" / "supernode.pid").read_text()), signal.SIGTERM)
     wait_rows(proc, run_dir, 3)  # round 2 finishes with the other two
     with open(tmp_path / "restarted.log", "w") as log:
         node = subprocess.Popen(
-            ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{env['SUPERLINK_PORT']}", "--port",
-             str(free_port()), "--node-config",
-             f"client-id=1 data-path='{work}/site-1/data.jsonl' state-dir='{work}/site-1/state'"],
-            env={**env, "FLWR_HOME": str(work / "flwr-home"), "OMP_NUM_THREADS": "1"}, stdout=log,
-            stderr=subprocess.STDOUT)
+            [
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{env['SUPERLINK_PORT']}",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                f"client-id=1 data-path='{work}/site-1/data.jsonl' state-dir='{work}/site-1/state'",
+            ],
+            env={**env, "FLWR_HOME": str(work / "flwr-home"), "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         finish(proc, work)
     finally:

@@ -29,9 +29,23 @@ EXTRA = ("eval.personalized=false", "client.local_steps=6", "eval.limit=4")
 
 
 def launch(run_dir: Path, accelerate_args: list[str], *extra: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "fedllm.cli",
-                          "run", *tiny_overrides(run_dir, *EXTRA, *extra)],
-                         capture_output=True, text=True, timeout=900, env=dict(os.environ), cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *accelerate_args,
+            "-m",
+            "fedllm.cli",
+            "run",
+            *tiny_overrides(run_dir, *EXTRA, *extra),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ),
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -49,7 +63,9 @@ def plain(tmp_path_factory, builtin_base):
 
 @pytest.mark.parametrize("mode", ["4bit", "8bit"])
 def test_qlora_on_cuda_keeps_residual_and_learns(tmp_path, mode, builtin_base):
-    cfg = load_config(None, tiny_overrides(tmp_path, *EXTRA, f"model.quantization={mode}", "aggregation.name=flora"))
+    cfg = load_config(
+        None, tiny_overrides(tmp_path, *EXTRA, f"model.quantization={mode}", "aggregation.name=flora")
+    )
     fed = Simulation(cfg, tmp_path)
     fed.setup()
     assert next(fed.runtime.model.parameters()).device.type == "cuda"
@@ -62,7 +78,9 @@ def test_bf16_single_gpu_config(tmp_path, plain):
     summary = launch(tmp_path / "run", ["--config_file", str(ROOT / "configs/accelerate/single_gpu.yaml")])
     assert summary["mixed_precision"] == "bf16" and summary["processes"] == 1
     reference = json.loads((plain["fedit"] / "summary.json").read_text())
-    assert summary["loss_after"] == pytest.approx(reference["loss_after"], rel=0.05)  # bf16 autocast, same run
+    assert summary["loss_after"] == pytest.approx(
+        reference["loss_after"], rel=0.05
+    )  # bf16 autocast, same run
 
 
 @two_gpus
@@ -74,8 +92,11 @@ def test_two_gpus_client_parallel_equals_one(tmp_path, plain):
 
 @two_gpus
 def test_two_gpus_data_parallel_equals_one(tmp_path, plain):
-    summary = launch(tmp_path / "run", ["--multi_gpu", "--num_processes", "2", "--mixed_precision", "no"],
-                     "federation.parallel=data")
+    summary = launch(
+        tmp_path / "run",
+        ["--multi_gpu", "--num_processes", "2", "--mixed_precision", "no"],
+        "federation.parallel=data",
+    )
     assert summary["processes"] == 2 and summary["parallel"] == "data"
     assert_close_updates(plain["fedit"], tmp_path / "run", 2e-2)  # AdamW magnifies reduction-order noise
 
@@ -84,8 +105,18 @@ def test_two_gpus_data_parallel_equals_one(tmp_path, plain):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_on_gpus(tmp_path, stage, plain):
     n = min(2, torch.cuda.device_count())
-    summary = launch(tmp_path / "run", ["--config_file", str(ROOT / f"configs/accelerate/deepspeed_zero{stage}.yaml"),
-                                        "--num_processes", str(n), "--mixed_precision", "no"], "aggregation.name=flora")
+    summary = launch(
+        tmp_path / "run",
+        [
+            "--config_file",
+            str(ROOT / f"configs/accelerate/deepspeed_zero{stage}.yaml"),
+            "--num_processes",
+            str(n),
+            "--mixed_precision",
+            "no",
+        ],
+        "aggregation.name=flora",
+    )
     assert summary["processes"] == n and summary["deepspeed_zero_stage"] == stage
     assert summary["failed_client_calls"] == 0
     assert ("residual_adapter_rank" in summary) == (stage == 3)

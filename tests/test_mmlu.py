@@ -50,7 +50,9 @@ def test_shots_dropped_when_too_long():
 def tiny(builtin_base):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(builtin_base).eval(), AutoTokenizer.from_pretrained(builtin_base)
+    return AutoModelForCausalLM.from_pretrained(builtin_base).eval(), AutoTokenizer.from_pretrained(
+        builtin_base
+    )
 
 
 def brute_force(model, tokenizer, context, continuation):
@@ -131,8 +133,11 @@ def test_evaluate_metric_module_loads_offline():
     import evaluate
 
     metric = evaluate.load(str(Path(__file__).parent.parent / "eval" / "mmlu_metric"))
-    out = metric.compute(predictions=[1, 0, 3, 0, 2], references=[1, 2, 3, 0, 1],
-                         subjects=["abstract_algebra", "abstract_algebra", "philosophy", "econometrics", "virology"])
+    out = metric.compute(
+        predictions=[1, 0, 3, 0, 2],
+        references=[1, 2, 3, 0, 1],
+        subjects=["abstract_algebra", "abstract_algebra", "philosophy", "econometrics", "virology"],
+    )
     assert out["accuracy"] == pytest.approx(3 / 5)
     assert out["category/stem"] == 0.5 and out["category/other"] == 0.0
 
@@ -142,7 +147,9 @@ def test_metric_table_matches_reference():
 
     from eval.subjects import mmlu_subjects
 
-    spec = importlib.util.spec_from_file_location("m", Path(__file__).parent.parent / "eval/mmlu_metric/mmlu_metric.py")
+    spec = importlib.util.spec_from_file_location(
+        "m", Path(__file__).parent.parent / "eval/mmlu_metric/mmlu_metric.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mmlu_subjects() == mod.SUBJECT_CATEGORIES
@@ -166,8 +173,10 @@ def test_local_layouts(tmp_path):
 
     jl = tmp_path / "jsonl"
     jl.mkdir()
-    (jl / "test.jsonl").write_text(json.dumps({"question": "Q", "subject": "virology",
-                                               "choices": ["a", "b", "c", "d"], "answer": 2}) + "\n")
+    (jl / "test.jsonl").write_text(
+        json.dumps({"question": "Q", "subject": "virology", "choices": ["a", "b", "c", "d"], "answer": 2})
+        + "\n"
+    )
     assert load_questions(str(jl))[0].answer == 2
 
     import pyarrow as pa
@@ -175,8 +184,12 @@ def test_local_layouts(tmp_path):
 
     pqdir = tmp_path / "hub" / "all"
     pqdir.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([{"question": "Q", "subject": "astronomy", "choices": ["a", "b", "c", "d"],
-                                          "answer": 3}] * 3), pqdir / "test-00000-of-00001.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"question": "Q", "subject": "astronomy", "choices": ["a", "b", "c", "d"], "answer": 3}] * 3
+        ),
+        pqdir / "test-00000-of-00001.parquet",
+    )
     qs = load_questions(str(tmp_path / "hub"), limit=2)
     assert len(qs) == 2 and qs[1].index == 1
 
@@ -192,12 +205,14 @@ def test_bad_data_errors(tmp_path):
         load_questions(str(tmp_path / "b"), "dev")
     jl = tmp_path / "c"
     jl.mkdir()
-    (jl / "test.jsonl").write_text(json.dumps({"question": "Q", "subject": "s", "choices": ["a", "b", "c"],
-                                               "answer": 1}) + "\n")
+    (jl / "test.jsonl").write_text(
+        json.dumps({"question": "Q", "subject": "s", "choices": ["a", "b", "c"], "answer": 1}) + "\n"
+    )
     with pytest.raises(MMLUDataError, match=r"test.jsonl, line 1: expected 4 choices, got 3"):
         load_questions(str(jl))
-    (jl / "test.jsonl").write_text(json.dumps({"question": "Q", "subject": "s", "choices": list("abcd"),
-                                               "answer": 7}) + "\n")
+    (jl / "test.jsonl").write_text(
+        json.dumps({"question": "Q", "subject": "s", "choices": list("abcd"), "answer": 7}) + "\n"
+    )
     with pytest.raises(MMLUDataError, match=r"line 1: answer 7 is outside 0-3"):
         load_questions(str(jl))
     with pytest.raises(MMLUDataError, match=r"subject\(s\) \['nope'\] not found"):
@@ -213,19 +228,23 @@ def test_builtin_evaluate_end_to_end(tiny):
 
 # ---- prefix reuse: the same scores as the full path, on every tokenizer shape ----
 
+
 def _reuse_and_full(model, tok, questions, dev, k, batch_size=5):
     reused = score_questions(model, tok, questions, dev, k, batch_size=batch_size, reuse=True)
     full = score_questions(model, tok, questions, dev, k, batch_size=batch_size, reuse=False)
     for a, b in zip(reused, full, strict=True):
         assert a.predicted == b.predicted
-        torch.testing.assert_close(torch.tensor(a.loglikelihoods), torch.tensor(b.loglikelihoods), rtol=0,
-                                   atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(a.loglikelihoods), torch.tensor(b.loglikelihoods), rtol=0, atol=1e-4
+        )
     return reused
 
 
 def _builtin_dev(k):
-    return {s: [q for q in load_questions("builtin", "dev") if q.subject == s][:k] for s in
-            {q.subject for q in load_questions("builtin", limit=1)}}
+    return {
+        s: [q for q in load_questions("builtin", "dev") if q.subject == s][:k]
+        for s in {q.subject for q in load_questions("builtin", limit=1)}
+    }
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -240,8 +259,10 @@ def test_prefix_reuse_with_an_adapter(tiny, builtin_base):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(builtin_base),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(builtin_base),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]),
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -255,26 +276,47 @@ def bpe_model(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    # no whitespace pre-split, so merges span words: "Answer: C\n\nZebra" becomes one token, " A".." D" stay one
-    corpus = ["The following are multiple choice questions (with answers) about zoology.\n\n" + "".join(
-        f"Which animal is striped?\nA. cat\nB. zebra\nC. dog\nD. cow\nAnswer: {x}\n\n" for x in "ABD")
-        + "Answer: C\n\nZebra" * 6] * 200 + [" A B C D" * 20] * 200
+    # no whitespace pre-split, so merges span words: "Answer: C\n\nZebra" becomes one token, " A".." D" stay
+    # one
+    corpus = [
+        "The following are multiple choice questions (with answers) about zoology.\n\n"
+        + "".join(
+            f"Which animal is striped?\nA. cat\nB. zebra\nC. dog\nD. cow\nAnswer: {x}\n\n" for x in "ABD"
+        )
+        + "Answer: C\n\nZebra" * 6
+    ] * 200 + [" A B C D" * 20] * 200
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<s>", "</s>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=512)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(fast),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
+    ).eval()
     return model, fast
 
 
 def test_prefix_reuse_with_a_bpe_tokenizer_and_a_question_crossing_the_boundary(bpe_model):
-    """A question whose first token merges with the prompt's "\\n\\n" does not share the prefix: scored in full."""
+    """A question whose first token merges with the prompt's "\\n\\n" does not share the prefix: scored in
+    full.
+    """
     from eval.mmlu import prompt_items
     from eval.scoring import shared_prefix
 
@@ -318,7 +360,9 @@ def test_shots_that_do_not_fit_are_dropped_per_question_and_recorded(tiny, caplo
     assert "did not fit the model's context (128 tokens) with 5 shots" in caplog.text
     for r in records:  # no prompt longer than the context was ever scored
         q = next(x for x in bench.questions if (x.subject, x.index) == (r.subject, r.index))
-        assert len(tok(build_context(q, bench.dev[q.subject][:r.shots]), verbose=False)["input_ids"]) < 128
+        assert len(tok(build_context(q, bench.dev[q.subject][: r.shots]), verbose=False)["input_ids"]) < 128
     write_results(tmp_path / "r.json", result, records, {"shots": 5})
     saved = json.loads((tmp_path / "r.json").read_text())
-    assert sum(saved["shots_used"].values()) == len(records) and saved["records"][0]["shots"] == records[0].shots
+    assert (
+        sum(saved["shots_used"].values()) == len(records) and saved["records"][0]["shots"] == records[0].shots
+    )

@@ -12,8 +12,20 @@ from safetensors.torch import load_file
 
 from tests.conftest import assert_close_updates, tiny_overrides
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 
 
 def env():
@@ -24,11 +36,20 @@ def env():
 def run_one_and_two(tmp_path, extra: list[str]):
     """The same tiny run in one process, then launched as two; returns both run directories."""
     one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run([sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run",
-                    *tiny_overrides(one, *extra)], check=True, capture_output=True, timeout=600,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = subprocess.run([*LAUNCH, "-m", "fedllm.cli", "--log-level", "WARNING", "run", *tiny_overrides(two, *extra)],
-                         capture_output=True, text=True, timeout=600, env=env())
+    subprocess.run(
+        [sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run", *tiny_overrides(one, *extra)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out = subprocess.run(
+        [*LAUNCH, "-m", "fedllm.cli", "--log-level", "WARNING", "run", *tiny_overrides(two, *extra)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env(),
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return one, two
 
@@ -45,9 +66,16 @@ LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.fixed_ran
 
 
 # FedIT (parameter averaging) and FLoRIST (an SVD over the gathered updates) in the default run; the rest slow
-@pytest.mark.parametrize("strategy", ["fedit", pytest.param("flora", marks=pytest.mark.slow),
-                                      pytest.param("flexlora", marks=pytest.mark.slow), "florist",
-                                      pytest.param("floral", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "fedit",
+        pytest.param("flora", marks=pytest.mark.slow),
+        pytest.param("flexlora", marks=pytest.mark.slow),
+        "florist",
+        pytest.param("floral", marks=pytest.mark.slow),
+    ],
+)
 def test_two_processes_equal_one(tmp_path, strategy):
     """The same model within float tolerance (often bit-identical, but that is not promised)."""
     extra = [f"aggregation.name={strategy}", "eval.limit=2", *LAYOUT_EXTRA.get(strategy, [])]
@@ -70,8 +98,14 @@ def test_data_parallel_two_processes_equal_one(tmp_path):
     whole-batch gradient up to float summation order. (AdamW divides by the
     root of tiny second moments, which magnifies that float noise.)
     """
-    extra = ["aggregation.name=fedit", "federation.parallel=data", "eval.limit=2", "client.local_steps=3",
-             "client.optimizer=sgd", "eval.personalized=false"]
+    extra = [
+        "aggregation.name=fedit",
+        "federation.parallel=data",
+        "eval.limit=2",
+        "client.local_steps=3",
+        "client.optimizer=sgd",
+        "eval.personalized=false",
+    ]
     one, two = run_one_and_two(tmp_path, extra)
     assert json.loads((two / "summary.json").read_text())["processes"] == 2
     a = load_file(one / "global_adapter" / "adapter_model.safetensors")
@@ -88,12 +122,38 @@ def test_data_parallel_two_processes_equal_one(tmp_path):
 
 def test_mmlu_two_processes_equal_one(tmp_path, builtin_base):
     """Two processes with prefix reuse (2 shots) give one process's full scoring, question by question."""
-    args = ["--model", str(builtin_base), "--limit", "3", "--batch-size", "4", "--shots", "2"]  # the tests' base
-    subprocess.run([sys.executable, "-m", "eval.mmlu", *args, "--no-prefix-reuse", "--output",
-                    str(tmp_path / "one.json")], check=True, capture_output=True, timeout=600,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = subprocess.run([*LAUNCH, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "two.json")],
-                         capture_output=True, text=True, timeout=600, env=env())
+    args = [
+        "--model",
+        str(builtin_base),
+        "--limit",
+        "3",
+        "--batch-size",
+        "4",
+        "--shots",
+        "2",
+    ]  # the tests' base
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eval.mmlu",
+            *args,
+            "--no-prefix-reuse",
+            "--output",
+            str(tmp_path / "one.json"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out = subprocess.run(
+        [*LAUNCH, "-m", "eval.mmlu", *args, "--output", str(tmp_path / "two.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env(),
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     one = json.loads((tmp_path / "one.json").read_text())
     two = json.loads((tmp_path / "two.json").read_text())

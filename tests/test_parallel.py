@@ -26,33 +26,61 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def fake_accelerator(kind="MULTI_GPU", processes=2, stage=0, precision="bf16"):
     plugin = SimpleNamespace(zero_stage=stage, deepspeed_config={})
-    return SimpleNamespace(distributed_type=kind, process_index=0, num_processes=processes,
-                           mixed_precision=precision, state=SimpleNamespace(deepspeed_plugin=plugin))
+    return SimpleNamespace(
+        distributed_type=kind,
+        process_index=0,
+        num_processes=processes,
+        mixed_precision=precision,
+        state=SimpleNamespace(deepspeed_plugin=plugin),
+    )
 
 
 def test_layout_defaults():
     cfg = load_config()
     assert resolve_layout("auto", fake_accelerator(), cfg).mode == "clients"
-    ds = resolve_layout("auto", fake_accelerator("DEEPSPEED", stage=3), load_config(None, ["eval.personalized=false"]))
+    ds = resolve_layout(
+        "auto", fake_accelerator("DEEPSPEED", stage=3), load_config(None, ["eval.personalized=false"])
+    )
     assert ds.mode == "data" and ds.data_parallel and ds.zero_stage == 3
     assert Layout("clients", 1, 3).my_clients([0, 1, 2, 3, 4]) == [1, 4]
     assert Layout("data", 1, 3).my_clients([0, 1, 2, 3, 4]) == [0, 1, 2, 3, 4]
     assert not Layout("data", 0, 1).data_parallel  # one plain process: nothing to wrap
 
 
-@pytest.mark.parametrize(("kind", "stage", "overrides", "message"), [
-    ("DEEPSPEED", 2, ["federation.parallel=clients"], "federation.parallel = clients cannot run under DeepSpeed"),
-    ("DEEPSPEED", 2, ["client.algorithm=fedprox"], "client.algorithm = fedprox"),
-    ("DEEPSPEED", 2, ["client.grad_accum=2"], "client.grad_accum must be 1"),
-    ("DEEPSPEED", 3, ["model.quantization=4bit", "eval.personalized=false"], "ZeRO-3"),
-    ("DEEPSPEED", 3, [], "eval.personalized must be false"),
-    ("MULTI_GPU", 0, ["federation.parallel=data", "client.batch_size=5"], "client.batch_size = 5 must be a multiple"),
-    ("MULTI_GPU", 0, ["federation.parallel=data", "aggregation.name=floral"], "aggregation.name = floral"),
-])
+@pytest.mark.parametrize(
+    ("kind", "stage", "overrides", "message"),
+    [
+        (
+            "DEEPSPEED",
+            2,
+            ["federation.parallel=clients"],
+            "federation.parallel = clients cannot run under DeepSpeed",
+        ),
+        ("DEEPSPEED", 2, ["client.algorithm=fedprox"], "client.algorithm = fedprox"),
+        ("DEEPSPEED", 2, ["client.grad_accum=2"], "client.grad_accum must be 1"),
+        ("DEEPSPEED", 3, ["model.quantization=4bit", "eval.personalized=false"], "ZeRO-3"),
+        ("DEEPSPEED", 3, [], "eval.personalized must be false"),
+        (
+            "MULTI_GPU",
+            0,
+            ["federation.parallel=data", "client.batch_size=5"],
+            "client.batch_size = 5 must be a multiple",
+        ),
+        (
+            "MULTI_GPU",
+            0,
+            ["federation.parallel=data", "aggregation.name=floral"],
+            "aggregation.name = floral",
+        ),
+    ],
+)
 def test_refused_combinations_name_the_field(kind, stage, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        resolve_layout(load_config(None, overrides).federation.parallel, fake_accelerator(kind, stage=stage),
-                       load_config(None, overrides))
+        resolve_layout(
+            load_config(None, overrides).federation.parallel,
+            fake_accelerator(kind, stage=stage),
+            load_config(None, overrides),
+        )
 
 
 def test_fp16_without_deepspeed_is_refused():
@@ -117,18 +145,35 @@ def test_shipped_accelerate_configs_load(name):
 def test_run_federated_script_launches_processes(tmp_path, builtin_base):
     """scripts/run_federated.sh with the multi-GPU config, on 2 CPU processes, bf16 from the config."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "NUM_PROCESSES": "2", "OMP_NUM_THREADS": "1",
-           "MAIN_PROCESS_PORT": "29541", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), "configs/accelerate/multi_gpu.yaml",
-                          *tiny_overrides(run_dir, "federation.rounds=1", "eval.personalized=false")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "NUM_PROCESSES": "2",
+        "OMP_NUM_THREADS": "1",
+        "MAIN_PROCESS_PORT": "29541",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    out = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "run_federated.sh"),
+            "configs/accelerate/multi_gpu.yaml",
+            *tiny_overrides(run_dir, "federation.rounds=1", "eval.personalized=false"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["parallel"] == "clients"
     assert summary["mixed_precision"] == "bf16"
     assert math.isfinite(summary["loss_after"])  # bf16 autocast ran without overflow
-    bad = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), "missing.yaml"], capture_output=True,
-                         text=True)
+    bad = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_federated.sh"), "missing.yaml"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "missing.yaml" in bad.stderr
 
 
@@ -138,29 +183,51 @@ def test_run_federated_script_refuses_gpu_configs_without_gpus(tmp_path, config)
     """No GPU: refused with the CPU command to run instead (not N independent single-process runs)."""
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), f"configs/accelerate/{config}",
-                          "--output-dir", str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "run_federated.sh"),
+            f"configs/accelerate/{config}",
+            "--output-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 2 and "no GPU found" in out.stderr
     assert "ACCELERATE_USE_CPU=1 NUM_PROCESSES=2" in out.stderr and not (tmp_path / "r").exists()
     if config.startswith("deepspeed"):
-        cpu = subprocess.run(["bash", str(ROOT / "scripts" / "run_federated.sh"), f"configs/accelerate/{config}"],
-                             cwd=ROOT, capture_output=True, text=True, env={**env, "ACCELERATE_USE_CPU": "1"},
-                             timeout=120)
+        cpu = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "run_federated.sh"), f"configs/accelerate/{config}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**env, "ACCELERATE_USE_CPU": "1"},
+            timeout=120,
+        )
         assert cpu.returncode == 2 and "does not run on CPU processes" in cpu.stderr
 
 
 DS_EXTRA = ("aggregation.name=flora", "eval.personalized=false", "eval.limit=2")
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None or shutil.which("c++") is None,
-    reason="DeepSpeed (and a C++ compiler for its CPU communication op) not installed")
+    reason="DeepSpeed (and a C++ compiler for its CPU communication op) not installed",
+)
 
 
 @pytest.fixture(scope="module")
 def plain_flora(tmp_path_factory, builtin_base):
     run_dir = tmp_path_factory.mktemp("plain") / "run"
-    subprocess.run([sys.executable, "-m", "fedllm.cli", "run", *tiny_overrides(run_dir, *DS_EXTRA)], check=True,
-                   capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [sys.executable, "-m", "fedllm.cli", "run", *tiny_overrides(run_dir, *DS_EXTRA)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return run_dir
 
 
@@ -173,11 +240,30 @@ def test_deepspeed_zero_through_shipped_config_matches_plain_run(tmp_path, stage
     """
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          str(ROOT / "configs" / "accelerate" / f"deepspeed_zero{stage}.yaml"), "--num_processes", "1",
-                          "--mixed_precision", "no", "--main_process_port", str(29560 + stage), "-m", "fedllm.cli",
-                          "run", *tiny_overrides(run_dir, *DS_EXTRA)],
-                         capture_output=True, text=True, timeout=900, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "configs" / "accelerate" / f"deepspeed_zero{stage}.yaml"),
+            "--num_processes",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--main_process_port",
+            str(29560 + stage),
+            "-m",
+            "fedllm.cli",
+            "run",
+            *tiny_overrides(run_dir, *DS_EXTRA),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     plain = json.loads((plain_flora / "summary.json").read_text())
@@ -192,8 +278,16 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, builtin_base):
     """model.gradient_checkpointing recomputes activations in backward: less memory, same gradients."""
     runs = {}
     for flag in ("false", "true"):
-        cfg = load_config(None, tiny_overrides(tmp_path / flag, "federation.rounds=1", "eval.benchmark=none",
-                                               "eval.personalized=false", f"model.gradient_checkpointing={flag}"))
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                tmp_path / flag,
+                "federation.rounds=1",
+                "eval.benchmark=none",
+                "eval.personalized=false",
+                f"model.gradient_checkpointing={flag}",
+            ),
+        )
         fed = Simulation(cfg, tmp_path / flag)
         fed.setup()
         base = fed.runtime.model.get_base_model()

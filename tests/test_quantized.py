@@ -46,15 +46,21 @@ def federation(tmp_path, *extra):
 
 def packed_layers(model) -> int:
     """Linear4bit layers currently in bitsandbytes' packed AVX512-BF16 format."""
-    return sum(bool(getattr(m.weight.quant_state, "packing_format_for_cpu", False))
-               for m in model.modules() if type(m).__name__ == "Linear4bit")
+    return sum(
+        bool(getattr(m.weight.quant_state, "packing_format_for_cpu", False))
+        for m in model.modules()
+        if type(m).__name__ == "Linear4bit"
+    )
 
 
-@pytest.mark.parametrize(("mode", "kernel"), [("4bit", "dequant"), pytest.param("4bit", "packed", marks=NO_PACKED),
-                                              ("8bit", "dequant")])
+@pytest.mark.parametrize(
+    ("mode", "kernel"),
+    [("4bit", "dequant"), pytest.param("4bit", "packed", marks=NO_PACKED), ("8bit", "dequant")],
+)
 def test_quantized_base_loads_and_stays_close(mode, kernel, builtin_base):
-    cfg = load_config(None, tiny_overrides("unused", f"model.quantization={mode}",
-                                           f"model.quant_cpu_kernel={kernel}")).model
+    cfg = load_config(
+        None, tiny_overrides("unused", f"model.quantization={mode}", f"model.quant_cpu_kernel={kernel}")
+    ).model
     model, tok = load_base(cfg)
     assert is_quantized(model)
     linear = model.model.layers[0].self_attn.q_proj
@@ -80,18 +86,31 @@ def test_layer_shapes_the_packed_kernel_cannot_take_are_named(builtin_base, tmp_
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(builtin_base)
-    odd = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=168, num_hidden_layers=1,
-                                       num_attention_heads=4, max_position_embeddings=64))
+    odd = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=168,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
+    )
     odd.save_pretrained(tmp_path / "odd")
     tok.save_pretrained(tmp_path / "odd")
     from fedllm.modeling import quantization_config
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "odd", quantization_config=quantization_config(
-        "4bit", torch.float32), device_map={"": "cpu"})
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "odd",
+        quantization_config=quantization_config("4bit", torch.float32),
+        device_map={"": "cpu"},
+    )
     problems = packed_kernel_problems(model)
-    # gate_proj and up_proj are 168 x 64 (168 % 32 != 0), down_proj 64 x 168 (168 % 64 != 0); attention is fine
-    assert [p.split(" ")[0] for p in problems] == [f"model.layers.0.mlp.{m}" for m in ("gate_proj", "up_proj",
-                                                                                         "down_proj")]
+    # gate_proj and up_proj are 168 x 64 (168 % 32 != 0), down_proj 64 x 168 (168 % 64 != 0); attention is
+    # fine
+    assert [p.split(" ")[0] for p in problems] == [
+        f"model.layers.0.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")
+    ]
     assert "model.layers.0.mlp.gate_proj (168 x 64, out x in): needs out_features % 32 == 0" in problems[0]
     if PACKED_OK:
         with pytest.raises(ModelError, match=r"cannot take .*model.layers.0.mlp.gate_proj \(168 x 64"):
@@ -104,9 +123,15 @@ def test_layer_shapes_the_packed_kernel_cannot_take_are_named(builtin_base, tmp_
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_training_after_an_evaluation_gets_full_gradients(tmp_path, kernel, builtin_base):
-    """An evaluation packs the layers (packed kernel); training must unpack them, or no gradient crosses the base."""
-    fed = federation(tmp_path / "r", "model.quantization=4bit", f"model.quant_cpu_kernel={kernel}",
-                     "lora.trainable_modules=[]")
+    """An evaluation packs the layers (packed kernel); training must unpack them, or no gradient crosses the
+    base.
+    """
+    fed = federation(
+        tmp_path / "r",
+        "model.quantization=4bit",
+        f"model.quant_cpu_kernel={kernel}",
+        "lora.trainable_modules=[]",
+    )
     fed.evaluate()  # inference forwards: bitsandbytes packs here with the packed kernel
     assert (packed_layers(fed.runtime.model) > 0) == (kernel == "packed")
     params, _ = switch_in(fed, fed.clients[0], 1)
@@ -130,8 +155,10 @@ def test_merge_into_quantized_base_is_refused(tmp_path, builtin_base):
         merge_into_base(fed.runtime.model, {})
 
 
-@pytest.mark.parametrize(("mode", "kernel"), [("8bit", "dequant"), ("4bit", "dequant"),
-                                              pytest.param("4bit", "packed", marks=NO_PACKED)])
+@pytest.mark.parametrize(
+    ("mode", "kernel"),
+    [("8bit", "dequant"), ("4bit", "dequant"), pytest.param("4bit", "packed", marks=NO_PACKED)],
+)
 def test_qlora_round_learns_like_full_precision(tmp_path, mode, kernel, builtin_base):
     extra = ("aggregation.name=fedit", "federation.rounds=1", "client.local_steps=10")
     full = federation(tmp_path / "full", *extra).run()
@@ -143,26 +170,39 @@ def test_qlora_round_learns_like_full_precision(tmp_path, mode, kernel, builtin_
     assert summary["quantization"] == mode
     assert summary.get("quant_cpu_kernel") == (kernel if mode == "4bit" else None)
     assert (tmp_path / "q" / "global_adapter" / "adapter_model.safetensors").exists()
-    frozen = [p for n, p in fed.runtime.model.named_parameters()
-              if "lora_" not in n and "embed_tokens" not in n and "lm_head" not in n]
+    frozen = [
+        p
+        for n, p in fed.runtime.model.named_parameters()
+        if "lora_" not in n and "embed_tokens" not in n and "lm_head" not in n
+    ]
     assert frozen and not any(p.requires_grad for p in frozen)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_flora_on_4bit_keeps_merged_update_as_frozen_residual(tmp_path, kernel, builtin_base):
-    fed = federation(tmp_path / "r", "model.quantization=4bit", f"model.quant_cpu_kernel={kernel}",
-                     "aggregation.name=flora", "federation.rounds=1", "lora.trainable_modules=[]", "lora.ranks=[2,4]")
+    fed = federation(
+        tmp_path / "r",
+        "model.quantization=4bit",
+        f"model.quant_cpu_kernel={kernel}",
+        "aggregation.name=flora",
+        "federation.rounds=1",
+        "lora.trainable_modules=[]",
+        "lora.ranks=[2,4]",
+    )
     before = {k: v.clone() for k, v in fed.runtime.model.state_dict().items() if "lora_" not in k}
     summary = fed.run()
     assert summary["quantization"] == "4bit" and summary["residual_adapter_rank"] == 2 + 4 + 2 + 4
     assert "frozen residual adapter" in summary["note"]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["residual_adapter_rank"] == 12
-    restore_dequant_layers(fed.runtime.model)  # as before training: state_dict() of a packed layer re-quantizes
+    restore_dequant_layers(
+        fed.runtime.model
+    )  # as before training: state_dict() of a packed layer re-quantizes
     after = fed.runtime.model.state_dict()
     for k, v in before.items():  # the quantized weights were never rewritten
         assert torch.equal(after[k], v), k
 
-    # the residual adapter is exactly the FLoRA update sum_k p_k s_k B_k A_k, and frozen under a client's adapter
+    # the residual adapter is exactly the FLoRA update sum_k p_k s_k B_k A_k, and frozen under a client's
+    # adapter
     key = "model.layers.1.mlp.down_proj"
     res = fed.server.state.residual[key]
     module = lora_modules(fed.runtime.model, RESIDUAL)[key]
@@ -184,8 +224,14 @@ def test_flora_on_4bit_keeps_merged_update_as_frozen_residual(tmp_path, kernel, 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_residual_survives_resume(tmp_path, kernel, builtin_base):
-    extra = ("model.quantization=4bit", f"model.quant_cpu_kernel={kernel}", "aggregation.name=florist",
-             "federation.rounds=1", "lora.trainable_modules=[]", "lora.ranks=[2,4]")
+    extra = (
+        "model.quantization=4bit",
+        f"model.quant_cpu_kernel={kernel}",
+        "aggregation.name=florist",
+        "federation.rounds=1",
+        "lora.trainable_modules=[]",
+        "lora.ranks=[2,4]",
+    )
     fed = federation(tmp_path / "r", *extra)
     fed.run()
     install_global(fed)

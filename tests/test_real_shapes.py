@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_real_shapes", ROOT / "scripts" / "bench_real_shapes.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_real_shapes", ROOT / "scripts" / "bench_real_shapes.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -32,8 +34,9 @@ def one_layer(bench):
 def test_every_strategy_runs_at_tinyllama_shape(tmp_path, bench, one_layer, strategy):
     ranks = [64, 16, 4]
     cfg = bench.config_for(strategy, ranks, steps=1, batch_size=1, run_dir=tmp_path)
-    driver = bench.make_driver(cfg, tmp_path, one_layer["model"], one_layer["tokenizer"], examples_per_client=2,
-                               seq_len=48)
+    driver = bench.make_driver(
+        cfg, tmp_path, one_layer["model"], one_layer["tokenizer"], examples_per_client=2, seq_len=48
+    )
     try:
         result = bench.timed_round(driver)  # raises if any client failed
         assert result["n_updates"] == 3

@@ -116,16 +116,37 @@ def test_norm_clipping_bounds_a_hostile_update():
 
     def update(k, scale):
         f = start["m"]
-        return ClientUpdate(k, 10, {"m": LoraFactors(f.A + scale * torch.randn(2, 5, generator=gen),
-                                                     f.B + scale * torch.randn(4, 2, generator=gen), 1.0)},
-                            start=start)
+        return ClientUpdate(
+            k,
+            10,
+            {
+                "m": LoraFactors(
+                    f.A + scale * torch.randn(2, 5, generator=gen),
+                    f.B + scale * torch.randn(4, 2, generator=gen),
+                    1.0,
+                )
+            },
+            start=start,
+        )
 
     ups = [update(0, 0.1), update(1, 0.1), update(2, 0.12), update(3, 100.0)]
-    norms_before = [float(torch.cat([(u.factors["m"].A - start["m"].A).flatten(),
-                                     (u.factors["m"].B - start["m"].B).flatten()]).norm()) for u in ups]
+    norms_before = [
+        float(
+            torch.cat(
+                [(u.factors["m"].A - start["m"].A).flatten(), (u.factors["m"].B - start["m"].B).flatten()]
+            ).norm()
+        )
+        for u in ups
+    ]
     assert clip_updates(ups, 2.0, {}) == 1
-    norms = [float(torch.cat([(u.factors["m"].A - start["m"].A).flatten(),
-                              (u.factors["m"].B - start["m"].B).flatten()]).norm()) for u in ups]
+    norms = [
+        float(
+            torch.cat(
+                [(u.factors["m"].A - start["m"].A).flatten(), (u.factors["m"].B - start["m"].B).flatten()]
+            ).norm()
+        )
+        for u in ups
+    ]
     median = float(torch.tensor(norms_before).median())
     assert norms[3] == pytest.approx(2.0 * median, rel=1e-5)
     assert norms[:3] == pytest.approx(norms_before[:3])
@@ -182,10 +203,19 @@ def test_sigkill_mid_round_then_resume_matches_uninterrupted(tmp_path):
     extra = ["federation.rounds=4", "client.local_steps=30", "eval.limit=1"]
     ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    subprocess.run(fedllm_cmd("run", *tiny_overrides(ref_dir, *extra)), check=True, env=env, timeout=600,
-                   capture_output=True)
-    proc = subprocess.Popen(fedllm_cmd("run", *tiny_overrides(killed_dir, *extra)), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        fedllm_cmd("run", *tiny_overrides(ref_dir, *extra)),
+        check=True,
+        env=env,
+        timeout=600,
+        capture_output=True,
+    )
+    proc = subprocess.Popen(
+        fedllm_cmd("run", *tiny_overrides(killed_dir, *extra)),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics = killed_dir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline:  # wait until round 2 is done, then kill inside round 3
@@ -198,8 +228,9 @@ def test_sigkill_mid_round_then_resume_matches_uninterrupted(tmp_path):
     assert not (killed_dir / "summary.json").exists()  # it really died before finishing
     done = len(ckpt.read_jsonl(metrics))
     assert done < 5
-    out = subprocess.run(fedllm_cmd("run", "--resume", str(killed_dir)), env=env, timeout=600, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        fedllm_cmd("run", "--resume", str(killed_dir)), env=env, timeout=600, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = ckpt.read_jsonl(metrics)
     assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
@@ -221,8 +252,9 @@ def test_fifty_rounds_with_one_in_five_client_calls_failing(tmp_path):
             raise RuntimeError("random client failure")
         return u
 
-    _, summary, rows = run_with_hook(tmp_path, flaky, "federation.rounds=50", "eval.every=10",
-                                     "federation.min_clients=1")
+    _, summary, rows = run_with_hook(
+        tmp_path, flaky, "federation.rounds=50", "eval.every=10", "federation.min_clients=1"
+    )
     assert [r["round"] for r in rows] == list(range(51))  # no lost rounds
     failed = sum(r["n_failed"] for r in rows[1:])
     assert 0.1 < failed / (50 * 4) < 0.3

@@ -1,4 +1,6 @@
-"""The run directory's integrity, through the CLI as a user meets it: export, reuse, resume, checkpoints, locks."""
+"""The run directory's integrity, through the CLI as a user meets it: export, reuse, resume, checkpoints,
+locks.
+"""
 
 from __future__ import annotations
 
@@ -73,9 +75,17 @@ def test_export_refuses_the_run_itself_and_non_empty_folders(run_copy, tmp_path,
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     code, err = cli(capsys, "export", str(run_copy), "--output", str(mine))
-    assert code == 2 and "is not empty: pass --overwrite" in err and (mine / "notes.txt").read_text() == "keep me"
+    assert (
+        code == 2
+        and "is not empty: pass --overwrite" in err
+        and (mine / "notes.txt").read_text() == "keep me"
+    )
     assert cli(capsys, "export", str(run_copy), "--output", str(mine), "--overwrite")[0] == 0
-    assert sorted(p.name for p in mine.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in mine.iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export-")]  # no temporary left beside it
 
 
@@ -88,7 +98,9 @@ def test_reused_output_dir_is_refused_continued_or_overwritten(run_copy, tmp_pat
     assert listing(run_copy) == before
     code, err = cli(capsys, "run", "--output-dir", str(run_copy), *overrides)  # the same config: finished
     assert code == 0 and "nothing to do" in err and listing(run_copy) == before
-    code, err = cli(capsys, "run", "--output-dir", str(run_copy), *overrides, "federation.seed=7", "--overwrite")
+    code, err = cli(
+        capsys, "run", "--output-dir", str(run_copy), *overrides, "federation.seed=7", "--overwrite"
+    )
     assert code == 0, err
     assert rounds_in(run_copy) == [0, 1, 2]  # the old rows are gone, not mixed in
     assert "seed: 7" in (run_copy / "config.yaml").read_text()
@@ -103,8 +115,9 @@ def test_reused_output_dir_is_refused_continued_or_overwritten(run_copy, tmp_pat
 def test_a_second_process_is_refused_while_the_first_lives(run_copy, capsys):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        (run_copy / ".lock").write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename,
-                                                    "since": "now"}))
+        (run_copy / ".lock").write_text(
+            json.dumps({"pid": holder.pid, "host": os.uname().nodename, "since": "now"})
+        )
         code, err = cli(capsys, "run", "--resume", str(run_copy), "federation.rounds=3")
         assert code == 2 and f"in use by another fedllm process (pid {holder.pid}" in err
     finally:
@@ -117,9 +130,18 @@ def test_a_second_process_is_refused_while_the_first_lives(run_copy, capsys):
 
 
 # 3. a resume takes only the changes that keep the trajectory
-@pytest.mark.parametrize("change", ["federation.num_clients=8", "lora.ranks=[2]", "lora.target_modules=[q_proj]",
-                                    "federation.seed=3", "client.algorithm=fedprox",
-                                    "lora.trainable_modules=[]", "data.dirichlet_alpha=0.1"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "federation.num_clients=8",
+        "lora.ranks=[2]",
+        "lora.target_modules=[q_proj]",
+        "federation.seed=3",
+        "client.algorithm=fedprox",
+        "lora.trainable_modules=[]",
+        "data.dirichlet_alpha=0.1",
+    ],
+)
 def test_resume_with_a_changed_config_is_refused_naming_the_key(run_copy, capsys, change):
     before = (run_copy / "config.yaml").read_text()
     code, err = cli(capsys, "run", "--resume", str(run_copy), change, "federation.rounds=3")
@@ -172,11 +194,17 @@ def test_no_intact_checkpoint_is_refused_naming_the_file(run_copy, capsys, damag
 
 # 5. a full disk is one line naming the path; nothing half-written is left
 def test_real_disk_full(tmp_path, capsys, builtin_base):
-    """On a 96 KB tmpfs the first checkpoint does not fit (needs root to mount; the next test covers the rest)."""
+    """On a 96 KB tmpfs the first checkpoint does not fit (needs root to mount; the next test covers the
+    rest).
+    """
     small = tmp_path / "small"
     small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(small)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(small)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
     try:
         overrides = [o for o in tiny_overrides(small / "r", *FAST) if not o.startswith("output.dir")]
@@ -201,9 +229,14 @@ def test_disk_full_message(tmp_path, capsys, builtin_base, monkeypatch):
     overrides = [o for o in tiny_overrides(tmp_path / "r", *FAST) if not o.startswith("output.dir")]
     code, err = cli(capsys, "run", "--output-dir", str(tmp_path / "r"), *overrides)
     assert code == 2
-    assert f"could not write checkpoint {tmp_path / 'r' / 'checkpoints' / 'round-0001'}: No space left on device" \
-        in err and "Traceback" not in err
+    assert (
+        f"could not write checkpoint {tmp_path / 'r' / 'checkpoints' / 'round-0001'}: No space left on device"
+        in err
+        and "Traceback" not in err
+    )
     assert not [p for p in (tmp_path / "r").rglob(".*")]  # no temporary file or folder, no lock
+
+
 # 6. pruning orders by round number, not by name
 def test_pruning_keeps_the_newest_rounds_by_number(tmp_path):
     for r in (9998, 9999, 10000, 10001):
@@ -216,7 +249,11 @@ def test_pruning_keeps_the_newest_rounds_by_number(tmp_path):
 
 def test_keep_checkpoints_is_an_option(tmp_path, capsys, builtin_base):
     new_run(capsys, tmp_path / "r", "federation.rounds=3", "output.keep_checkpoints=0")
-    assert [p.name for p in ckpt.round_checkpoints(tmp_path / "r")] == ["round-0001", "round-0002", "round-0003"]
+    assert [p.name for p in ckpt.round_checkpoints(tmp_path / "r")] == [
+        "round-0001",
+        "round-0002",
+        "round-0003",
+    ]
     code, err = cli(capsys, "export", str(tmp_path / "r"), "--round", "1", "--output", str(tmp_path / "e1"))
     assert code == 0, err
 
@@ -280,8 +317,15 @@ def test_client_past_its_time_budget_is_stopped_between_steps(tmp_path, capsys, 
 
     monkeypatch.setattr(SFT, "local_step", slow)
     t0 = time.perf_counter()
-    new_run(capsys, tmp_path / "r", "federation.rounds=1", "client.local_steps=40", "federation.client_timeout_s=0.5",
-            "federation.num_clients=2", "data.min_examples_per_client=4")
+    new_run(
+        capsys,
+        tmp_path / "r",
+        "federation.rounds=1",
+        "client.local_steps=40",
+        "federation.client_timeout_s=0.5",
+        "federation.num_clients=2",
+        "data.min_examples_per_client=4",
+    )
     elapsed = time.perf_counter() - t0
     row = ckpt.read_jsonl(tmp_path / "r" / "metrics.jsonl")[1]
     assert row["n_failed"] == 2

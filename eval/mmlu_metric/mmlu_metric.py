@@ -85,19 +85,19 @@ SUBJECT_CATEGORIES = {
 }
 
 
-
-
 class MmluMetric(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
             citation=_CITATION,
             inputs_description=_KWARGS,
-            features=datasets.Features({
-                "predictions": datasets.Value("int32"),
-                "references": datasets.Value("int32"),
-                "subjects": datasets.Value("string"),
-            }),
+            features=datasets.Features(
+                {
+                    "predictions": datasets.Value("int32"),
+                    "references": datasets.Value("int32"),
+                    "subjects": datasets.Value("string"),
+                }
+            ),
         )
 
     def _compute(self, predictions, references, subjects, categories: dict | None = None):

@@ -49,14 +49,16 @@ def low_rank_svd(f: LoraFactors) -> tuple[Tensor, Tensor, Tensor]:
     """
     qb, rb = torch.linalg.qr(f.B * f.scale)
     qa, ra = torch.linalg.qr(f.A.T)
-    core = (rb.double() @ ra.double().T)
+    core = rb.double() @ ra.double().T
     uc, s, vch = torch.linalg.svd(core, full_matrices=False)
     dtype = f.B.dtype
     return qb @ uc.to(dtype), s.to(dtype), vch.to(dtype) @ qa.T
 
 
 def svd_factors(u: Tensor, s: Tensor, vh: Tensor, rank: int, split: str = "sqrt") -> LoraFactors:
-    """Rank-``rank`` factors of ``U S Vh`` (scale 1): ``B = U sqrt(S), A = sqrt(S) Vh`` or ``B = U S, A = Vh``.
+    """Rank-``rank`` factors of ``U S Vh`` (scale 1).
+
+    ``B = U sqrt(S), A = sqrt(S) Vh`` (``split="sqrt"``) or ``B = U S, A = Vh`` (``"us"``).
 
     The product is the same; the split is not: it decides the scale of each
     factor a client starts training from ('us' gives A orthonormal rows).

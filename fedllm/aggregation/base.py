@@ -71,7 +71,9 @@ class Strategy(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if not cls.name or not cls.name.isidentifier():
-            raise TypeError(f"strategy {cls.__name__} needs a lower-case identifier as name, got {cls.name!r}")
+            raise TypeError(
+                f"strategy {cls.__name__} needs a lower-case identifier as name, got {cls.name!r}"
+            )
         if cls.name in STRATEGIES:
             raise TypeError(f"strategy name {cls.name!r} is registered twice")
         STRATEGIES[cls.name] = cls
@@ -99,7 +101,9 @@ class Strategy(abc.ABC):
         return result
 
     @abc.abstractmethod
-    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
         """Combine the round's adapters (``weights`` are the p_k) into a new state."""
 
     def adapter_rank(self, rank: int) -> int:
@@ -119,7 +123,9 @@ class Strategy(abc.ABC):
         return state.factors
 
     def global_biases(self, state: GlobalState) -> dict[str, Tensor]:
-        """Per-module output biases of the global model's LoRA branch (FLoRAL's bias adaptors); usually none."""
+        """Per-module output biases of the global model's LoRA branch (FLoRAL's bias adaptors);
+        usually none.
+        """
         return {}
 
 

@@ -23,14 +23,18 @@ class FedIT(Strategy):
 
     name = "fedit"
 
-    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
         out: Adapter = {}
         for key in updates[0].factors:
             folded = [u.factors[key].folded() for u in updates]
             rmax = max(f.rank for f in folded)
             padded = [pad_rank(f, rmax) for f in folded]
             out[key] = LoraFactors(
-                weighted_mean([f.A for f in padded], weights), weighted_mean([f.B for f in padded], weights), 1.0
+                weighted_mean([f.A for f in padded], weights),
+                weighted_mean([f.B for f in padded], weights),
+                1.0,
             )
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 

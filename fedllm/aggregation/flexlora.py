@@ -37,7 +37,9 @@ class FlexLoRA(Strategy):
     def from_config(cls, agg) -> FlexLoRA:
         return cls(split=agg.flexlora_split)
 
-    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
         out: Adapter = {}
         for key in updates[0].factors:
             stacked = stack([u.factors[key] for u in updates], weights)

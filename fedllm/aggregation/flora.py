@@ -25,6 +25,8 @@ class FLoRA(Strategy):
     merges_into_base = True
     averages_parameters = False
 
-    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
         merged = {key: stack([u.factors[key] for u in updates], weights) for key in updates[0].factors}
         return RoundResult(GlobalState({}, new_residual(state, merged), extras=dict(state.extras)), merged)

@@ -63,7 +63,9 @@ class FLoRAL(Strategy):
     def adapter_rank(self, rank: int) -> int:
         return self.num_adaptors * rank
 
-    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
         c = self.num_adaptors
         out: Adapter = {}
         extras = dict(state.extras)
@@ -88,15 +90,26 @@ class FLoRAL(Strategy):
             if BIAS + key in updates[0].extras:
                 extras[BIAS + key] = self._average_bias(key, updates, w, state.extras.get(BIAS + key))
         if unused:
-            log.warning("FLoRAL: %d module(s) had adaptors no client's router used this round (kept unchanged), "
-                        "e.g. %s adaptor(s) %s", len(unused), *next(iter(unused.items())))
-        mass = torch.stack([torch.stack([u.extras[PROBS + k] for k in updates[0].factors]).mean(0) for u in updates])
-        info = {"router_mass": [float(x) for x in mass.mean(0)], "unused_adaptors": sum(map(len, unused.values()))}
+            log.warning(
+                "FLoRAL: %d module(s) had adaptors no client's router used this round (kept unchanged), "
+                "e.g. %s adaptor(s) %s",
+                len(unused),
+                *next(iter(unused.items())),
+            )
+        mass = torch.stack(
+            [torch.stack([u.extras[PROBS + k] for k in updates[0].factors]).mean(0) for u in updates]
+        )
+        info = {
+            "router_mass": [float(x) for x in mass.mean(0)],
+            "unused_adaptors": sum(map(len, unused.values())),
+        }
         return RoundResult(GlobalState(out, dict(state.residual), extras=extras), info=info)
 
     @staticmethod
     def _average_bias(key: str, updates: list[ClientUpdate], w: Tensor, before: Tensor | None) -> Tensor:
-        """Bias adaptor c of module ``key`` averaged with p(k|c); an unused one kept (zeros before round 1)."""
+        """Bias adaptor c of module ``key`` averaged with p(k|c); an unused one kept (zeros before
+        round 1).
+        """
         stacked = torch.stack([u.extras[BIAS + key].double() for u in updates])  # K x C x out
         out = torch.einsum("kc,kco->co", torch.nan_to_num(w), stacked).to(stacked.dtype)
         unused = torch.isnan(w[0])
@@ -116,4 +129,4 @@ class FLoRAL(Strategy):
 
     def global_biases(self, state: GlobalState) -> dict[str, Tensor]:
         """The uniform mixture's bias per module (the mean of its C bias adaptors)."""
-        return {k[len(BIAS):]: v.mean(0) for k, v in state.extras.items() if k.startswith(BIAS)}
+        return {k[len(BIAS) :]: v.mean(0) for k, v in state.extras.items() if k.startswith(BIAS)}

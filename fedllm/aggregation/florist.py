@@ -39,7 +39,9 @@ class FLoRIST(Strategy):
     def from_config(cls, agg) -> FLoRIST:
         return cls(tau=agg.tau, fixed_rank=agg.fixed_rank)
 
-    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
         merged: Adapter = {}
         kept: dict[str, int] = {}
         for key in updates[0].factors:
@@ -48,4 +50,6 @@ class FLoRIST(Strategy):
             merged[key] = svd_factors(u, s, vh, p)
             kept[key] = p
         info = {"kept_rank_mean": sum(kept.values()) / len(kept), "kept_rank_max": max(kept.values())}
-        return RoundResult(GlobalState({}, new_residual(state, merged), extras=dict(state.extras)), merged, info)
+        return RoundResult(
+            GlobalState({}, new_residual(state, merged), extras=dict(state.extras)), merged, info
+        )

@@ -25,7 +25,9 @@ class LocalOnly(Strategy):
     name = "local"
     averages_parameters = False
 
-    def aggregate_factors(self, updates: list[ClientUpdate], weights: list[float], state: GlobalState) -> RoundResult:
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
         extras = dict(state.extras)
         for u in updates:
             for key, f in u.factors.items():
@@ -40,7 +42,8 @@ class LocalOnly(Strategy):
         mine = {}
         for name, t in state.extras.items():
             if name.startswith(prefix) and name.endswith(".A"):
-                key = name[len(prefix):-2]
-                mine[key] = LoraFactors(t, state.extras[f"{prefix}{key}.B"],
-                                        float(state.extras[f"{prefix}{key}.scale"]))
+                key = name[len(prefix) : -2]
+                mine[key] = LoraFactors(
+                    t, state.extras[f"{prefix}{key}.B"], float(state.extras[f"{prefix}{key}.scale"])
+                )
         return mine or None

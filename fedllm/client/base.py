@@ -30,6 +30,8 @@ ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
 
 class ClientTimeout(RuntimeError):
     """A client ran past its time budget; it is stopped between two steps and its update is not used."""
+
+
 Params = dict[str, torch.nn.Parameter]
 
 
@@ -54,7 +56,9 @@ class LocalPlan:
     local_params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     local_lr: float = 1e-2
     layout: Any = None  # fedllm.parallel.Layout: data-parallel wrapping of the model (None: as is)
-    deadline: float | None = None  # time.monotonic() after which the client stops (federation.client_timeout_s)
+    deadline: float | None = (
+        None  # time.monotonic() after which the client stops (federation.client_timeout_s)
+    )
     progress: bool = False  # a progress bar over the local steps (on a terminal)
 
 
@@ -70,14 +74,16 @@ class LocalResult:
         return sum(self.losses) / max(1, len(self.losses))
 
 
-def batch_stream(data: list[TokenizedExample], batch_size: int, pad_id: int, seed: int) -> Iterator[dict[str, Tensor]]:
+def batch_stream(
+    data: list[TokenizedExample], batch_size: int, pad_id: int, seed: int
+) -> Iterator[dict[str, Tensor]]:
     """Endless seeded shuffled batches (reshuffled every epoch)."""
     rng = random.Random(seed)
     while True:
         order = list(range(len(data)))
         rng.shuffle(order)
         for i in range(0, len(order), batch_size):
-            chunk = order[i:i + batch_size]
+            chunk = order[i : i + batch_size]
             if len(chunk) < batch_size and len(order) >= batch_size:
                 chunk = chunk + order[: batch_size - len(chunk)]
             yield collate([data[j] for j in chunk], pad_id)
@@ -89,8 +95,12 @@ class ClientAlgorithm(abc.ABC):
     name: ClassVar[str] = ""
     server_half: ClassVar[type[AlgorithmServer]] = AlgorithmServer  # built by the driver, run by the server
     # what the config layer checks against the strategy (clients never look at the strategy themselves)
-    needs_parameter_averaging: ClassVar[bool] = False  # its state refers to parameters that persist across rounds
-    trains_local_params: ClassVar[bool] = True  # can train client-only parameters beside its own (FLoRAL routers)
+    needs_parameter_averaging: ClassVar[bool] = (
+        False  # its state refers to parameters that persist across rounds
+    )
+    trains_local_params: ClassVar[bool] = (
+        True  # can train client-only parameters beside its own (FLoRAL routers)
+    )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -115,28 +125,44 @@ class ClientAlgorithm(abc.ABC):
         """Refuse combinations this algorithm cannot run, before any work starts."""
 
     def step_size(self, plan: LocalPlan) -> float:
-        """The learning rate of this algorithm's optimizer: ``client.lr`` (AdamW) or ``client.sgd_lr`` (SGD)."""
+        """The learning rate of this algorithm's optimizer: ``client.lr`` (AdamW) or
+        ``client.sgd_lr`` (SGD).
+        """
         return plan.sgd_lr if self.optimizer == "sgd" else plan.lr
 
     def make_optimizer(self, params: Params, plan: LocalPlan) -> torch.optim.Optimizer:
         """AdamW or SGD over ``params``; ``plan.local_params`` form their own group at ``plan.local_lr``."""
         groups = [{"params": list(params.values()), "lr": self.step_size(plan)}]
         if plan.local_params:
-            groups.append({"params": list(plan.local_params.values()), "lr": plan.local_lr, "weight_decay": 0.0})
+            groups.append(
+                {"params": list(plan.local_params.values()), "lr": plan.local_lr, "weight_decay": 0.0}
+            )
         if self.optimizer == "sgd":
             return torch.optim.SGD(groups, lr=self.step_size(plan), weight_decay=plan.weight_decay)
         return torch.optim.AdamW(groups, lr=self.step_size(plan), weight_decay=plan.weight_decay)
 
     def begin(self, params: Params, state: dict[str, Any], download: dict[str, Tensor]) -> None:
-        """Hook before the first local step (e.g. remember the starting point); ``download``: the server half's."""
+        """Hook before the first local step (e.g. remember the starting point); ``download``: the server
+        half's.
+        """
 
-    def finish(self, params: Params, plan: LocalPlan, state: dict[str, Any],
-               step_sizes: list[float]) -> dict[str, Tensor]:
-        """Hook after the last local step (``step_sizes``: the learning rate of each step); returns extra uploads."""
+    def finish(
+        self, params: Params, plan: LocalPlan, state: dict[str, Any], step_sizes: list[float]
+    ) -> dict[str, Tensor]:
+        """Hook after the last local step (``step_sizes``: the learning rate of each step); returns extra
+        uploads.
+        """
         return {}
 
-    def personalize(self, model, params: Params, batches: Iterator[dict[str, Tensor]], steps: int, plan: LocalPlan,
-                    accelerator) -> None:
+    def personalize(
+        self,
+        model,
+        params: Params,
+        batches: Iterator[dict[str, Tensor]],
+        steps: int,
+        plan: LocalPlan,
+        accelerator,
+    ) -> None:
         """Adapt the global model to a client with ``steps`` plain SGD steps (for personalized evaluation)."""
         opt = torch.optim.SGD(list(params.values()), lr=self.personal_lr(plan))
         torch.manual_seed(plan.seed + 1)
@@ -155,13 +181,21 @@ class ClientAlgorithm(abc.ABC):
         return plan.sgd_lr
 
     @abc.abstractmethod
-    def local_step(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan,
-                   accelerator) -> float:
+    def local_step(
+        self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, accelerator
+    ) -> float:
         """Accumulate gradients for one optimizer step into ``params``; return the loss."""
 
-    def train(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan,
-              accelerator, state: dict[str, Any] | None = None, download: dict[str, Tensor] | None = None
-              ) -> LocalResult:
+    def train(
+        self,
+        model,
+        params: Params,
+        batches: Iterator[dict[str, Tensor]],
+        plan: LocalPlan,
+        accelerator,
+        state: dict[str, Any] | None = None,
+        download: dict[str, Tensor] | None = None,
+    ) -> LocalResult:
         """Run ``plan.steps`` optimizer steps on ``params`` (the client's trainable tensors, by name).
 
         ``state`` is what the algorithm keeps on this client between rounds
@@ -174,15 +208,22 @@ class ClientAlgorithm(abc.ABC):
         optimizer = self.make_optimizer(params, plan)
         warmup = int(plan.warmup_ratio * plan.steps)
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
-        scheduler = get_scheduler(sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps)
+        scheduler = get_scheduler(
+            sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps
+        )
         layout = plan.layout
         self.begin(params, state, download or {})
         losses, step_sizes = [], []
-        with wrapped_for_training(accelerator, layout, model, optimizer, plan.max_grad_norm,
-                                  plan.batch_size) as (wrapped, optimizer):
+        with wrapped_for_training(
+            accelerator, layout, model, optimizer, plan.max_grad_norm, plan.batch_size
+        ) as (wrapped, optimizer):
             wrapped.train()
-            bar = tqdm(total=plan.steps, desc=f"client {plan.client_id}", leave=False, disable=None if plan.progress
-                       else True)
+            bar = tqdm(
+                total=plan.steps,
+                desc=f"client {plan.client_id}",
+                leave=False,
+                disable=None if plan.progress else True,
+            )
             for _ in range(plan.steps):
                 optimizer.zero_grad(set_to_none=True)
                 loss = self.local_step(wrapped, params, batches, plan, accelerator)
@@ -195,8 +236,10 @@ class ClientAlgorithm(abc.ABC):
                 bar.update()
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 if plan.deadline is not None and time.monotonic() > plan.deadline:
-                    raise ClientTimeout(f"stopped after {len(losses)} of {plan.steps} steps: past its time budget "
-                                        "(federation.client_timeout_s)")
+                    raise ClientTimeout(
+                        f"stopped after {len(losses)} of {plan.steps} steps: past its time budget "
+                        "(federation.client_timeout_s)"
+                    )
             optimizer.zero_grad(set_to_none=True)
             bar.close()
         model.eval()

@@ -56,8 +56,11 @@ class PerFedAvg(ClientAlgorithm):
 
     @classmethod
     def from_config(cls, client_cfg) -> PerFedAvg:
-        return cls(alpha=client_cfg.perfedavg_alpha, variant=client_cfg.perfedavg_variant,
-                   fd_delta=client_cfg.perfedavg_fd_delta)
+        return cls(
+            alpha=client_cfg.perfedavg_alpha,
+            variant=client_cfg.perfedavg_variant,
+            fd_delta=client_cfg.perfedavg_fd_delta,
+        )
 
     def inner_lr(self, plan) -> float:
         return self.alpha or plan.sgd_lr
@@ -65,8 +68,14 @@ class PerFedAvg(ClientAlgorithm):
     def personal_lr(self, plan) -> float:
         return self.inner_lr(plan)  # the inner step the meta-objective trained for
 
-    def _grads(self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan, accelerator,
-               ) -> tuple[dict[str, Tensor], float]:
+    def _grads(
+        self,
+        model,
+        params: Params,
+        batches: Iterator[dict[str, Tensor]],
+        plan,
+        accelerator,
+    ) -> tuple[dict[str, Tensor], float]:
         """Gradient of the mean loss over ``grad_accum`` micro-batches, and that loss."""
         for p in params.values():
             p.grad = None
@@ -75,7 +84,10 @@ class PerFedAvg(ClientAlgorithm):
             loss = lm_loss(model, next(batches), accelerator) / plan.grad_accum
             backward(loss, accelerator)
             total += loss.item()
-        grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for k, p in params.items()}
+        grads = {
+            k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for k, p in params.items()
+        }
         for p in params.values():
             p.grad = None
         return grads, total

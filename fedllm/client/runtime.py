@@ -93,9 +93,21 @@ def revive_empty_directions(start: Adapter, fresh: Adapter) -> Adapter:
 class ClientRuntime:
     """See module docstring. ``ranks`` are the adapter ranks its clients train (one peft adapter per rank)."""
 
-    def __init__(self, model, tokenizer, ranks: list[int], lora_cfg, client_cfg, seed: int, layout: Layout,
-                 accelerator, mixture: MixtureSpec | None = None, residual_merges: bool = False,
-                 client_timeout_s: float = 0.0, progress: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        ranks: list[int],
+        lora_cfg,
+        client_cfg,
+        seed: int,
+        layout: Layout,
+        accelerator,
+        mixture: MixtureSpec | None = None,
+        residual_merges: bool = False,
+        client_timeout_s: float = 0.0,
+        progress: bool = False,
+    ) -> None:
         self.tokenizer, self.lora_cfg, self.client_cfg = tokenizer, lora_cfg, client_cfg
         self.seed, self.layout, self.acc, self.mixture = seed, layout, accelerator, mixture
         self.client_timeout_s, self.progress = client_timeout_s, progress
@@ -110,7 +122,9 @@ class ClientRuntime:
     # ---------------------------------------------------------------- the base
     def whole_adapters(self, modify: bool = False):
         """Context in which every LoRA and dense tensor is whole on this process (ZeRO-3 shards them)."""
-        params = [p for n, p in self.model.named_parameters() if "lora_" in n or module_key(n) in self.dense_names]
+        params = [
+            p for n, p in self.model.named_parameters() if "lora_" in n or module_key(n) in self.dense_names
+        ]
         return full_tensors(self.layout, params, modify)
 
     def initial_dense(self) -> dict[str, Tensor]:
@@ -127,8 +141,9 @@ class ClientRuntime:
         """
         new = [(r, m) for r, m in merges if r > self.applied_round and m]
         for r, merged in new:
-            self.residual = concat(self.residual, merged) if self.residual else {k: f.folded() for k, f in
-                                                                                   merged.items()}
+            self.residual = (
+                concat(self.residual, merged) if self.residual else {k: f.folded() for k, f in merged.items()}
+            )
             if not self.residual_merges:
                 merge_into_base(self.model, merged)
             self.applied_round = r
@@ -154,13 +169,25 @@ class ClientRuntime:
     def plan_for(self, client: ClientData, round_idx: int) -> LocalPlan:
         c = self.client_cfg
         return LocalPlan(
-            round=round_idx, client_id=client.client_id, steps=self.local_steps(client),
-            seed=derive_seed(self.seed, round_idx, client.client_id, 11), lr=c.lr, sgd_lr=c.sgd_lr,
-            batch_size=c.batch_size, grad_accum=c.grad_accum, scheduler=c.scheduler, warmup_ratio=c.warmup_ratio,
-            weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm, layout=self.layout,
+            round=round_idx,
+            client_id=client.client_id,
+            steps=self.local_steps(client),
+            seed=derive_seed(self.seed, round_idx, client.client_id, 11),
+            lr=c.lr,
+            sgd_lr=c.sgd_lr,
+            batch_size=c.batch_size,
+            grad_accum=c.grad_accum,
+            scheduler=c.scheduler,
+            warmup_ratio=c.warmup_ratio,
+            weight_decay=c.weight_decay,
+            max_grad_norm=c.max_grad_norm,
+            layout=self.layout,
             # stopped between steps; not in the data layout, where every process must take every step
-            deadline=(time.monotonic() + self.client_timeout_s
-                      if self.client_timeout_s and not self.layout.data_parallel else None),
+            deadline=(
+                time.monotonic() + self.client_timeout_s
+                if self.client_timeout_s and not self.layout.data_parallel
+                else None
+            ),
             progress=self.progress,
         )
 
@@ -181,8 +208,13 @@ class ClientRuntime:
             write_factors(self.model, name, factors)
             write_dense(self.model, start.dense)
         params = adapter_params(self.model, name)
-        params.update({module_key(k): p for k, p in self.model.named_parameters()
-                       if p.requires_grad and "lora_" not in k})
+        params.update(
+            {
+                module_key(k): p
+                for k, p in self.model.named_parameters()
+                if p.requires_grad and "lora_" not in k
+            }
+        )
         return params, factors
 
     def open_mixture(self, client: ClientData, start: ClientStart, own_router: bool) -> MixtureSession | None:
@@ -191,18 +223,24 @@ class ClientRuntime:
             return None
         router = None
         if own_router and (self.mixture.stateful or not self.model.training):
-            router = {k[len("router."):]: v for k, v in client.state.items() if k.startswith("router.")} or None
-        biases = {k[len("bias."):]: v for k, v in start.extras.items() if k.startswith("bias.")}
+            router = {
+                k[len("router.") :]: v for k, v in client.state.items() if k.startswith("router.")
+            } or None
+        biases = {k[len("bias.") :]: v for k, v in start.extras.items() if k.startswith("bias.")}
         return MixtureSession(self.model, adapter_name(client.rank), self.mixture, router, biases)
 
     def train(self, client: ClientData, start: ClientStart, hook: ClientHook | None = None) -> ClientUpdate:
         """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
         params, factors = self.switch_in(client, start)
         plan = self.plan_for(client, start.round)
-        algo_state = {k[len("algo."):]: v for k, v in client.state.items() if k.startswith("algo.")}
+        algo_state = {k[len("algo.") :]: v for k, v in client.state.items() if k.startswith("algo.")}
         self.model.train()
-        session = self.open_mixture(client, start, own_router=self.mixture is not None and self.mixture.stateful)
-        if session is not None:  # the router is the client's own: trained, never corrected, pulled or uploaded
+        session = self.open_mixture(
+            client, start, own_router=self.mixture is not None and self.mixture.stateful
+        )
+        if (
+            session is not None
+        ):  # the router is the client's own: trained, never corrected, pulled or uploaded
             plan.local_params, plan.local_lr = session.params(), self.mixture.router_lr
             params.update(session.bias_params())  # bias adaptors are shared like the LoRA adaptors
         t0 = time.perf_counter()
@@ -223,12 +261,31 @@ class ClientRuntime:
         name = adapter_name(client.rank)
         with self.whole_adapters():
             trained, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
-        log.info("round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s", start.round, client.client_id,
-                 client.rank, plan.steps, result.losses[0], result.losses[-1], time.perf_counter() - t0)
-        update = ClientUpdate(client.client_id, client.num_examples, trained, dense, result.extras,
-                              {"loss_first": result.losses[0], "loss_last": result.losses[-1],
-                               "loss_mean": result.mean_loss, "train_s": time.perf_counter() - t0,
-                               "steps": plan.steps}, factors)
+        log.info(
+            "round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s",
+            start.round,
+            client.client_id,
+            client.rank,
+            plan.steps,
+            result.losses[0],
+            result.losses[-1],
+            time.perf_counter() - t0,
+        )
+        update = ClientUpdate(
+            client.client_id,
+            client.num_examples,
+            trained,
+            dense,
+            result.extras,
+            {
+                "loss_first": result.losses[0],
+                "loss_last": result.losses[-1],
+                "loss_mean": result.mean_loss,
+                "train_s": time.perf_counter() - t0,
+                "steps": plan.steps,
+            },
+            factors,
+        )
         return hook(start.round, client.client_id, update) if hook is not None else update
 
     # ------------------------------------------------------- evaluation
@@ -246,7 +303,9 @@ class ClientRuntime:
             return True
         return False
 
-    def personalized(self, client: ClientData, start: ClientStart, batch_size: int) -> dict[str, float | None]:
+    def personalized(
+        self, client: ClientData, start: ClientStart, batch_size: int
+    ) -> dict[str, float | None]:
         """``client``'s test data scored by the global model, then by its personalization of it.
 
         FLoRAL's personalization is the client's own router (against the
@@ -270,16 +329,23 @@ class ClientRuntime:
     def personalize(self, client: ClientData, start: ClientStart, params) -> None:
         plan = self.plan_for(client, start.round)
         batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1)
-        self.algorithm.personalize(self.model, params, batches, self.client_cfg.personalize_steps, plan, self.acc)
+        self.algorithm.personalize(
+            self.model, params, batches, self.client_cfg.personalize_steps, plan, self.acc
+        )
 
-    def personalized_adapter(self, client: ClientData, start: ClientStart
-                             ) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
-        """A client's personalized model as one adapter (plus the merges), its dense modules and LoRA biases."""
+    def personalized_adapter(
+        self, client: ClientData, start: ClientStart
+    ) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
+        """A client's personalized model as one adapter (plus the merges), its dense modules and LoRA
+        biases.
+        """
         params, _ = self.switch_in(client, start)
         self.model.eval()
         session = self.open_mixture(client, start, own_router=True)
         biases: dict[str, Tensor] = {}
-        if session is not None:  # FLoRAL: bake the client's router into its stacked adaptors (and bias adaptors)
+        if (
+            session is not None
+        ):  # FLoRAL: bake the client's router into its stacked adaptors (and bias adaptors)
             mine, biases = session.bake(read_factors(self.model, adapter_name(client.rank)))
             session.close()
         else:

@@ -52,7 +52,9 @@ class ScaffoldServer(AlgorithmServer):
         return cls()
 
     def download(self, rank: int) -> dict[str, Tensor]:
-        """``c`` fitted to a client of adapter rank ``rank``: the leading rows of A, columns of B (empty at first)."""
+        """``c`` fitted to a client of adapter rank ``rank``: the leading rows of A, columns of B (empty at
+        first).
+        """
         out = {}
         for k, t in self.c.items():
             shape = list(t.shape)
@@ -69,7 +71,9 @@ class ScaffoldServer(AlgorithmServer):
         for key in keys:
             name = key[3:]
             mine = [u for u in updates if key in u.extras]
-            shape = torch.Size(max(u.extras[key].shape[i] for u in mine) for i in range(mine[0].extras[key].dim()))
+            shape = torch.Size(
+                max(u.extras[key].shape[i] for u in mine) for i in range(mine[0].extras[key].dim())
+            )
             step = sum((u.num_examples / population_examples) * _fit(u.extras[key], shape) for u in mine)
             current = _fit(self.c[name], shape) if name in self.c else torch.zeros(shape)
             self.c[name] = current + step
@@ -104,8 +108,9 @@ class Scaffold(ClientAlgorithm):
 
     def begin(self, params: Params, state: dict[str, Any], download: dict[str, Tensor]) -> None:
         self._start = {k: p.detach().clone() for k, p in params.items()}
-        self._c = {k: _fit(download[k], p.shape) if k in download else torch.zeros_like(p)
-                   for k, p in params.items()}
+        self._c = {
+            k: _fit(download[k], p.shape) if k in download else torch.zeros_like(p) for k, p in params.items()
+        }
         self._ck = {k: state.get(k, torch.zeros_like(p)) for k, p in params.items()}
 
     def local_step(self, model, params, batches, plan, accelerator) -> float:
@@ -116,10 +121,14 @@ class Scaffold(ClientAlgorithm):
                 p.grad = correction if p.grad is None else p.grad.add_(correction)
         return loss
 
-    def finish(self, params: Params, plan, state: dict[str, Any], step_sizes: list[float]) -> dict[str, Tensor]:
+    def finish(
+        self, params: Params, plan, state: dict[str, Any], step_sizes: list[float]
+    ) -> dict[str, Tensor]:
         travelled = sum(step_sizes)  # sum_t eta_t: the schedule's real steps, not K * peak lr
-        new_ck = {k: self._ck[k] - self._c[k] + (self._start[k] - p.detach().cpu()) / travelled
-                  for k, p in params.items()}
+        new_ck = {
+            k: self._ck[k] - self._c[k] + (self._start[k] - p.detach().cpu()) / travelled
+            for k, p in params.items()
+        }
         deltas = {f"dc.{k}": new_ck[k] - self._ck[k] for k in params}
         state.clear()
         state.update(new_ck)  # c_k stays with the client

@@ -11,13 +11,22 @@ import json
 
 import torch
 
-from fedllm.protocol import ClientStart, ClientUpdate, decode_start, decode_update, encode_start, encode_update
+from fedllm.protocol import (
+    ClientStart,
+    ClientUpdate,
+    decode_start,
+    decode_update,
+    encode_start,
+    encode_update,
+)
 
 
 def _record(tensors: dict[str, torch.Tensor], meta: dict, **config):
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-    arrays = ArrayRecord(torch_state_dict={k: v.detach().to("cpu", torch.float32) for k, v in tensors.items()})
+    arrays = ArrayRecord(
+        torch_state_dict={k: v.detach().to("cpu", torch.float32) for k, v in tensors.items()}
+    )
     return RecordDict({"tensors": arrays, "meta": ConfigRecord({"json": json.dumps(meta), **config})})
 
 
@@ -50,8 +59,9 @@ def info_record(info: dict, config_text: str | None = None):
     """A handshake: the server's query (the config) or a site's reply (who it is, how much it trains on)."""
     from flwr.app import ConfigRecord, RecordDict
 
-    return RecordDict({"meta": ConfigRecord({"json": json.dumps(info), **({"config": config_text} if config_text
-                                                                           else {})})})
+    return RecordDict(
+        {"meta": ConfigRecord({"json": json.dumps(info), **({"config": config_text} if config_text else {})})}
+    )
 
 
 def read_info(content) -> tuple[dict, str | None]:

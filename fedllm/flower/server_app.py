@@ -1,4 +1,4 @@
-"""The Flower ServerApp: fedllm's round loop (:class:`~fedllm.simulation.Driver`) with the clients on real sites.
+"""The Flower ServerApp: fedllm's round loop (:class:`~fedllm.simulation.Driver`) with clients on real sites.
 
 The server side is the same :class:`~fedllm.server.Server` as in the
 simulation; only :meth:`FlowerDriver.train_clients` differs: each active
@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 class FlowerDriver(Driver):
     """The round loop over a Flower Grid (see module docstring)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, grid: Grid, accelerator=None, startup_timeout_s: float = 600.0):
+    def __init__(
+        self, cfg: Config, run_dir: Path, grid: Grid, accelerator=None, startup_timeout_s: float = 600.0
+    ):
         super().__init__(cfg, run_dir, accelerator)
         self.grid, self.startup_timeout_s = grid, startup_timeout_s
         self.config_text = config_to_text(cfg)
@@ -64,11 +66,21 @@ class FlowerDriver(Driver):
         self.eval_data = tokenize_examples(eval_examples, tokenizer, prompt_template(cfg), max_len)
         lora_ranks = assign_ranks(cfg)
         ranks = sorted({self.strategy.adapter_rank(r) for r in lora_ranks})
-        self.runtime = self.build_runtime(model, tokenizer, ranks)  # the evaluation base: no client trains here
+        self.runtime = self.build_runtime(
+            model, tokenizer, ranks
+        )  # the evaluation base: no client trains here
         infos = self.wait_for_sites()
-        self.partition_stats = [{"client": k, "size": i["num-examples"] + i["num-test"],
-                                 "rank": lora_ranks[k], "train": i["num-examples"], "test": i["num-test"],
-                                 "categories": json.loads(i["categories"])} for k, i in sorted(infos.items())]
+        self.partition_stats = [
+            {
+                "client": k,
+                "size": i["num-examples"] + i["num-test"],
+                "rank": lora_ranks[k],
+                "train": i["num-examples"],
+                "test": i["num-test"],
+                "categories": json.loads(i["categories"]),
+            }
+            for k, i in sorted(infos.items())
+        ]
         self.server = self.build_server(self.client_infos({k: i["num-examples"] for k, i in infos.items()}))
 
     def handshake(self) -> dict[int, dict]:
@@ -76,12 +88,16 @@ class FlowerDriver(Driver):
         live = set(self.grid.get_node_ids())
         self.nodes = {k: n for k, n in self.nodes.items() if n in live}
         unknown = sorted(live - set(self.nodes.values()))
-        messages = [Message(info_record({}, self.config_text), dst_node_id=n, message_type=MessageType.QUERY)
-                    for n in unknown]
+        messages = [
+            Message(info_record({}, self.config_text), dst_node_id=n, message_type=MessageType.QUERY)
+            for n in unknown
+        ]
         infos = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.timeout) if messages else []:
             if reply.has_error():
-                log.warning("node %s failed the handshake: %s", reply.metadata.src_node_id, reply.error.reason)
+                log.warning(
+                    "node %s failed the handshake: %s", reply.metadata.src_node_id, reply.error.reason
+                )
                 continue
             info, _ = read_info(reply.content)
             self.nodes[int(info["client-id"])] = reply.metadata.src_node_id
@@ -89,7 +105,9 @@ class FlowerDriver(Driver):
         return infos
 
     def wait_for_sites(self) -> dict[int, dict]:
-        """Every client's site, found by handshakes until all ``federation.num_clients`` answered (or a timeout)."""
+        """Every client's site, found by handshakes until all ``federation.num_clients`` answered (or a
+        timeout).
+        """
         wanted, infos = set(range(self.cfg.federation.num_clients)), {}
         deadline = time.monotonic() + self.startup_timeout_s
         while not wanted <= set(infos):
@@ -97,8 +115,10 @@ class FlowerDriver(Driver):
             if wanted <= set(infos):
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only clients {sorted(infos)} of {sorted(wanted)} connected within "
-                                   f"{self.startup_timeout_s:.0f} s: start a SuperNode per site")
+                raise RuntimeError(
+                    f"only clients {sorted(infos)} of {sorted(wanted)} connected within "
+                    f"{self.startup_timeout_s:.0f} s: start a SuperNode per site"
+                )
             time.sleep(1.0)
         log.info("sites connected: %s", {k: self.nodes[k] for k in sorted(self.nodes)})
         return infos
@@ -113,8 +133,12 @@ class FlowerDriver(Driver):
             if k not in self.nodes:
                 failures[k] = "site not connected"
                 continue
-            messages[k] = Message(start_record(start, self.config_text, k), dst_node_id=self.nodes[k],
-                                  message_type=message_type, group_id=str(round_idx))
+            messages[k] = Message(
+                start_record(start, self.config_text, k),
+                dst_node_id=self.nodes[k],
+                message_type=message_type,
+                group_id=str(round_idx),
+            )
         got = self.grid.send_and_receive(list(messages.values()), timeout=self.timeout) if messages else []
         # the grid gave each message its id; an error reply for a node that is gone comes from the SuperLink
         sent = {m.metadata.message_id: k for k, m in messages.items()}
@@ -122,15 +146,20 @@ class FlowerDriver(Driver):
         for reply in got:
             k = sent.get(reply.metadata.reply_to_message_id)
             if k is None:
-                log.warning("round %d: a reply to no message of this round (from node %s)", round_idx,
-                            reply.metadata.src_node_id)
+                log.warning(
+                    "round %d: a reply to no message of this round (from node %s)",
+                    round_idx,
+                    reply.metadata.src_node_id,
+                )
                 continue
             if reply.has_error():
                 failures[k] = f"site error: {reply.error.reason}"
             else:
                 replies[k] = reply.content
         for k in set(messages) - set(replies) - set(failures):
-            failures[k] = f"no reply within federation.client_timeout_s={self.cfg.federation.client_timeout_s}"
+            failures[k] = (
+                f"no reply within federation.client_timeout_s={self.cfg.federation.client_timeout_s}"
+            )
         for k, why in failures.items():
             log.warning("round %d: client %d left out: %s", round_idx, k, why)
         return replies, failures
@@ -148,8 +177,9 @@ class FlowerDriver(Driver):
     def personalized(self, round_idx: int) -> dict[str, Any]:
         starts = {k: self.server.client_start(round_idx + 1, k) for k in self.server.clients}
         replies, _ = self._exchange(starts, MessageType.EVALUATE, round_idx)
-        return personal_summary({str(k): dict(c["metrics"]) for k, c in sorted(replies.items())
-                                 if len(c["metrics"])})
+        return personal_summary(
+            {str(k): dict(c["metrics"]) for k, c in sorted(replies.items()) if len(c["metrics"])}
+        )
 
 
 def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> dict:

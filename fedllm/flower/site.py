@@ -35,7 +35,9 @@ _SITES: dict[tuple, Site] = {}  # one per process and (state folder, config): a 
 
 
 def trajectory_digest(cfg: Config) -> str:
-    """A digest of what the clients train (a resume may change rounds, evaluation and output: same site state)."""
+    """A digest of what the clients train (a resume may change rounds, evaluation and output: same site
+    state).
+    """
     from fedllm.rundir import RESUMABLE_CHANGES, flat_config
 
     keys = {k: v for k, v in flat_config(cfg).items() if not k.startswith(RESUMABLE_CHANGES)}
@@ -51,24 +53,43 @@ def site_for(config_text: str, node_config, run_id: int) -> Site:
     """This process's site for ``node_config`` under the server's config (built once, then reused)."""
     client_id = int(node_setting(node_config, "client-id", node_setting(node_config, "partition-id", -1)))
     if client_id < 0:
-        raise ConfigError("the SuperNode's --node-config names no client-id (e.g. --node-config \"client-id=0 "
-                          "data-path=/data/site0.jsonl state-dir=/var/lib/fedllm\")")
+        raise ConfigError(
+            "the SuperNode's --node-config names no client-id (e.g. --node-config \"client-id=0 "
+            'data-path=/data/site0.jsonl state-dir=/var/lib/fedllm")'
+        )
     cfg = config_from_text(config_text, "the server's resolved config")
     digest = trajectory_digest(cfg)
-    state_dir = Path(node_setting(node_config, "state-dir", Path(tempfile.gettempdir()) / "fedllm-sites" /
-                                  f"run-{run_id}")) / f"client-{client_id}-{digest}"
+    state_dir = (
+        Path(
+            node_setting(
+                node_config, "state-dir", Path(tempfile.gettempdir()) / "fedllm-sites" / f"run-{run_id}"
+            )
+        )
+        / f"client-{client_id}-{digest}"
+    )
     key = (str(state_dir), digest)
     if key not in _SITES:
-        _SITES[key] = Site(cfg, client_id, state_dir, node_setting(node_config, "data-path"),
-                           node_setting(node_config, "model-path"))
+        _SITES[key] = Site(
+            cfg,
+            client_id,
+            state_dir,
+            node_setting(node_config, "data-path"),
+            node_setting(node_config, "model-path"),
+        )
     return _SITES[key]
 
 
 class Site:
     """One client's runtime, data and durable state (see module docstring)."""
 
-    def __init__(self, cfg: Config, client_id: int, state_dir: Path, data_path: str | None = None,
-                 model_path: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        client_id: int,
+        state_dir: Path,
+        data_path: str | None = None,
+        model_path: str | None = None,
+    ) -> None:
         from accelerate import Accelerator
 
         from fedllm.aggregation import strategy_from_config
@@ -79,7 +100,9 @@ class Site:
 
         t0 = time.perf_counter()
         if not 0 <= client_id < cfg.federation.num_clients:
-            raise ConfigError(f"client-id {client_id}: the run has clients 0..{cfg.federation.num_clients - 1}")
+            raise ConfigError(
+                f"client-id {client_id}: the run has clients 0..{cfg.federation.num_clients - 1}"
+            )
         self.cfg, self.client_id, self.state_dir = cfg, client_id, Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if data_path:
@@ -94,19 +117,28 @@ class Site:
         model, tokenizer = load_base(cfg.model, acc.device)
         info = client_infos(cfg, strategy, {client_id: 0})[0]
         rank = strategy.adapter_rank(info.rank)
-        self.runtime = make_runtime(cfg, strategy, resolve_layout("clients", acc, cfg), acc, model, tokenizer,
-                                    [rank])
+        self.runtime = make_runtime(
+            cfg, strategy, resolve_layout("clients", acc, cfg), acc, model, tokenizer, [rank]
+        )
         max_len = max_seq_len(cfg, model.config.max_position_embeddings)
         train, test = tokenize_client(examples, n_test, tokenizer, prompt_template(cfg), max_len, client_id)
         self.client = ClientData(client_id, rank, info.scale, train, test)
         self.categories = _histogram(examples)
         resumed = self._load_state()
-        log.info("site %d ready in %.1f s: %d train / %d test examples, rank %d%s", client_id,
-                 time.perf_counter() - t0, len(train), len(test), rank,
-                 "" if resumed is None else f", state of round {resumed} from {self.state_dir}")
+        log.info(
+            "site %d ready in %.1f s: %d train / %d test examples, rank %d%s",
+            client_id,
+            time.perf_counter() - t0,
+            len(train),
+            len(test),
+            rank,
+            "" if resumed is None else f", state of round {resumed} from {self.state_dir}",
+        )
 
     def _fast_base(self, name: str) -> str:
-        """The base as a local ``save_pretrained`` folder in the state folder (first use: loaded and saved)."""
+        """The base as a local ``save_pretrained`` folder in the state folder (first use: loaded and
+        saved).
+        """
         from fedllm.modeling import resolve_model_path
 
         path = resolve_model_path(name, self.cfg.model.builtin_pretrain_steps)
@@ -132,7 +164,7 @@ class Site:
 
         meta = json.loads(meta_path.read_text())
         tensors = load_file(str(self.state_dir / "state.safetensors"))
-        self.client.state = {k[len("client."):]: v for k, v in tensors.items() if k.startswith("client.")}
+        self.client.state = {k[len("client.") :]: v for k, v in tensors.items() if k.startswith("client.")}
         residual = adapter_from_tensors(tensors, meta["scales"], "residual.")
         self.runtime.restore_base(residual, meta["applied_round"])
         return int(meta.get("round", meta["applied_round"]))
@@ -141,19 +173,33 @@ class Site:
         tensors, scales = adapter_tensors(self.runtime.residual, "residual.")
         tensors.update({f"client.{k}": v for k, v in self.client.state.items()})
         save_tensors_atomic(self.state_dir / "state.safetensors", tensors)
-        atomic_write_text(self.state_dir / "site.json", json.dumps(
-            {"round": round_idx, "applied_round": self.runtime.applied_round, "scales": scales,
-             "client": self.client_id}))
+        atomic_write_text(
+            self.state_dir / "site.json",
+            json.dumps(
+                {
+                    "round": round_idx,
+                    "applied_round": self.runtime.applied_round,
+                    "scales": scales,
+                    "client": self.client_id,
+                }
+            ),
+        )
 
     def use_state(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Take the client state ``context.state`` kept in memory (it is newer than the disk's only if equal)."""
+        """Take the client state ``context.state`` kept in memory (it is newer than the disk's only
+        if equal).
+        """
         if state:
             self.client.state = dict(state)
 
     # ----------------------------------------------------------- the work
     def info(self) -> dict:
-        return {"client-id": self.client_id, "num-examples": self.client.num_examples,
-                "num-test": len(self.client.test), "categories": json.dumps(self.categories)}
+        return {
+            "client-id": self.client_id,
+            "num-examples": self.client.num_examples,
+            "num-test": len(self.client.test),
+            "categories": json.dumps(self.categories),
+        }
 
     def train(self, start: ClientStart) -> ClientUpdate:
         t0 = time.perf_counter()
@@ -163,7 +209,11 @@ class Site:
         return update
 
     def personalized(self, start: ClientStart) -> dict:
-        row = self.runtime.personalized(self.client, start, self.cfg.eval.batch_size) if self.client.test else {}
+        row = (
+            self.runtime.personalized(self.client, start, self.cfg.eval.batch_size)
+            if self.client.test
+            else {}
+        )
         self.save_state(start.round - 1)  # the merges it applied
         return row
 
@@ -182,7 +232,9 @@ def _histogram(examples) -> dict[str, int]:
 
 
 def write_site_partitions(cfg: Config, out: Path) -> list[Path]:
-    """The run's partition, one folder per site with its examples in fedllm's own jsonl format (for local tests)."""
+    """The run's partition, one folder per site with its examples in fedllm's own jsonl format (for local
+    tests).
+    """
     from fedllm.partitions import load_partitions
 
     parts = load_partitions(cfg)
@@ -191,9 +243,21 @@ def write_site_partitions(cfg: Config, out: Path) -> list[Path]:
         folder = Path(out) / f"site-{k}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "data.jsonl"
-        atomic_write_text(path, "".join(json.dumps({"instruction": e.instruction, "input": e.input,
-                                                    "response": e.response, "category": e.category}) + "\n"
-                                        for e in examples))
+        atomic_write_text(
+            path,
+            "".join(
+                json.dumps(
+                    {
+                        "instruction": e.instruction,
+                        "input": e.input,
+                        "response": e.response,
+                        "category": e.category,
+                    }
+                )
+                + "\n"
+                for e in examples
+            ),
+        )
         paths.append(path)
     save_config(cfg, Path(out) / "config.yaml")
     return paths
