@@ -86,6 +86,34 @@ def build_model(tokenizer, seed: int):
     return LlamaForCausalLM(config)
 
 
+# TinyLlama-1.1B's architecture: real-size shapes offline (memory and speed of a real run, no download)
+TINYLLAMA_SHAPE = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def tinyllama_shaped(layers: int = 22, seed: int = 0):
+    """A Llama of TinyLlama-1.1B's shape with ``layers`` decoder layers and random weights (float32).
+
+    For sizing a real run on any machine without a download: memory, step
+    times and server cost depend on the shapes, not on the weights' values.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**TINYLLAMA_SHAPE, "num_hidden_layers": layers})).eval()
+
+
 def default_cache_dir() -> Path:
     """``$FEDLLM_CACHE`` or ``~/.cache/fedllm``."""
     return Path(os.environ.get("FEDLLM_CACHE", Path.home() / ".cache" / "fedllm"))

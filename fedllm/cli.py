@@ -47,7 +47,7 @@ def friendly_errors() -> Iterator[None]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedllm.config import help_text, load_config, save_config
+    from fedllm.config import help_text, load_config
 
     if args.help_config:
         print(help_text())
@@ -56,7 +56,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from accelerate.utils import parse_flag_from_env
 
     from fedllm import rundir
-    from fedllm.checkpoint import clean_temporaries
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -65,6 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stored = load_config(run_dir / "config.yaml")
         cfg = load_config(run_dir / "config.yaml", args.overrides)
     else:
+        stored = None
         cfg = load_config(args.config, args.overrides)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(args.output_dir or cfg.output.dir or f"runs/{cfg.aggregation.name}-{stamp}")
@@ -74,21 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads the launch
     action, lock = None, None
     if state.is_main_process:
-        if args.resume:
-            rewrite = rundir.check_resume(run_dir, stored, cfg)
-            done = (
-                rundir.rounds_done(run_dir) >= cfg.federation.rounds and (run_dir / "summary.json").exists()
-            )
-            action = "done" if done else "continue"
-        else:
-            action, rewrite = rundir.check_new_run(run_dir, cfg, args.overwrite), False
-        if action != "done":
-            lock = rundir.RunLock(run_dir).acquire()
-            if action == "overwrite":
-                rundir.clear_run(run_dir)
-            clean_temporaries(run_dir)
-            if rewrite:  # e.g. more rounds: config.yaml says what the run now is
-                save_config(cfg, run_dir / "config.yaml")
+        action, lock = rundir.open_run(run_dir, cfg, stored=stored, overwrite=args.overwrite)
     if state.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -124,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def print_summary(s: dict) -> None:
-    from fedllm.export import benchmark_name
+    from fedllm.model_card import benchmark_name
 
     def f(x):
         return "n/a" if x is None else f"{x:.4f}"

@@ -1,6 +1,6 @@
 """Typed run configuration: YAML + dotted ``key=value`` overrides, validated once.
 
-Configs are parsed into dataclasses here and nowhere else; algorithm code
+Configs are parsed into the dataclasses of ``fedllm/options.py`` here and nowhere else; algorithm code
 takes plain arguments. Every field carries help text (``fedllm run --help-config``
 prints it) and a range check, so a bad value fails before any model is loaded.
 """
@@ -8,321 +8,30 @@ prints it) and a range check, so a bad value fails before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fedllm.options import (  # noqa: F401  (the sections are part of the config API)
+    SECTIONS,
+    AggregationConfig,
+    ClientConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    FederationConfig,
+    LoraConfig,
+    ModelConfig,
+    OutputConfig,
+)
+from fedllm.overrides import coerce, flatten, parse_override
+
 
 class ConfigError(ValueError):
     """A config problem; the message names the field and what was expected."""
-
-
-def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = None, expect: str = "") -> Any:
-    """A config field with help text and an optional range check."""
-    meta = {"help": help, "check": check, "expect": expect}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _positive(x: Any) -> bool:
-    return x > 0
-
-
-def _fraction(x: Any) -> bool:
-    return 0 < x <= 1
-
-
-def _nonneg(x: Any) -> bool:
-    return x >= 0
-
-
-@dataclass
-class ModelConfig:
-    name: str = opt("builtin", "base model: 'builtin' (tiny offline Llama), a Hub id or a local path")
-    dtype: str = opt(
-        "float32",
-        "weights dtype",
-        lambda x: x in ("float32", "bfloat16", "float16", "auto"),
-        "one of float32, bfloat16, float16, auto",
-    )
-    trust_remote_code: bool = opt(False, "allow custom modeling code from the Hub (off: it runs remote code)")
-    quantization: str = opt(
-        "none",
-        "bitsandbytes quantization of the frozen base",
-        lambda x: x in ("none", "4bit", "8bit"),
-        "one of none, 4bit, 8bit",
-    )
-    quant_compute_dtype: str = opt(
-        "auto",
-        "compute dtype of 4-bit layers (auto: bfloat16 on a GPU that has it, else float32)",
-        lambda x: x in ("auto", "float32", "bfloat16", "float16"),
-        "one of auto, float32, bfloat16, float16",
-    )
-    quant_cpu_kernel: str = opt(
-        "dequant",
-        "4-bit bases on CPU: 'dequant' (dequantize, then matmul: the same "
-        "numbers on every CPU) or 'packed' (bitsandbytes' AVX512-BF16 kernel for evaluation "
-        "forwards, faster on CPUs that have it; training always dequantizes)",
-        lambda x: x in ("dequant", "packed"),
-        "one of dequant, packed",
-    )
-    gradient_checkpointing: bool = opt(
-        False, "trade compute for memory in the base model (recomputes activations in the backward pass)"
-    )
-    builtin_pretrain_steps: int = opt(
-        1000, "pretraining steps of the built-in base (cached per value)", _positive, "an integer >= 1"
-    )
-
-
-@dataclass
-class LoraConfig:
-    ranks: list[int] = opt([4, 8, 16, 32], "rank of each client's LoRA, cycled over clients when shorter")
-    rank_distribution: dict[int, float] = opt(
-        {}, "if set, ranks are drawn per client from {rank: probability}"
-    )
-    alpha_ratio: float = opt(2.0, "lora_alpha = alpha_ratio * rank for every client", _positive, "> 0")
-    target_modules: list[str] = opt(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "linear modules that get a LoRA",
-    )
-    dropout: float = opt(0.0, "LoRA dropout", lambda x: 0 <= x < 1, "in [0, 1)")
-    use_rslora: bool = opt(False, "rank-stabilized scale alpha / sqrt(r) instead of alpha / r")
-    trainable_modules: list[str] = opt(
-        ["embed_tokens", "lm_head"],
-        "base modules trained in full and averaged with every strategy; the built-in "
-        "tiny base needs them, for real LLMs set [] (TinyLlama's embedding alone is "
-        "65M parameters)",
-    )
-
-
-@dataclass
-class DataConfig:
-    dataset: str = opt(
-        "builtin", "'builtin', dolly, alpaca, wizard, a Hub id, or a .json/.jsonl/.parquet file"
-    )
-    format: str = opt(
-        "auto",
-        "field layout of the dataset",
-        lambda x: x in ("auto", "dolly", "alpaca", "wizard", "fedllm"),
-        "one of auto, dolly, alpaca, wizard, fedllm",
-    )
-    template: str = opt(
-        "auto",
-        "prompt template (auto: plain for the built-in data, alpaca otherwise)",
-        lambda x: x in ("auto", "alpaca", "plain"),
-        "one of auto, alpaca, plain",
-    )
-    max_seq_len: int = opt(
-        0,
-        "maximum tokens per example, prompt + response (0: min(512, model context))",
-        lambda x: x == 0 or x >= 8,
-        "0 or an integer >= 8",
-    )
-    max_examples: int = opt(0, "use at most this many examples (0: all)", _nonneg, ">= 0")
-    partition: str = opt(
-        "dirichlet",
-        "how examples are split over clients",
-        lambda x: x in ("iid", "dirichlet", "shards"),
-        "one of iid, dirichlet, shards",
-    )
-    dirichlet_alpha: float = opt(
-        0.5, "Dirichlet concentration over categories (smaller: more skew)", _positive, "> 0"
-    )
-    shards_per_client: int = opt(
-        2, "categories per client with partition=shards", _positive, "an integer >= 1"
-    )
-    min_examples_per_client: int = opt(
-        8, "every client gets at least this many examples", _positive, "an integer >= 1"
-    )
-    eval_size: int = opt(200, "held-out examples for the global evaluation loss", _nonneg, ">= 0")
-    client_test_fraction: float = opt(
-        0.1, "share of each client's data kept for personalized evaluation", lambda x: 0 <= x < 1, "in [0, 1)"
-    )
-    builtin_examples_per_skill: int = opt(
-        400, "built-in dataset size per skill", _positive, "an integer >= 1"
-    )
-    label_shift_groups: int = opt(
-        0,
-        "built-in data only: clients form this many hidden groups whose answers "
-        "conflict (client k is in group k mod G; 0: off)",
-        lambda x: 0 <= x <= 4,
-        "an integer in 0..4",
-    )
-
-
-@dataclass
-class FederationConfig:
-    num_clients: int = opt(4, "number of clients the data is partitioned into", _positive, "an integer >= 1")
-    clients_per_round: int = opt(0, "clients sampled each round (0: use client_fraction)", _nonneg, ">= 0")
-    client_fraction: float = opt(1.0, "fraction of clients sampled each round", _fraction, "in (0, 1]")
-    rounds: int = opt(5, "communication rounds", _positive, "an integer >= 1")
-    seed: int = opt(0, "seed for partitioning, sampling, initialization and training")
-    min_clients: int = opt(1, "a round with fewer valid updates is skipped", _positive, "an integer >= 1")
-    client_timeout_s: float = opt(
-        0.0, "a client running longer is dropped from the round (0: no limit)", _nonneg, ">= 0"
-    )
-    parallel: str = opt(
-        "auto",
-        "how launched processes share the work: clients (each trains its share of the "
-        "round's clients), data (all train one client at a time, each on part of every batch; "
-        "needed for DeepSpeed ZeRO) or auto (data under DeepSpeed, else clients)",
-        lambda x: x in ("auto", "clients", "data"),
-        "one of auto, clients, data",
-    )
-    dropout: float = opt(
-        0.0,
-        "fraction of sampled clients that never report (system heterogeneity)",
-        lambda x: 0 <= x < 1,
-        "in [0, 1)",
-    )
-
-
-@dataclass
-class ClientConfig:
-    algorithm: str = opt("sft", "local training algorithm (one file each in fedllm/client/)")
-    lr: float = opt(3e-3, "AdamW learning rate of the local steps", _positive, "> 0")
-    sgd_lr: float = opt(
-        0.1,
-        "plain-SGD learning rate: SCAFFOLD's local steps, Per-FedAvg's outer step beta, "
-        "personalization, and sft/fedprox with client.optimizer=sgd. SGD needs a far larger step "
-        "than AdamW: on a real LLM's LoRA start near 30x client.lr and halve it while the loss "
-        "diverges",
-        _positive,
-        "> 0",
-    )
-    optimizer: str = opt(
-        "adamw",
-        "local optimizer of sft/fedprox (perfedavg always takes SGD steps)",
-        lambda x: x in ("adamw", "sgd"),
-        "one of adamw, sgd",
-    )
-    scaffold_optimizer: str = opt(
-        "sgd",
-        "SCAFFOLD's optimizer: sgd (the analysed setting) or adamw (the corrected "
-        "gradient through AdamW, as OpenFedLLM does)",
-        lambda x: x in ("adamw", "sgd"),
-        "one of adamw, sgd",
-    )
-    batch_size: int = opt(8, "micro-batch size", _positive, "an integer >= 1")
-    grad_accum: int = opt(1, "micro-batches per optimizer step", _positive, "an integer >= 1")
-    local_steps: int = opt(150, "optimizer steps per round (0: use local_epochs)", _nonneg, ">= 0")
-    local_steps_per_client: list[int] = opt([], "per-client local steps, cycled (system heterogeneity)")
-    local_epochs: float = opt(1.0, "epochs per round when local_steps = 0", _positive, "> 0")
-    scheduler: str = opt(
-        "cosine",
-        "learning-rate schedule within a round",
-        lambda x: x in ("constant", "linear", "cosine"),
-        "one of constant, linear, cosine",
-    )
-    warmup_ratio: float = opt(0.0, "share of local steps spent warming up", lambda x: 0 <= x < 1, "in [0, 1)")
-    weight_decay: float = opt(0.0, "AdamW weight decay", _nonneg, ">= 0")
-    max_grad_norm: float = opt(1.0, "gradient clipping (0: off)", _nonneg, ">= 0")
-    mu: float = opt(0.01, "FedProx proximal coefficient", _nonneg, ">= 0")
-    perfedavg_variant: str = opt("fo", "Per-FedAvg variant", lambda x: x in ("fo", "hf"), "one of fo, hf")
-    perfedavg_alpha: float = opt(
-        0.0, "Per-FedAvg inner step size alpha (0: the same as client.sgd_lr)", _nonneg, ">= 0"
-    )
-    perfedavg_fd_delta: float = opt(
-        1e-3, "Per-FedAvg HF: the finite-difference step of the Hessian-vector product", _positive, "> 0"
-    )
-    personalize_steps: int = opt(
-        1,
-        "plain-SGD steps (client.sgd_lr; Per-FedAvg: alpha) on a client's own data "
-        "for its personalized evaluation and export",
-        _nonneg,
-        ">= 0",
-    )
-
-
-@dataclass
-class AggregationConfig:
-    name: str = opt(
-        "fedit", "server strategy (one file each in fedllm/aggregation/; 'local' is the local-only baseline)"
-    )
-    tau: float = opt(0.9, "FLoRIST: energy fraction of singular values kept", _fraction, "in (0, 1]")
-    fixed_rank: int = opt(
-        0,
-        "FLoRIST: keep exactly this rank instead of using tau (0: use tau)",
-        _nonneg,
-        "an integer >= 1, or 0 to use tau",
-    )
-    num_adaptors: int = opt(2, "FLoRAL: adaptors C per target module", _positive, "an integer >= 1")
-    router_temperature: float = opt(1.0, "FLoRAL: softmax temperature of the router", _positive, "> 0")
-    router_lr: float = opt(1e-2, "FLoRAL: learning rate of the router logits", _positive, "> 0")
-    router_noise: float = opt(
-        0.0, "FLoRAL: std of Gaussian noise on router logits while training", _nonneg, ">= 0"
-    )
-    router_per_layer: bool = opt(False, "FLoRAL: one router per layer instead of one per client")
-    stateful_routers: bool = opt(True, "FLoRAL: keep routers across rounds (else re-learn each round)")
-    precondition_eps: float = opt(0.0, "FLoRAL: LoRA preconditioning epsilon (0: off)", _nonneg, ">= 0")
-    bias_adaptors: bool = opt(False, "FLoRAL: also C bias adaptors per target module, mixed by the router")
-    flexlora_split: str = opt(
-        "us",
-        "FlexLoRA: how a client's truncated SVD U S V^T is split into its factors: 'us' "
-        "(B = U S, A = V^T, as the reference) or 'sqrt' (B = U sqrt(S), A = sqrt(S) V^T)",
-        lambda x: x in ("us", "sqrt"),
-        "one of us, sqrt",
-    )
-    clip_norm_ratio: float = opt(
-        0.0, "clip each update's norm to this multiple of the round median (0: off)", _nonneg, ">= 0"
-    )
-
-
-@dataclass
-class EvalConfig:
-    benchmark: str = opt(
-        "auto",
-        "multiple-choice benchmark scored each evaluation: 'builtin', cais/mmlu, a local MMLU "
-        "copy, 'none' (held-out loss only), or 'auto' (builtin for the built-in data, else MMLU "
-        "when a copy can be loaded, else none)",
-    )
-    every: int = opt(
-        1,
-        "evaluate every N rounds (and always before round 1 and after the last)",
-        _positive,
-        "an integer >= 1",
-    )
-    shots: int = opt(0, "few-shot examples from the dev split", _nonneg, ">= 0")
-    limit: int = opt(0, "questions per subject (0: all)", _nonneg, ">= 0")
-    batch_size: int = opt(16, "questions per forward pass", _positive, "an integer >= 1")
-    subjects: list[str] = opt([], "subject subset (empty: all)")
-    personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")
-
-
-@dataclass
-class OutputConfig:
-    dir: str = opt("", "run directory (empty: runs/<strategy>-<time>)")
-    log_with: list[str] = opt([], "accelerate trackers, e.g. tensorboard, wandb, mlflow")
-    save_every_round: bool = opt(True, "write a checkpoint after every round (needed for --resume)")
-    keep_checkpoints: int = opt(
-        2,
-        "checkpoints kept (the newest; 0: all). Each is a resume point and can be "
-        "exported with fedllm export --round N; two let a damaged newest one fall back",
-        _nonneg,
-        ">= 0",
-    )
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    federation: FederationConfig = field(default_factory=FederationConfig)
-    client: ClientConfig = field(default_factory=ClientConfig)
-    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
 def _section_classes() -> dict[str, type]:
@@ -364,61 +73,8 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build a validated :class:`Config` from an optional YAML file and overrides."""
-    from fedllm.overrides import apply_settings, parse_override
-
-    cfg = Config()
-    if path is not None:
-        from data_prep.schema import read_text
-
-        path = Path(path)
-        text = read_text(path, "a YAML config file (see configs/)", ConfigError)
-        _apply_yaml(cfg, text, str(path))
-    apply_settings(cfg, dict(parse_override(text) for text in overrides or []))
-    validate(cfg)
-    return cfg
-
-
-def config_from_text(text: str, name: str = "<resolved config>") -> Config:
-    """A validated :class:`Config` from YAML text (a resolved config sent over the wire, e.g. to a Flower
-    site).
-    """
-    cfg = Config()
-    _apply_yaml(cfg, text, name)
-    validate(cfg)
-    return cfg
-
-
-def config_to_text(cfg: Config) -> str:
-    """The resolved config as YAML: what ``config.yaml`` holds and :func:`config_from_text` reads back."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-def _apply_yaml(cfg: Config, text: str, name: str) -> None:
-    """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``."""
-    from fedllm.overrides import apply_settings, flatten
-
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {name} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {name} must hold a mapping of sections")
-    apply_settings(cfg, flatten(data, where=f"{name}: "))
-
-
-def validate(cfg: Config) -> None:
-    """Range checks of every field, then checks that span fields."""
-    for section, cls in _section_classes().items():
-        obj = getattr(cfg, section)
-        for f in dataclasses.fields(cls):
-            check = f.metadata.get("check")
-            value = getattr(obj, f.name)
-            if check is not None and not check(value):
-                raise ConfigError(
-                    f"{section}.{f.name} = {value!r} is invalid: expected {f.metadata['expect']}"
-                )
+def _check_fields_together(cfg: Config) -> None:
+    """Checks that span fields of the config alone (registries aside)."""
     if not cfg.lora.ranks and not cfg.lora.rank_distribution:
         raise ConfigError("lora.ranks is empty: give at least one rank (an integer >= 1)")
     for r in list(cfg.lora.ranks) + list(cfg.lora.rank_distribution):
@@ -447,43 +103,130 @@ def validate(cfg: Config) -> None:
             f"federation.min_clients = {cfg.federation.min_clients} exceeds "
             f"federation.num_clients = {cfg.federation.num_clients}"
         )
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; run `fedllm run --help-config` for the list"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set one dotted key (type-checked; an unknown key is refused with the closest known one)."""
+    section_name, _, name = key.partition(".")
+    if section_name not in SECTIONS or "." in name:
+        raise _unknown(key)
+    section = getattr(cfg, section_name)
+    hints = typing.get_type_hints(type(section))
+    if name not in hints:
+        raise _unknown(key)
+    try:
+        setattr(section, name, coerce(key, value, hints[name]))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def apply_settings(cfg: Config, settings: dict[str, Any]) -> None:
+    """Set every dotted key of ``settings`` on ``cfg``."""
+    for key, value in settings.items():
+        set_key(cfg, key, value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a validated :class:`Config` from an optional YAML file and ``key=value`` overrides."""
+    cfg = Config()
+    if path is not None:
+        from data_prep.schema import read_text
+
+        path = Path(path)
+        text = read_text(path, "a YAML config file (see configs/)", ConfigError)
+        _apply_yaml(cfg, text, str(path))
+    try:
+        settings = dict(parse_override(text) for text in overrides or [])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    apply_settings(cfg, settings)
+    validate(cfg)
+    return cfg
+
+
+def config_from_text(text: str, name: str = "<resolved config>") -> Config:
+    """A validated :class:`Config` from YAML text (e.g. the resolved config a Flower site receives)."""
+    cfg = Config()
+    _apply_yaml(cfg, text, name)
+    validate(cfg)
+    return cfg
+
+
+def config_to_text(cfg: Config) -> str:
+    """The resolved config as YAML: what ``config.yaml`` holds and :func:`config_from_text` reads back."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def flat_config(cfg: Config) -> dict[str, Any]:
+    """``{"section.key": value}`` of a config: what resumes compare, trackers log and digests cover."""
+    return {f"{s}.{k}": v for s, values in cfg.to_dict().items() for k, v in values.items()}
+
+
+def _apply_yaml(cfg: Config, text: str, name: str) -> None:
+    """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {name} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {name} must hold a mapping of sections")
+    try:
+        settings = flatten(data, where=f"{name}: ")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    apply_settings(cfg, settings)
+
+
+def validate(cfg: Config) -> None:
+    """Range checks of every field, then checks that span fields (the strategy's and algorithm's own too)."""
+    for section, cls in _section_classes().items():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            check = f.metadata.get("check")
+            value = getattr(obj, f.name)
+            if check is not None and not check(value):
+                raise ConfigError(
+                    f"{section}.{f.name} = {value!r} is invalid: expected {f.metadata['expect']}"
+                )
+    _check_fields_together(cfg)
     from fedllm.aggregation import STRATEGIES
     from fedllm.client import ALGORITHMS
 
-    if cfg.aggregation.name not in STRATEGIES:
-        raise ConfigError(
-            f"aggregation.name = {cfg.aggregation.name!r} is unknown; valid choices: "
-            f"{', '.join(sorted(STRATEGIES))}"
-        )
-    if cfg.client.algorithm not in ALGORITHMS:
-        raise ConfigError(
-            f"client.algorithm = {cfg.client.algorithm!r} is unknown; valid choices: "
-            f"{', '.join(sorted(ALGORITHMS))}"
-        )
+    for key, registry in (("aggregation.name", STRATEGIES), ("client.algorithm", ALGORITHMS)):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) not in registry:
+            raise ConfigError(
+                f"{key} = {getattr(getattr(cfg, section), name)!r} is unknown; valid choices: "
+                f"{', '.join(sorted(registry))}"
+            )
     strategy, algorithm = STRATEGIES[cfg.aggregation.name], ALGORITHMS[cfg.client.algorithm]
     if algorithm.needs_parameter_averaging and not strategy.averages_parameters:
         raise ConfigError(
             f"client.algorithm = {cfg.client.algorithm} needs a strategy that averages parameters (fedit, "
-            "floral); "
-            f"aggregation.name = {cfg.aggregation.name} changes the parameter space every round (merged, "
-            "stacked or "
-            "re-factorized updates), so control variates would refer to parameters that no longer exist"
+            f"floral); aggregation.name = {cfg.aggregation.name} changes the parameter space every round "
+            "(merged, stacked or re-factorized updates), so control variates would refer to parameters that "
+            "no longer exist"
         )
-    if strategy.uses_routers and not algorithm.trains_local_params:
+    if strategy.hook.local_params and not algorithm.trains_local_params:
         raise ConfigError(
             f"client.algorithm = {cfg.client.algorithm} cannot run with aggregation.name = "
-            f"{cfg.aggregation.name}: "
-            "its meta-objective covers the shared parameters only, and FLoRAL's routers are the client's own "
-            "personalization; use client.algorithm=sft, fedprox or scaffold"
+            f"{cfg.aggregation.name}: its meta-objective covers the shared parameters only, and the "
+            "strategy's clients also train parameters of their own (FLoRAL's routers); use "
+            "client.algorithm=sft, fedprox or scaffold"
         )
-    ranks = sorted(set(cfg.lora.ranks) | set(cfg.lora.rank_distribution))
-    if strategy.uses_routers and len(ranks) != 1:
-        raise ConfigError(
-            f"aggregation.name = {cfg.aggregation.name} mixes C adaptors of one rank r: set lora.ranks "
-            f"to a single rank (got {ranks})"
-        )
-    strategy.check_config(cfg)
-    algorithm.check_config(cfg)
+    try:
+        strategy.check_config(cfg)
+        algorithm.check_config(cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def save_config(cfg: Config, path: Path) -> None:

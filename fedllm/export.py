@@ -19,11 +19,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
-from fedllm.aggregation._linalg import compact, pad_rank
 from fedllm.checkpoint import atomic_write_text, honour_umask, save_tensors_atomic
-from fedllm.factors import PEFT_PREFIX, Adapter, adapter_from_tensors, concat
+from fedllm.factors import PEFT_PREFIX, Adapter, concat
+from fedllm.lowrank import compact, pad_rank
+from fedllm.model_card import write_model_card
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def adapter_from_run(
 ) -> tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Global adapter (+ residual), dense modules and LoRA biases of a run's round (latest if None)."""
     from fedllm import checkpoint as ckpt
-    from fedllm.aggregation import STRATEGIES, GlobalState
+    from fedllm.aggregation import STRATEGIES
+    from fedllm.server import global_state
 
     run_dir = Path(run_dir)
     have = [ckpt.checkpoint_round(p) for p in ckpt.round_checkpoints(run_dir)]
@@ -133,20 +134,15 @@ def adapter_from_run(
             )
         tensors, meta = ckpt.load_checkpoint(path)
     cfg = run_config(run_dir)
-    state = GlobalState(
-        adapter_from_tensors(tensors, meta["scales"], "global."),
-        adapter_from_tensors(tensors, meta["scales"], "residual."),
-        extras={k[len("extra.") :]: v for k, v in tensors.items() if k.startswith("extra.")},
-    )
+    state = global_state(tensors, meta)
     strategy = STRATEGIES[meta["strategy"]].from_config(cfg.aggregation)
-    dense = {k[len("dense.") :]: v for k, v in tensors.items() if k.startswith("dense.")}
     adapter = concat(strategy.global_adapter(state), state.residual)
     if not adapter:
         raise ExportError(
             f"{path}: the run has no global update at round {meta['round']} (every round so far was "
             "skipped): nothing to export"
         )
-    return adapter, dense, strategy.global_biases(state)
+    return adapter, state.dense, strategy.global_biases(state)
 
 
 def personalized_adapter(
@@ -158,16 +154,17 @@ def personalized_adapter(
     client's k personalization steps (``client.personalize_steps``) are taken
     on its own training data, as in the run's personalized evaluation.
     """
-    from fedllm.simulation import Simulation
+    from accelerate import Accelerator
+
+    from fedllm import assembly
 
     cfg = run_config(run_dir)
     if not 0 <= client < cfg.federation.num_clients:
         raise ExportError(f"--client {client}: the run has clients 0..{cfg.federation.num_clients - 1}")
-    sim = Simulation(cfg, Path(run_dir))
-    sim.setup()
-    sim.restore()
-    start = sim.server.client_start(sim.start_round, client)
-    return sim.runtime.personalized_adapter(sim.clients[client], start)
+    fed = assembly.assemble(cfg, Accelerator(cpu=not torch.cuda.is_available()))
+    meta = assembly.restore(fed.server, fed.runtime, fed.clients, Path(run_dir))
+    start = fed.server.client_start((meta["round"] if meta else 0) + 1, client)
+    return fed.runtime.personalized_adapter(fed.clients[client], start)
 
 
 def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
@@ -263,149 +260,6 @@ def _merge(base: str, adapter_dir: Path, out: Path, cfg) -> None:
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
     if getattr(merged, "generation_config", None) is not None:
         merged.generation_config.save_pretrained(out)
-
-
-def hub_id(name: str) -> str | None:
-    """``name`` if it reads as a Hub repository id (owner/name, not a path on this machine), else None."""
-    if name == "builtin" or Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
-        return None
-    return name if name.count("/") == 1 and all(name.split("/")) else None
-
-
-def card_facts(run_dir: Path, cfg, round_idx: int | None) -> dict:
-    """What the card says about the exported round: metrics of that round, cumulative traffic up to it."""
-    from fedllm import checkpoint as ckpt
-    from fedllm.rundir import rounds_done
-
-    rows = ckpt.read_jsonl(Path(run_dir) / "metrics.jsonl")
-    upto = round_idx if round_idx is not None else rounds_done(run_dir)
-    rows = [r for r in rows if r["round"] <= upto]
-    evals = [r for r in rows if r.get("eval_loss") is not None or r.get("accuracy") is not None]
-    first, last = (evals[0], evals[-1]) if evals else ({}, {})
-    comm = next((r["cumulative"] for r in reversed(rows) if "cumulative" in r), {})
-    return {
-        "round": upto,
-        "eval_round": last.get("round"),
-        "accuracy_before": first.get("accuracy"),
-        "accuracy": last.get("accuracy"),
-        "loss_before": first.get("eval_loss"),
-        "loss": last.get("eval_loss"),
-        "up_params": comm.get("total_up_params"),
-        "down_params": comm.get("total_down_params"),
-        "up_bytes": comm.get("total_up_bytes"),
-        "down_bytes": comm.get("total_down_bytes"),
-    }
-
-
-def benchmark_name(source: str) -> str:
-    if source == "builtin":
-        return "fedllm built-in MMLU-format benchmark"
-    return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
-
-
-def write_model_card(
-    folder: Path,
-    run_dir: Path,
-    cfg,
-    base: str,
-    merged: bool,
-    client: int | None = None,
-    round_idx: int | None = None,
-) -> None:
-    """README.md with the Hub's metadata and what was exported (the round, its metrics and traffic).
-
-    ``base_model`` and ``datasets`` name Hub ids only: a base or data set that
-    was a local path (or the built-in one) is left out, with a warning, since a
-    path of this machine means nothing on the Hub.
-    """
-    from data_prep.loaders import HUB_IDS
-    from fedllm.simulation import assign_ranks
-
-    facts = card_facts(run_dir, cfg, round_idx)
-    kind = "merged model" if merged else "LoRA adapter"
-    base_id = hub_id(cfg.model.name)
-    if base_id is None:
-        log.warning(
-            "model card: the base %r is not a Hub id, so base_model is left out of the card", cfg.model.name
-        )
-    data_id = hub_id(HUB_IDS.get(cfg.data.dataset, cfg.data.dataset))
-    meta: dict = {
-        "base_model": base_id,
-        "library_name": "transformers" if merged else "peft",
-        "license": "apache-2.0",
-        "datasets": [data_id] if data_id else None,
-        "pipeline_tag": "text-generation",
-        "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm],
-    }
-    meta = {k: v for k, v in meta.items() if v is not None}
-    summary_path = Path(run_dir) / "summary.json"
-    source = json.loads(summary_path.read_text()).get("benchmark") if summary_path.exists() else None
-    bench = benchmark_name(source) if source else None
-    if bench and facts["accuracy"] is not None:
-        meta["model-index"] = [
-            {
-                "name": f"fedllm-{cfg.aggregation.name}-round-{facts['round']}",
-                "results": [
-                    {
-                        "task": {"type": "multiple-choice", "name": "Multiple-choice question answering"},
-                        "dataset": {"type": source, "name": bench},
-                        "metrics": [
-                            {
-                                "type": "accuracy",
-                                "value": round(facts["accuracy"], 4),
-                                "name": f"accuracy ({cfg.eval.shots}-shot)",
-                            }
-                        ],
-                    }
-                ],
-            }
-        ]
-    base_text = (
-        f"`{base_id}`"
-        if base_id
-        else ("the fedllm built-in base" if cfg.model.name == "builtin" else "a local base model")
-    )
-
-    def num(x, spec=".4f"):
-        return "n/a" if x is None else format(x, spec)
-
-    body = [
-        f"# fedllm {cfg.aggregation.name} {kind}"
-        + (f" (client {client}, personalized)" if client is not None else ""),
-        "",
-        f"Federated fine-tuning of {base_text} with **{cfg.aggregation.name}** aggregation and "
-        f"**{cfg.client.algorithm}** clients: {cfg.federation.num_clients} clients with LoRA ranks "
-        f"{assign_ranks(cfg)}, exported after round **{facts['round']}** of {cfg.federation.rounds}"
-        + (f", then personalized for client {client}." if client is not None else "."),
-        "",
-        "| | value |",
-        "|---|---|",
-        f"| strategy / client algorithm | {cfg.aggregation.name} / {cfg.client.algorithm} |",
-        f"| rounds (exported / configured) | {facts['round']} / {cfg.federation.rounds} |",
-        f"| held-out loss (before round 1 -> round {facts['eval_round']}) | {num(facts['loss_before'])} -> "
-        f"{num(facts['loss'])} |",
-    ]
-    if bench:
-        body.append(
-            f"| {bench} accuracy (before round 1 -> round {facts['eval_round']}) | "
-            f"{num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |"
-        )
-    body += [
-        f"| communication up to round {facts['round']} | up {num(facts['up_params'], ',')} params "
-        f"({num(facts['up_bytes'] and facts['up_bytes'] / 1e6, '.2f')} MB), "
-        f"down {num(facts['down_params'], ',')} "
-        f"params ({num(facts['down_bytes'] and facts['down_bytes'] / 1e6, '.2f')} MB) |",
-        "",
-        "Load it with "
-        + (
-            "`AutoModelForCausalLM.from_pretrained(...)`."
-            if merged
-            else "`peft.AutoPeftModelForCausalLM.from_pretrained(...)` (or `PeftModel.from_pretrained` on "
-            "the base)."
-        ),
-    ]
-    text = "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(body) + "\n"
-    atomic_write_text(folder / "README.md", text)
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:

@@ -114,23 +114,43 @@ def write_factors(model, adapter: str, factors: Adapter) -> None:
             wb.copy_(f.B)
 
 
-def fresh_factors(model, adapter: str, seed: int) -> Adapter:
+def module_shapes(model, adapter: str) -> dict[str, tuple[int, int]]:
+    """``{module: (out_features, in_features)}`` of the layers holding ``adapter``, in the model's order.
+
+    What both halves need to know of the model: the runtime reads it from its
+    base, the server receives it from the assembly (it holds no model).
+    """
+    return {
+        key: (m.lora_B[adapter].weight.shape[0], m.lora_A[adapter].weight.shape[1])
+        for key, m in lora_modules(model, adapter).items()
+    }
+
+
+def init_factors(shapes: dict[str, tuple[int, int]], rank: int, scale: float, seed: int) -> Adapter:
     """A new LoRA initialization (A Kaiming-uniform as peft does, B zero), seeded.
 
     Each module draws from its own generator seeded by ``(seed, module
-    index)``, so the init does not depend on which process trains a client,
-    and clients of different ranks share their leading rows: with the same
-    seed every client of a round starts from the same global initialization,
-    which parameter-averaging strategies (FedIT) need.
+    index)``, so the init does not depend on which process (or which side of
+    the federation) computes it, and ranks share their leading rows: with the
+    same seed every client of a round starts from the same global
+    initialization, which parameter-averaging strategies (FedIT) need, and the
+    server can derive what a client started from.
     """
     out = {}
-    for i, (name, module) in enumerate(lora_modules(model, adapter).items()):
-        wa, wb = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+    for i, (name, (out_f, in_f)) in enumerate(shapes.items()):
         gen = torch.Generator().manual_seed((seed * 1_000_003 + i) % (1 << 62))
-        bound = 1.0 / math.sqrt(wa.shape[1])  # kaiming_uniform_(a=sqrt(5)) on an (r, in) weight
-        A = (torch.rand(wa.shape, generator=gen) * 2 - 1) * bound
-        out[name] = LoraFactors(A, torch.zeros(wb.shape), float(module.scaling[adapter]))
+        bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) on an (r, in) weight
+        A = (torch.rand((rank, in_f), generator=gen) * 2 - 1) * bound
+        out[name] = LoraFactors(A, torch.zeros(out_f, rank), scale)
     return out
+
+
+def fresh_factors(model, adapter: str, seed: int) -> Adapter:
+    """:func:`init_factors` for ``adapter`` of a peft model (its rank, shapes and scale)."""
+    modules = lora_modules(model, adapter)
+    first = next(iter(modules.values()))
+    rank, scale = first.lora_A[adapter].weight.shape[0], float(first.scaling[adapter])
+    return init_factors(module_shapes(model, adapter), rank, scale, seed)
 
 
 def read_dense(model, names: list[str]) -> dict[str, Tensor]:
@@ -189,6 +209,18 @@ def adapter_tensors(adapter: Adapter, prefix: str) -> tuple[dict[str, Tensor], d
         tensors[f"{prefix}{key}.B"] = f.B.contiguous()
         scales[f"{prefix}{key}"] = f.scale
     return tensors, scales
+
+
+def prefixed(tensors: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """``tensors`` with every name under ``prefix`` (how messages, checkpoints and client state are
+    flattened).
+    """
+    return {f"{prefix}{k}": v for k, v in tensors.items()}
+
+
+def unprefixed(tensors: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The entries of ``tensors`` under ``prefix``, with the prefix cut (the inverse of :func:`prefixed`)."""
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def adapter_from_tensors(tensors: dict[str, Tensor], scales: dict[str, float], prefix: str) -> Adapter:

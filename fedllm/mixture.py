@@ -31,12 +31,14 @@ import torch
 from torch import Tensor
 
 from fedllm.factors import Adapter, LoraFactors, lora_modules
+from fedllm.protocol import HookSession
 
 
 @dataclass
-class MixtureSpec:
+class MixtureOptions:
+    """How a client's mixture is routed and trained (``aggregation.*`` of FLoRAL)."""
+
     num_adaptors: int
-    rank: int
     temperature: float = 1.0
     noise: float = 0.0
     per_layer: bool = False
@@ -57,20 +59,23 @@ def router_probs(logits: Tensor, temperature: float) -> Tensor:
     return torch.softmax(logits / temperature, dim=-1)
 
 
-class MixtureSession:
+class MixtureSession(HookSession):
     """Hooks that turn a client's rank C*r adapter into its router-weighted mixture (see module docstring)."""
 
     def __init__(
         self,
         model,
         adapter: str,
-        spec: MixtureSpec,
+        spec: MixtureOptions,
         router: dict[str, Tensor] | None,
         biases: dict[str, Tensor] | None = None,
     ):
         self.spec = spec
         self.modules = lora_modules(model, adapter)
         self.adapter = adapter
+        self.local_lr = spec.router_lr
+        first = next(iter(self.modules.values())).lora_A[adapter].weight
+        self.rank = first.shape[0] // spec.num_adaptors  # each adaptor's rank r (the adapter has C * r)
         groups = sorted({router_group(k, spec.per_layer) for k in self.modules})
         device = next(iter(self.modules.values())).lora_A[adapter].weight.device
         self.logits = {
@@ -112,7 +117,7 @@ class MixtureSession:
     def _scale_hook(self, group: str):
         def hook(module, inputs, output):
             pi = self.weights(group, module.training).to(output.dtype)
-            return output * pi.repeat_interleave(self.spec.rank)
+            return output * pi.repeat_interleave(self.rank)
 
         return hook
 
@@ -124,7 +129,7 @@ class MixtureSession:
         return hook
 
     def _precondition(self, module) -> list:
-        eps, r, c = self.spec.precondition_eps, self.spec.rank, self.spec.num_adaptors
+        eps, r, c = self.spec.precondition_eps, self.rank, self.spec.num_adaptors
         wa, wb = module.lora_A[self.adapter].weight, module.lora_B[self.adapter].weight
 
         def grad_a(g: Tensor) -> Tensor:
@@ -149,11 +154,11 @@ class MixtureSession:
 
         return [wa.register_hook(grad_a), wb.register_hook(grad_b)]
 
-    def params(self) -> dict[str, torch.nn.Parameter]:
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
         """The router logits: trained on the client, never uploaded."""
         return {f"router.{g}": p for g, p in self.logits.items()}
 
-    def bias_params(self) -> dict[str, torch.nn.Parameter]:
+    def shared_params(self) -> dict[str, torch.nn.Parameter]:
         """The bias adaptors: shared like the LoRA adaptors (uploaded and averaged per adaptor)."""
         return {f"bias.{k}": p for k, p in self.biases.items()}
 
@@ -175,7 +180,10 @@ class MixtureSession:
         out.update({f"bias.{k}": self._scales[k] * b.detach().cpu() for k, b in self.biases.items()})
         return out
 
-    def router_state(self) -> dict[str, Tensor]:
+    def state(self) -> dict[str, Tensor]:
+        """The router logits, by group: the client keeps them for its next round and its personalized
+        model.
+        """
         return {g: p.detach().cpu().clone() for g, p in self.logits.items()}
 
     def bake(self, factors: Adapter) -> tuple[Adapter, dict[str, Tensor]]:
@@ -186,7 +194,7 @@ class MixtureSession:
         out, biases = {}, {}
         for key, f in factors.items():
             pi = probs[key]
-            out[key] = LoraFactors(f.A, f.B * pi.repeat_interleave(self.spec.rank)[None, :], f.scale)
+            out[key] = LoraFactors(f.A, f.B * pi.repeat_interleave(self.rank)[None, :], f.scale)
             if key in self.biases:
                 biases[key] = self._scales[key] * (pi @ self.biases[key].detach().cpu())
         return out, biases

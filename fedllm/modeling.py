@@ -325,7 +325,7 @@ def install_adapter(
     """
     import warnings
 
-    from fedllm.aggregation._linalg import pad_rank
+    from fedllm.lowrank import pad_rank
 
     if name in peft_model.peft_config:
         peft_model.delete_adapter(name)
@@ -353,7 +353,7 @@ def install_residual(peft_model, residual: Adapter, lora_cfg) -> int:
     the cumulative merged update here instead (exact; compacted by an SVD
     when its rank exceeds the layer's dimensions).
     """
-    from fedllm.aggregation._linalg import compact
+    from fedllm.lowrank import compact
 
     factors = compact(residual)
     install_adapter(peft_model, RESIDUAL, factors, lora_cfg, dropout=0.0)

@@ -1,14 +1,13 @@
-"""Reading settings into the typed config: YAML sections and dotted ``key=value`` overrides.
+"""Reading settings: YAML sections, dotted ``key=value`` overrides, and values checked against a field's type.
 
-Each value is checked against the field's annotated type (with YAML 1.1's
-quirks: ``1e-4`` is read as a string) before the config layer range-checks
-it; an unknown key gets a "did you mean" from the known ones.
+Schema-free: the config layer (``fedllm/config.py``) owns the fields and
+turns the ``ValueError`` s raised here into errors that name the key. Values
+are read as YAML, with YAML 1.1's quirks handled (``1e-4`` is read as a
+string, and is a float here).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import re
 import types
 import typing
@@ -16,27 +15,28 @@ from typing import Any
 
 import yaml
 
-from fedllm.config import SECTIONS, Config, ConfigError, valid_keys
-
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
-def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else "; run `fedllm run --help-config` for the list"
-    return ConfigError(f"unknown config key '{key}'{hint}")
+def _list_hint(key: str, value: Any) -> str:
+    """How to write a list on the command line, when a value looks like one written without brackets."""
+    if isinstance(value, str) and "," in value:
+        return f" (write lists in brackets: {key}=[{value.strip()}])"
+    return ""
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotated type, converting int -> float."""
+def coerce(key: str, value: Any, tp: Any) -> Any:
+    """``value`` checked against the annotated type ``tp`` (int -> float allowed); ValueError naming
+    ``key``.
+    """
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for arm in typing.get_args(tp):
             try:
-                return _coerce(key, value, arm)
-            except ConfigError:
+                return coerce(key, value, arm)
+            except ValueError:
                 continue
-        raise ConfigError(f"{key}: expected {tp}, got {value!r}")
+        raise ValueError(f"{key}: expected {tp}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -53,57 +53,38 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return str(value)
     elif origin is list:
         (item,) = typing.get_args(tp)
+        if isinstance(value, str) and "," in value:
+            raise ValueError(f"{key}: expected a list, got {value!r}{_list_hint(key, value)}")
         if isinstance(value, str | int) and not isinstance(value, bool):
             value = [value]
         if isinstance(value, list | tuple):
-            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+            return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     elif origin is dict:
         kt, vt = typing.get_args(tp)
         if isinstance(value, dict):
-            return {_coerce(f"{key} key", k, kt): _coerce(f"{key}[{k}]", v, vt) for k, v in value.items()}
+            return {coerce(f"{key} key", k, kt): coerce(f"{key}[{k}]", v, vt) for k, v in value.items()}
     elif value is None and tp is type(None):
         return None
-    raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+    raise ValueError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
-def set_key(cfg: Config, key: str, value: Any) -> None:
-    parts = key.split(".")
-    if len(parts) != 2 or parts[0] not in SECTIONS:
-        raise _unknown(key)
-    section = getattr(cfg, parts[0])
-    fields = {f.name: f for f in dataclasses.fields(section)}
-    if parts[1] not in fields:
-        raise _unknown(key)
-    hints = typing.get_type_hints(type(section))
-    setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
-
-
-def flatten(data: dict, prefix: str = "", where: str = "") -> dict[str, Any]:
+def flatten(data: dict, where: str = "") -> dict[str, Any]:
+    """``{"section.key": value}`` of a YAML mapping of sections (``where`` prefixes error messages)."""
     out: dict[str, Any] = {}
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if not prefix and isinstance(v, dict):
-            out.update(flatten(v, f"{key}.", where))
-        elif not prefix:
-            raise ConfigError(f"{where}'{key}' must be a section (mapping), got {v!r}")
-        else:
-            out[key] = v
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"{where}'{section}' must be a section (mapping), got {values!r}")
+        out.update({f"{section}.{k}": v for k, v in values.items()})
     return out
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``a.b=value`` with the value read as YAML (numbers, lists, booleans)."""
     if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like section.key=value")
+        raise ValueError(f"override '{text}' must look like section.key=value")
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
+        raise ValueError(f"override '{text}': value is not valid YAML ({e})") from None
     return key.strip(), value
-
-
-def apply_settings(cfg: Config, settings: dict[str, Any]) -> None:
-    """Set every dotted key of ``settings`` on ``cfg`` (type-checked; unknown keys refused)."""
-    for key, value in settings.items():
-        set_key(cfg, key, value)

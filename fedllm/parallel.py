@@ -26,10 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedllm.config import ConfigError
-
-MODES = ("auto", "clients", "data")
-
 
 def distributed_type(accelerator) -> str:
     return str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
@@ -84,63 +80,6 @@ class Layout:
             share = {k: v[self.process_index :: n] for k, v in batch.items()}
             share["num_items_in_batch"] = torch.tensor(max(tokens, 1) / n)
             yield share
-
-
-def resolve_layout(mode: str, accelerator, cfg) -> Layout:
-    """Pick the layout and refuse combinations it cannot run, before any model is loaded."""
-    if mode not in MODES:
-        raise ConfigError(f"federation.parallel = {mode!r} is invalid: expected one of {', '.join(MODES)}")
-    ds = uses_deepspeed(accelerator)
-    stage = zero_stage(accelerator)
-    if mode == "auto":
-        mode = "data" if ds else "clients"
-    if ds and mode == "clients":
-        raise ConfigError(
-            "federation.parallel = clients cannot run under DeepSpeed (it shards one model over all "
-            "processes): use federation.parallel=data, or launch without a DeepSpeed config"
-        )
-    layout = Layout(mode, accelerator.process_index, accelerator.num_processes, ds, stage)
-    if layout.data_parallel:
-        n = layout.num_processes
-        if cfg.client.batch_size % n:
-            raise ConfigError(
-                f"client.batch_size = {cfg.client.batch_size} must be a multiple of the {n} processes "
-                "with federation.parallel=data (each process takes an equal share of every batch)"
-            )
-        if cfg.aggregation.name == "floral":
-            raise ConfigError(
-                "aggregation.name = floral is not supported with federation.parallel=data: its "
-                "router parameters live outside the model; use federation.parallel=clients"
-            )
-    precision = str(getattr(accelerator, "mixed_precision", "no"))
-    if precision == "fp16" and not ds:
-        raise ConfigError(
-            "mixed precision fp16 needs loss scaling, which fedllm's client loops leave to DeepSpeed: "
-            "use bf16 (or no) in the accelerate config, or fp16 under a DeepSpeed config"
-        )
-    if ds:
-        if cfg.client.algorithm != "sft":
-            raise ConfigError(
-                f"client.algorithm = {cfg.client.algorithm} changes gradients between backward and "
-                "step, which a DeepSpeed engine does in one call: use client.algorithm=sft under "
-                "DeepSpeed, or a plain multi-GPU launch"
-            )
-        if cfg.client.grad_accum != 1:
-            raise ConfigError(
-                "client.grad_accum must be 1 under DeepSpeed (the engine accumulates by itself): "
-                "raise client.batch_size instead"
-            )
-        if cfg.model.quantization != "none" and stage == 3:
-            raise ConfigError(
-                "model.quantization cannot be combined with DeepSpeed ZeRO-3: use ZeRO-2, or a "
-                "full-precision base"
-            )
-        if stage == 3 and cfg.eval.personalized:
-            raise ConfigError(
-                "eval.personalized must be false under DeepSpeed ZeRO-3 (every process must run the "
-                "same forward passes): set eval.personalized=false"
-            )
-    return layout
 
 
 def _deepspeed_batch(accelerator, micro_batch: int) -> dict:

@@ -8,15 +8,30 @@ gather under accelerate, a Flower message) -> ``runtime.train`` -> one
 :class:`ClientUpdate` -> ``server.finish_round``. Seeds are derived from
 integers (:func:`derive_seed`), so both halves, on any process or site, draw
 the same numbers without sharing a generator.
+
+Two small bases live here too, since each is declared by one side and run by
+the other: :class:`AlgorithmServer` (a client algorithm's server half, run by
+the server) and :class:`ClientHook` (a strategy's client side, run by the
+client runtime).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+import torch
 from torch import Tensor
 
-from fedllm.factors import Adapter, adapter_from_tensors, adapter_numel, adapter_tensors
+from fedllm.factors import (
+    Adapter,
+    LoraFactors,
+    adapter_from_tensors,
+    adapter_numel,
+    adapter_tensors,
+    prefixed,
+    unprefixed,
+)
 
 
 def derive_seed(*parts: int) -> int:
@@ -51,9 +66,10 @@ class ClientStart:
 
     def numel(self) -> int:
         """Parameters this download carries (the communication ledger counts these)."""
+        merged = sum(adapter_numel(m) for _, m in self.merges)
         return (
             (adapter_numel(self.factors) if self.factors else 0)
-            + sum(adapter_numel(m) for _, m in self.merges)
+            + merged
             + _numel(self.dense)
             + _numel(self.extras)
             + _numel(self.algo)
@@ -119,15 +135,88 @@ class AlgorithmServer:
         """Restore what :meth:`state_dict` returned (resume)."""
 
 
-# ---- messages as flat tensors + JSON metadata (Flower's ArrayRecord / ConfigRecord, or any transport) ----
+# ---- a strategy's client side ------------------------------------------------------------------------------
 
 
-def _flat(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {f"{prefix}{k}": v.detach().contiguous() for k, v in tensors.items()}
+def revive_empty_directions(start: Adapter, fresh: Adapter) -> Adapter:
+    """Give zero rank directions (zero A row and B column) a fresh A row.
+
+    Zero-padding leaves directions whose gradients are zero forever; a fresh
+    A row with the zero B column keeps the product unchanged and lets them learn.
+    """
+    out = {}
+    for key, f in start.items():
+        dead = (f.A.abs().sum(1) == 0) & (f.B.abs().sum(0) == 0)
+        if dead.any():
+            A = f.A.clone()
+            A[dead] = fresh[key].A[dead]
+            f = LoraFactors(A, f.B, f.scale)
+        out[key] = f
+    return out
 
 
-def _part(tensors: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+class HookSession:
+    """A strategy's hooks on the model while one client trains or is evaluated (see :class:`ClientHook`)."""
+
+    def local_params(self) -> dict[str, torch.nn.Parameter]:
+        """Parameters only this client trains (at :attr:`local_lr`), never uploaded, corrected or pulled."""
+        return {}
+
+    local_lr: float = 0.0
+
+    def shared_params(self) -> dict[str, torch.nn.Parameter]:
+        """Parameters trained like the adapter and uploaded with it (in :meth:`upload`)."""
+        return {}
+
+    def upload(self) -> dict[str, Tensor]:
+        """What travels to the server besides the factors (``ClientUpdate.extras``)."""
+        return {}
+
+    def state(self) -> dict[str, Tensor]:
+        """What the client keeps for its next round (only what :meth:`ClientHook.session` reads back)."""
+        return {}
+
+    def bake(self, factors: Adapter) -> tuple[Adapter, dict[str, Tensor]]:
+        """The client's model as a plain LoRA adapter (and per-module LoRA output biases)."""
+        return factors, {}
+
+    def close(self) -> None:
+        """Remove every hook from the model."""
+
+
+class ClientHook:
+    """A strategy's client side: what a client trains from, and the hooks it trains and is evaluated with.
+
+    The default is plain LoRA: the downloaded factors (or a fresh init), no
+    hooks. A strategy that changes how its clients train or what they upload
+    (FLoRAL's routers and bias adaptors) subclasses this in its own file and
+    names it in ``Strategy.hook``; the client runtime calls it and never asks
+    which strategy it serves (peft's LoRA variants hook a layer the same way).
+
+    ``personalizes``: the hook's own view of a client *is* its personalized
+    model (FLoRAL: its router), instead of the algorithm's personalization
+    steps. ``local_params``: its sessions train parameters outside the model
+    (checked against the client algorithm and the process layout).
+    """
+
+    personalizes: ClassVar[bool] = False
+    local_params: ClassVar[bool] = False
+
+    def start_factors(self, download: Adapter | None, fresh: Adapter) -> Adapter:
+        """The factors a client trains from: its download with dead directions revived, or ``fresh``."""
+        return revive_empty_directions(download, fresh) if download else fresh
+
+    def session(
+        self, model, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> HookSession | None:
+        """Hooks on ``model``'s adapter for ``view``: 'train', 'global' (the global model as this client gets
+        it) or 'own' (its personalized model); ``state``: what a previous session kept; ``extras``: the
+        strategy state it downloaded. None: nothing to hook."""
+        return None
+
+
+# ---- messages as flat tensors + JSON metadata (Flower's ArrayRecord / ConfigRecord, or any transport)
+# --------
 
 
 def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
@@ -137,24 +226,25 @@ def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
         tensors.update(t)
         scales.update(s)
     for prefix, part in (("dense.", start.dense), ("extras.", start.extras), ("algo.", start.algo)):
-        tensors.update(_flat(prefix, part))
-    return tensors, {
+        tensors.update(prefixed(part, prefix))
+    meta = {
         "round": start.round,
         "scales": scales,
         "has_factors": start.factors is not None,
         "merge_rounds": [r for r, _ in start.merges],
     }
+    return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
 
 def decode_start(tensors: dict[str, Tensor], meta: dict) -> ClientStart:
     scales = meta["scales"]
     return ClientStart(
-        meta["round"],
-        adapter_from_tensors(tensors, scales, "factors.") if meta["has_factors"] else None,
-        [(r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in meta["merge_rounds"]],
-        _part(tensors, "dense."),
-        _part(tensors, "extras."),
-        _part(tensors, "algo."),
+        round=meta["round"],
+        factors=adapter_from_tensors(tensors, scales, "factors.") if meta["has_factors"] else None,
+        merges=[(r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in meta["merge_rounds"]],
+        dense=unprefixed(tensors, "dense."),
+        extras=unprefixed(tensors, "extras."),
+        algo=unprefixed(tensors, "algo."),
     )
 
 
@@ -163,24 +253,25 @@ def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict]:
     t, s = adapter_tensors(update.start, "start.")
     tensors.update(t)
     scales.update(s)
-    tensors.update(_flat("dense.", update.dense))
-    tensors.update(_flat("extras.", update.extras))
-    return tensors, {
+    tensors.update(prefixed(update.dense, "dense."))
+    tensors.update(prefixed(update.extras, "extras."))
+    meta = {
         "client_id": update.client_id,
         "num_examples": update.num_examples,
         "scales": scales,
         "metrics": update.metrics,
     }
+    return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
 
 def decode_update(tensors: dict[str, Tensor], meta: dict) -> ClientUpdate:
     scales = meta["scales"]
     return ClientUpdate(
-        meta["client_id"],
-        meta["num_examples"],
-        adapter_from_tensors(tensors, scales, "factors."),
-        _part(tensors, "dense."),
-        _part(tensors, "extras."),
-        dict(meta["metrics"]),
-        adapter_from_tensors(tensors, scales, "start."),
+        client_id=meta["client_id"],
+        num_examples=meta["num_examples"],
+        factors=adapter_from_tensors(tensors, scales, "factors."),
+        dense=unprefixed(tensors, "dense."),
+        extras=unprefixed(tensors, "extras."),
+        metrics=dict(meta["metrics"]),
+        start=adapter_from_tensors(tensors, scales, "start."),
     )

@@ -13,12 +13,13 @@ refused with the keys that differ.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import fcntl
 import json
 import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,9 @@ def is_run_dir(path: Path) -> bool:
 
 
 def _owned(entry: Path) -> bool:
-    """Entries fedllm may find in a folder it was about to use: its lock and its temporaries."""
-    return entry.name == LOCK or (entry.name.startswith(".") and entry.name.endswith(".tmp"))
+    """Entries fedllm may find in a folder it was about to use: its lock (and a racer's lock being made) and
+    its temporaries."""
+    return entry.name.startswith(LOCK) or (entry.name.startswith(".") and entry.name.endswith(".tmp"))
 
 
 def check_writable_folder(path: Path, what: str) -> None:
@@ -73,12 +75,9 @@ def check_writable_folder(path: Path, what: str) -> None:
         raise RunDirError(f"{what} {path}: {ancestor} is not writable (permission denied)")
 
 
-def flat_config(cfg) -> dict[str, Any]:
-    """``{"section.key": value}`` of a Config."""
-    return {f"{s}.{k}": v for s, values in dataclasses.asdict(cfg).items() for k, v in values.items()}
-
-
 def config_changes(stored, given) -> dict[str, tuple[Any, Any]]:
+    from fedllm.config import flat_config
+
     """Keys whose values differ between two configs (``output.dir`` aside): ``{key: (stored, given)}``."""
     a, b = flat_config(stored), flat_config(given)
     return {k: (a[k], b[k]) for k in a if a[k] != b[k] and k != "output.dir"}
@@ -144,9 +143,54 @@ def check_new_run(run_dir: Path, cfg, overwrite: bool) -> str:
             f"--output-dir {run_dir} already holds another run ({done} of {stored.federation.rounds} "
             f"rounds; config differs: {diff}). Choose a new folder, or pass --overwrite to replace it"
         )
-    if done >= cfg.federation.rounds and (run_dir / "summary.json").exists():
-        return "done"
-    return "continue"
+    return "done" if is_finished(run_dir, cfg.federation.rounds) else "continue"
+
+
+def is_finished(run_dir: Path, rounds: int) -> bool:
+    """The run has finished ``rounds`` rounds: its ``summary.json`` says so (written after the global
+    adapter of its last round), not merely that some summary exists (a resume that adds rounds and is
+    killed after its last checkpoint has the old one)."""
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        return False
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return summary.get("rounds_done", -1) >= rounds and rounds_done(run_dir) >= rounds
+
+
+def open_run(run_dir: Path, cfg, *, stored=None, overwrite: bool = False) -> tuple[str, RunLock | None]:
+    """The one policy for a run folder, for every driver: what to do with ``run_dir`` and its lock.
+
+    ``stored`` is the folder's own config on ``--resume`` (the given ``cfg``
+    may change only what :data:`RESUMABLE_CHANGES` allows). Returns 'new',
+    'continue', 'overwrite' or 'done', and, unless done, the lock this process
+    now holds; the folder is cleared for 'overwrite', temporaries of a killed
+    writer are removed, and ``config.yaml`` is rewritten when a resume changed
+    an allowed key (e.g. more rounds).
+    """
+    from fedllm.checkpoint import clean_temporaries
+    from fedllm.config import save_config
+
+    if stored is not None:
+        rewrite = check_resume(run_dir, stored, cfg)
+        action = "done" if is_finished(run_dir, cfg.federation.rounds) else "continue"
+    else:
+        action, rewrite = check_new_run(run_dir, cfg, overwrite), False
+    if action == "done":
+        return action, None
+    lock = RunLock(run_dir).acquire()
+    try:
+        if action == "overwrite":
+            clear_run(run_dir)
+        clean_temporaries(run_dir)
+        if rewrite:
+            save_config(cfg, run_dir / "config.yaml")
+    except BaseException:
+        lock.release()
+        raise
+    return action, lock
 
 
 def clear_run(run_dir: Path) -> None:
@@ -160,65 +204,100 @@ def clear_run(run_dir: Path) -> None:
             entry.unlink()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 class RunLock:
-    """Exclusive use of a run directory for this process's lifetime (see module docstring)."""
+    """Exclusive use of a run directory for this process's lifetime (see module docstring).
+
+    The lock file holds its owner's PID and host, for the message a second
+    process gets. It is created in one atomic step: the PID is written to a
+    private temporary file, which is ``flock``-ed and then linked to
+    ``.lock`` (``link`` fails if the name exists), so no process ever sees the
+    lock without its owner's PID or unlocked. The ``flock`` lives as long as
+    the owner: a lock whose ``flock`` can be taken belongs to a process that
+    died (SIGKILL, power loss), and is taken over in place.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK
         self.held = False
         self.made_folder = False  # removed again on release if nothing else was written into it
+        self._fd: int | None = None
 
-    def _mine(self) -> dict:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    def _mine(self) -> bytes:
+        return json.dumps(
+            {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        ).encode()
 
     def acquire(self) -> RunLock:
         self.made_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-            except FileExistsError:
-                self._check_holder()
-                continue
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self._mine(), fh)
-            self.held = True
-            return self
-        raise RunDirError(
-            f"{self.path.parent} is being taken by another fedllm process at the same time; try again"
-        )
+        fd, tmp = tempfile.mkstemp(prefix=f"{LOCK}-", suffix=".new", dir=self.path.parent)
+        try:
+            os.write(fd, self._mine())
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.link(tmp, self.path)
+        except FileExistsError:
+            os.close(fd)
+            self._take_over()
+        except BaseException:
+            os.close(fd)
+            raise
+        else:
+            self._fd = fd
+        finally:
+            os.unlink(tmp)
+        self.held = True
+        return self
 
-    def _check_holder(self) -> None:
-        """Refuse if a live process holds the lock; remove a stale lock."""
+    def _take_over(self) -> None:
+        """The lock exists: refuse while its owner lives; otherwise (its flock is free) make it ours."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:  # released between our link and open: try again from the start
+            self.acquire()
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self._refuse()
+        if os.fstat(fd).st_ino != self._inode():  # released and recreated meanwhile: try again
+            os.close(fd)
+            self.acquire()
+            return
+        holder = self._holder()
+        log.warning("taking over %s from process %s, which no longer runs", self.path, holder.get("pid"))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, self._mine(), 0)
+        self._fd = fd
+
+    def _inode(self) -> int | None:
+        try:
+            return os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return None
+
+    def _holder(self) -> dict:
         try:
             holder = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            holder = {}
-        pid, host = holder.get("pid"), holder.get("host")
-        if isinstance(pid, int) and (host != socket.gethostname() or _alive(pid)):
-            raise RunDirError(
-                f"{self.path.parent} is in use by another fedllm process (pid {pid} on {host}, since "
-                f"{holder.get('since')}): wait for it to finish or stop it (a lock left by a process "
-                f"that no longer runs on another host is {self.path}: delete it by hand)"
-            )
-        log.warning("taking over %s from process %s, which no longer runs", self.path, pid)
-        self.path.unlink(missing_ok=True)
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def _refuse(self) -> None:
+        holder = self._holder()
+        raise RunDirError(
+            f"{self.path.parent} is in use by another fedllm process (pid {holder.get('pid')} on "
+            f"{holder.get('host')}, since {holder.get('since')}): wait for it to finish or stop it"
+        )
 
     def release(self) -> None:
         if self.held:
-            with contextlib.suppress(OSError, ValueError):  # gone or unreadable: nothing of ours to remove
-                if json.loads(self.path.read_text()).get("pid") == os.getpid():
+            with contextlib.suppress(OSError):
+                if self._fd is not None and self._inode() == os.fstat(self._fd).st_ino:
                     self.path.unlink()
+            if self._fd is not None:
+                os.close(self._fd)  # drops the flock
+                self._fd = None
             self.held = False
             if self.made_folder:  # e.g. bad input refused before the run wrote anything
                 with contextlib.suppress(OSError):
@@ -329,6 +408,7 @@ class RunWriter:
                     ),
                 }
             )
+        summary["rounds_done"] = max((r["round"] for r in rows), default=0)
         summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
         summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]
         if summary.get("global_adapter") is None:

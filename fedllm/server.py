@@ -26,7 +26,7 @@ from torch import Tensor
 
 from fedllm.aggregation import GlobalState, Strategy
 from fedllm.comm import Ledger
-from fedllm.factors import Adapter, LoraFactors, adapter_from_tensors, adapter_tensors
+from fedllm.factors import Adapter, LoraFactors, adapter_from_tensors, adapter_tensors, prefixed, unprefixed
 from fedllm.protocol import AlgorithmServer, ClientInfo, ClientStart, ClientUpdate, derive_seed
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,14 @@ class RoundPlan:
     @property
     def active(self) -> list[int]:
         return sorted(self.starts)
+
+
+@dataclass
+class RoundReport:
+    """What the server reports of a finished round: the metrics row and the update merged into the base."""
+
+    row: dict[str, Any]
+    merged: Adapter = field(default_factory=dict)
 
 
 @dataclass
@@ -125,6 +133,7 @@ class Server:
 
     def __init__(
         self,
+        *,
         strategy: Strategy,
         clients: list[ClientInfo],
         algorithm: AlgorithmServer | None = None,
@@ -138,17 +147,13 @@ class Server:
         self.clients = {c.client_id: c for c in clients}
         self.algorithm = algorithm or AlgorithmServer()
         self.sampling = sampling or Sampling()
-        self.min_clients, self.clip_norm_ratio, self.client_timeout_s = (
-            min_clients,
-            clip_norm_ratio,
-            client_timeout_s,
-        )
+        self.min_clients, self.clip_norm_ratio = min_clients, clip_norm_ratio
+        self.client_timeout_s = client_timeout_s
         self.state = GlobalState(dense=dict(dense or {}))
         self.ledger = Ledger()
         self.merges: list[tuple[int, Adapter]] = []  # merged updates some client has not downloaded yet
         self.synced = {k: 0 for k in self.clients}  # the last round whose merges each client has
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
-        self.last_merged: Adapter = {}  # the update merged by the latest round (empty when none)
 
     # ------------------------------------------------------------- a round
     def sample(self, round_idx: int) -> tuple[list[int], list[int]]:
@@ -169,12 +174,12 @@ class Server:
         factors = self.strategy.client_factors(self.state, c.rank, c.scale, client_id)
         merges = [(r, m) for r, m in self.merges if r > self.synced[client_id]]
         return ClientStart(
-            round_idx,
-            factors,
-            merges,
-            dict(self.state.dense),
-            self.strategy.client_extras(self.state, client_id),
-            self.algorithm.download(rank),
+            round=round_idx,
+            factors=factors,
+            merges=merges,
+            dense=dict(self.state.dense),
+            extras=self.strategy.client_extras(self.state, client_id),
+            algo=self.algorithm.download(rank),
         )
 
     def plan_round(self, round_idx: int) -> RoundPlan:
@@ -190,13 +195,49 @@ class Server:
             self.synced[k] = round_idx - 1
         return plan
 
-    def finish_round(self, plan: RoundPlan, results: dict[int, ClientUpdate | str]) -> dict[str, Any]:
-        """Check, clip and aggregate the round's updates; returns the round's metrics row.
+    def finish_round(self, plan: RoundPlan, results: dict[int, ClientUpdate | str]) -> RoundReport:
+        """Accept, count, clip and aggregate the round's updates; the merged update is the report's.
 
         ``results`` maps each active client to its update, or to why it
         failed (an exception on the client, a lost message).
         """
         t0 = time.perf_counter()
+        updates, failures = self._accept(plan, results)
+        for u in updates:
+            self.ledger.upload(u.client_id, u.numel())
+        info = self._clip(updates)
+        skipped = len(updates) < self.min_clients
+        merged: Adapter = {}
+        if skipped:
+            log.warning(
+                "round %d skipped: %d valid update(s) < federation.min_clients = %d",
+                plan.round,
+                len(updates),
+                self.min_clients,
+            )
+        else:
+            merged = self._aggregate(updates, info)
+        self._keep_merge(plan.round, merged)
+        row = {
+            "round": plan.round,
+            "sampled": plan.sampled,
+            "dropped": plan.dropped,
+            "failed": failures,
+            "n_updates": len(updates),
+            "skipped": skipped,
+            **self._client_metrics(updates),
+            **{f"agg_{k}": v for k, v in info.items()},
+            "n_failed": len(failures),
+            "n_dropped": len(plan.dropped),
+            **self.ledger.round_summary(),
+            "time_aggregate_s": time.perf_counter() - t0,
+        }
+        return RoundReport(row, merged)
+
+    def _accept(
+        self, plan: RoundPlan, results: dict[int, ClientUpdate | str]
+    ) -> tuple[list[ClientUpdate], dict[str, str]]:
+        """The round's usable updates (sorted by client) and, by client, why the others were left out."""
         failures: dict[str, str] = {}
         updates: list[ClientUpdate] = []
         for k in plan.active:
@@ -211,48 +252,36 @@ class Server:
                 failures[str(k)] = f"ClientFailure: {e}"
                 continue
             updates.append(got)
-        for u in updates:
-            self.ledger.upload(u.client_id, u.numel())
-        info: dict[str, Any] = {}
-        if self.clip_norm_ratio and updates:
-            info["clipped"] = clip_updates(updates, self.clip_norm_ratio, self.state.dense)
-        skipped = len(updates) < self.min_clients
-        merged: Adapter = {}
-        if skipped:
-            log.warning(
-                "round %d skipped: %d valid update(s) < federation.min_clients = %d",
-                plan.round,
-                len(updates),
-                self.min_clients,
-            )
-        else:
-            updates.sort(key=lambda u: u.client_id)
-            result = self.strategy.aggregate(updates, self.state)
-            self.algorithm.update(updates, sum(c.num_examples for c in self.clients.values()))
-            self.state, merged = result.state, result.merged
-            self.updated_rounds += 1
-            info.update(result.info)
-            if merged:
-                self.merges.append((plan.round, merged))
+        return sorted(updates, key=lambda u: u.client_id), failures
+
+    def _clip(self, updates: list[ClientUpdate]) -> dict[str, Any]:
+        if not (self.clip_norm_ratio and updates):
+            return {}
+        return {"clipped": clip_updates(updates, self.clip_norm_ratio, self.state.dense)}
+
+    def _aggregate(self, updates: list[ClientUpdate], info: dict[str, Any]) -> Adapter:
+        """The strategy's new global state and the algorithm's server update; returns what is merged."""
+        result = self.strategy.aggregate(updates, self.state)
+        self.algorithm.update(updates, sum(c.num_examples for c in self.clients.values()))
+        self.state = result.state
+        self.updated_rounds += 1
+        info.update(result.info)
+        return result.merged
+
+    def _keep_merge(self, round_idx: int, merged: Adapter) -> None:
+        """Keep merged updates until every client has downloaded them."""
+        if merged:
+            self.merges.append((round_idx, merged))
         self.merges = [(r, m) for r, m in self.merges if r > min(self.synced.values())]
-        self.last_merged = merged
+
+    @staticmethod
+    def _client_metrics(updates: list[ClientUpdate]) -> dict[str, Any]:
         losses = [u.metrics["loss_mean"] for u in updates]
         return {
-            "round": plan.round,
-            "sampled": plan.sampled,
-            "dropped": plan.dropped,
-            "failed": failures,
-            "n_updates": len(updates),
-            "skipped": skipped,
             "train_loss": sum(losses) / len(losses) if losses else None,
             "client_loss": {
                 str(u.client_id): [u.metrics["loss_first"], u.metrics["loss_last"]] for u in updates
             },
-            **{f"agg_{k}": v for k, v in info.items()},
-            "n_failed": len(failures),
-            "n_dropped": len(plan.dropped),
-            **self.ledger.round_summary(),
-            "time_aggregate_s": time.perf_counter() - t0,
         }
 
     # ------------------------------------------------------ the global model
@@ -276,9 +305,11 @@ class Server:
             t, s = adapter_tensors(adapter, prefix)
             tensors.update(t)
             scales.update(s)
-        tensors.update({f"dense.{k}": v for k, v in self.state.dense.items()})
-        tensors.update({f"extra.{k}": v for k, v in self.state.extras.items() if isinstance(v, Tensor)})
-        tensors.update({f"algo.{k}": v for k, v in self.algorithm.state_dict().items()})
+        tensors.update(prefixed(self.state.dense, "dense."))
+        tensors.update(
+            prefixed({k: v for k, v in self.state.extras.items() if isinstance(v, Tensor)}, "extra.")
+        )
+        tensors.update(prefixed(self.algorithm.state_dict(), "algo."))
         meta = {
             "scales": scales,
             "ledger": self.ledger.state(),
@@ -290,21 +321,25 @@ class Server:
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        def part(prefix: str) -> dict[str, Tensor]:
-            return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-        scales = meta["scales"]
-        self.state = GlobalState(
-            adapter_from_tensors(tensors, scales, "global."),
-            adapter_from_tensors(tensors, scales, "residual."),
-            part("dense.") or self.state.dense,
-            part("extra."),
-        )
+        state = global_state(tensors, meta)
+        self.state = GlobalState(state.factors, state.residual, state.dense or self.state.dense, state.extras)
         self.merges = [
-            (r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in meta.get("merge_rounds", [])
+            (r, adapter_from_tensors(tensors, meta["scales"], f"merge.{r}."))
+            for r in meta.get("merge_rounds", [])
         ]
-        self.last_merged = self.merges[-1][1] if self.merges else {}
-        self.algorithm.load_state_dict(part("algo."))
+        self.algorithm.load_state_dict(unprefixed(tensors, "algo."))
         self.ledger = Ledger.from_state(meta["ledger"])
         self.synced.update({int(k): v for k, v in meta.get("synced", {}).items()})
         self.updated_rounds = meta.get("updated", 0)
+
+
+def global_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> GlobalState:
+    """The global state a server checkpoint holds (see :meth:`Server.state_dict`): the one decoder of that
+    layout, used by resume and export alike."""
+    scales = meta["scales"]
+    return GlobalState(
+        adapter_from_tensors(tensors, scales, "global."),
+        adapter_from_tensors(tensors, scales, "residual."),
+        unprefixed(tensors, "dense."),
+        unprefixed(tensors, "extra."),
+    )

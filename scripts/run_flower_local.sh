@@ -46,18 +46,8 @@ stop() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/
 trap stop EXIT INT TERM
 
 # 1. Each site's data in its own folder, and the resolved config every site will train with.
-cfg_arg=$([ "$config" = default ] && echo None || echo "'$(cd "$(dirname "$config")" && pwd)/$(basename "$config")'")
-n=$(python - "$work" "$n" "${overrides[@]}" <<PY
-import sys
-from pathlib import Path
-from fedllm.config import load_config
-from fedllm.flower.site import write_site_partitions
-work, n, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-cfg = load_config($cfg_arg, overrides + ([f"federation.num_clients={n}"] if n else []))
-write_site_partitions(cfg, work)
-print(cfg.federation.num_clients)
-PY
-)
+cfg_path=$([ "$config" = default ] && echo default || echo "$(cd "$(dirname "$config")" && pwd)/$(basename "$config")")
+n=$(python scripts/flower_sites.py "$work" "$cfg_path" "${overrides[@]}" ${n:+federation.num_clients=$n})
 echo "sites: $n, work folder $work, run $run_dir"
 
 # 2. TLS material (a local CA, the SuperLink's certificate) and the SuperNodes' keys.

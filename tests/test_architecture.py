@@ -49,7 +49,6 @@ def test_import_rules():
         )
         == {}
     )
-    assert offenders("fedllm/client", ("fedllm.aggregation",)) == {}
     assert offenders("eval", ("fedllm",)) == {}
     assert offenders("data_prep", ("fedllm",)) == {}
     server = imports_of(ROOT / "fedllm" / "server.py")
@@ -78,7 +77,7 @@ def test_modules_stay_readable():
         str(p.relative_to(ROOT)): n
         for folder in ("fedllm", "eval", "data_prep")
         for p in (ROOT / folder).rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 520
+        if (n := len(p.read_text().splitlines())) > 450
     }
     assert long == {}
 
@@ -88,6 +87,19 @@ def through_the_wire(tensors: dict, meta: dict) -> tuple[dict, dict]:
     return {k: v.clone() for k, v in tensors.items()}, json.loads(json.dumps(meta))
 
 
+class WireSimulation(Simulation):
+    """The same round loop, with every start and update encoded, copied and decoded on its way."""
+
+    def train_clients(self, plan):
+        replies = {}
+        for k, start in plan.starts.items():
+            got = decode_start(*through_the_wire(*encode_start(start)))
+            update = self.runtime.train(self.clients[k], got)
+            replies[k] = decode_update(*through_the_wire(*encode_update(update)))
+            assert not any(t is u for t in replies[k].factors.values() for u in update.factors.values())
+        return replies
+
+
 @pytest.mark.parametrize(
     ("strategy", "algorithm"),
     [
@@ -95,7 +107,7 @@ def through_the_wire(tensors: dict, meta: dict) -> tuple[dict, dict]:
         ("flora", "fedprox"),
         ("flexlora", "sft"),
         ("florist", "sft"),
-        ("floral", "scaffold"),
+        ("floral", "fedprox"),
         ("fedit", "scaffold"),
         ("fedit", "perfedavg"),
         ("local", "sft"),
@@ -109,30 +121,87 @@ def test_server_and_runtime_meet_only_through_messages(tmp_path, strategy, algor
         "eval.personalized=false",
         "eval.benchmark=none",
     ] + (["lora.ranks=[4]"] if strategy == "floral" else [])
-    reference = Simulation(load_config(None, tiny_overrides(tmp_path / "ref", *extra)), tmp_path / "ref")
-    reference.setup()
-    reference.run()
-
-    sim = Simulation(load_config(None, tiny_overrides(tmp_path / "wire", *extra)), tmp_path / "wire")
-    sim.setup()
-    server, runtime = sim.server, sim.runtime
-    for r in (1, 2):
-        plan = server.plan_round(r)
-        replies = {}
-        for k, start in plan.starts.items():
-            got = decode_start(*through_the_wire(*encode_start(start)))
-            update = runtime.train(sim.clients[k], got)
-            replies[k] = decode_update(*through_the_wire(*encode_update(update)))
-            assert not any(t is u for t in replies[k].factors.values() for u in update.factors.values())
-        server.finish_round(plan, replies)
-        if server.last_merged:
-            runtime.apply_merges([(r, server.last_merged)])
-    for key, f in reference.server.state.factors.items():
-        torch.testing.assert_close(server.state.factors[key].delta(), f.delta(), rtol=1e-5, atol=1e-7)
-    for key, f in reference.server.state.residual.items():
-        torch.testing.assert_close(server.state.residual[key].delta(), f.delta(), rtol=1e-5, atol=1e-7)
-    assert server.ledger.totals() == reference.server.ledger.totals()
-    from fedllm.export import save_global_adapter
-
-    save_global_adapter(server, sim.cfg, tmp_path / "wire" / "global_adapter")
+    runs = {}
+    for name, driver in (("ref", Simulation), ("wire", WireSimulation)):
+        runs[name] = driver(load_config(None, tiny_overrides(tmp_path / name, *extra)), tmp_path / name)
+        runs[name].setup()
+        runs[name].run()
+    ref, wire = runs["ref"].server, runs["wire"].server
+    for key, f in ref.state.factors.items():
+        torch.testing.assert_close(wire.state.factors[key].delta(), f.delta(), rtol=1e-5, atol=1e-7)
+    for key, f in ref.state.residual.items():
+        torch.testing.assert_close(wire.state.residual[key].delta(), f.delta(), rtol=1e-5, atol=1e-7)
+    assert wire.ledger.totals() == ref.ledger.totals()
     assert_close_updates(tmp_path / "ref", tmp_path / "wire", 1e-5)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """fedllm, eval and data_prep modules, each with the project modules it imports (anywhere in the file)."""
+    modules = {}
+    for folder in ("fedllm", "eval", "data_prep"):
+        for path in (ROOT / folder).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            modules[name] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        graph[name] = {m for m in map(resolve, found) if m and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_a_driver():
+    """Drivers (the simulation, the Flower apps) are composed by the CLI only: nothing else depends on one."""
+    drivers = {"fedllm.simulation", "fedllm.flower.server_app", "fedllm.flower.client_app"}
+    graph = import_graph()
+    users = {m: sorted(deps & drivers) for m, deps in graph.items() if deps & drivers and m != "fedllm.cli"}
+    assert users == {}

@@ -16,6 +16,7 @@ from fedllm.client.perfedavg import PerFedAvg
 from fedllm.client.scaffold import Scaffold, ScaffoldServer
 from fedllm.client.sft import SFT
 from fedllm.config import ConfigError, load_config
+from fedllm.protocol import AlgorithmServer
 
 
 class LeastSquares(nn.Module):
@@ -282,15 +283,21 @@ def test_sgd_steps_take_client_sgd_lr_and_personalization_too():
     assert_close(model.theta.detach(), 0.5 * torch.tensor([0.5, 1.0], dtype=torch.float64))
 
 
-def test_algorithms_are_registered_and_scaffold_refuses_merging_strategies():
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_algorithms_needing_averaged_parameters_refuse_other_strategies(algorithm):
+    from fedllm.aggregation import STRATEGIES
+
     assert {"sft", "fedprox", "scaffold", "perfedavg"} <= set(ALGORITHMS)
-    load_config(None, ["client.algorithm=scaffold", "aggregation.name=fedit"])
-    for name in ("flora", "flexlora", "florist"):
-        with pytest.raises(ConfigError, match=f"aggregation.name = {name} changes the parameter space"):
-            load_config(None, ["client.algorithm=scaffold", f"aggregation.name={name}"])
+    for name, strategy in STRATEGIES.items():
+        overrides = [f"client.algorithm={algorithm}", f"aggregation.name={name}", "lora.ranks=[4]"]
+        if ALGORITHMS[algorithm].needs_parameter_averaging and not strategy.averages_parameters:
+            with pytest.raises(ConfigError, match=f"aggregation.name = {name} changes the parameter space"):
+                load_config(None, overrides)
+        elif not (strategy.hook.local_params and not ALGORITHMS[algorithm].trains_local_params):
+            load_config(None, overrides)
 
 
-@pytest.mark.parametrize("algorithm", ["fedprox", "scaffold", "perfedavg"])
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_federated_run_with_each_algorithm(tmp_path, algorithm):
     import json
 
@@ -310,8 +317,8 @@ def test_federated_run_with_each_algorithm(tmp_path, algorithm):
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     assert last["n_updates"] == 4 and "personal_acc" in last and "global_client_acc" in last
-    if algorithm == "scaffold":
-        # the control variates travel: round 2 downloads the server control, uploads carry the deltas
+    if type(fed.server.algorithm).state_dict is not AlgorithmServer.state_dict:  # a server half with state
+        # its state travels (SCAFFOLD's control variate): round 2 downloads it, uploads carry the deltas
         assert rows[2]["down_params"] > rows[1]["down_params"]
         assert fed.server.algorithm.state_dict()
         assert all(c.state for c in fed.clients)

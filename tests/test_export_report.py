@@ -114,7 +114,7 @@ def test_model_card_names_hub_ids_only(finished_run, tmp_path):
     from huggingface_hub import ModelCard
 
     from fedllm.config import load_config
-    from fedllm.export import write_model_card
+    from fedllm.model_card import write_model_card
 
     cfg = load_config(finished_run / "config.yaml")
     cfg.model.name, cfg.data.dataset = "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "dolly"

@@ -13,7 +13,7 @@ from fedllm.aggregation.fedit import FedIT
 from fedllm.aggregation.floral import FLoRAL, adaptor_weights
 from fedllm.config import ConfigError, LoraConfig, load_config
 from fedllm.factors import LoraFactors, fresh_factors, read_factors, write_factors
-from fedllm.mixture import MixtureSession, MixtureSpec
+from fedllm.mixture import MixtureOptions, MixtureSession
 from fedllm.modeling import attach_lora, install_adapter
 from fedllm.simulation import Simulation
 from tests.conftest import random_factors, switch_in, tiny_overrides
@@ -31,7 +31,7 @@ def test_mixture_forward_equals_stacked_lora(builtin_base, bias):
         for k, f in fresh_factors(model, "r6", 1).items()
     }
     write_factors(model, "r6", factors)
-    spec = MixtureSpec(num_adaptors=3, rank=2, temperature=0.7, per_layer=True, bias=bias)
+    spec = MixtureOptions(num_adaptors=3, temperature=0.7, per_layer=True, bias=bias)
     router = {g: torch.randn(3, generator=gen) for g in ("layer0", "layer1", "layer2")}
     biases = (
         {k: 0.1 * torch.randn(3, f.B.shape[0], generator=gen) for k, f in factors.items()} if bias else None
@@ -163,7 +163,7 @@ def floral_run(tmp_path, *extra, hook=None):
             *extra,
         ),
     )
-    fed = Simulation(cfg, tmp_path / "r", client_hook=hook)
+    fed = Simulation(cfg, tmp_path / "r", fault=hook)
     fed.setup()
     fed.run()
     return fed
@@ -193,7 +193,7 @@ def test_routers_stay_local_and_follow_statefulness(tmp_path, monkeypatch, state
         assert all(s is not None and not torch.equal(s["all"], torch.zeros(2)) for s in starts[4:8])
     else:
         assert starts[4:8] == [None] * 4
-    assert all("router.all" in c.state for c in fed.clients)  # kept by the client (and the checkpoint)
+    assert all("hook.all" in c.state for c in fed.clients)  # kept by the client (and the checkpoint)
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert "personal_acc" in rows[-1] and "agg_router_mass" in rows[-1]
 
@@ -214,7 +214,7 @@ def test_nothing_router_shaped_is_uploaded_or_corrected_by_any_algorithm(tmp_pat
         )
         assert not any("router" in k for k in u.factors)
     for c in fed.clients:
-        router = c.state["router.all"]
+        router = c.state["hook.all"]
         assert router.shape == (2,) and not torch.equal(
             router, torch.zeros(2)
         )  # trained, and not overwritten
@@ -232,13 +232,9 @@ def assert_export_matches_mixture(fed, out, client_id: int) -> None:
     c = fed.clients[client_id]
     switch_in(fed, c, fed.start_round)
     fed.runtime.model.eval()
-    session = fed.runtime.open_mixture(
-        c, fed.server.client_start(fed.start_round, c.client_id), own_router=True
-    )
     ids = torch.tensor([[1, 11, 22, 33, 44]])
-    with torch.no_grad():
+    with fed.runtime.view(c, fed.server.client_start(fed.start_round, c.client_id), "own"), torch.no_grad():
         mixed, theirs = fed.runtime.model(input_ids=ids).logits, exported(input_ids=ids).logits
-    session.close()
     assert_close(theirs, mixed, rtol=1e-4, atol=1e-5)
 
 
@@ -305,7 +301,7 @@ def test_lora_preconditioning_transforms_gradients(builtin_base):
     ids = torch.tensor([[1, 30, 40, 50, 60, 7]])
     grads = {}
     for eps in (0.0, 0.1):
-        session = MixtureSession(model, "r4", MixtureSpec(num_adaptors=2, rank=2, precondition_eps=eps), None)
+        session = MixtureSession(model, "r4", MixtureOptions(num_adaptors=2, precondition_eps=eps), None)
         model.zero_grad()
         model(input_ids=ids, labels=ids).loss.backward()
         layer = next(iter(session.modules.values()))

@@ -15,9 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fedllm.aggregation import strategy_from_config
+from fedllm.assembly import layout_for
 from fedllm.client.base import batch_stream
 from fedllm.config import ConfigError, load_config
-from fedllm.parallel import Layout, resolve_layout
+from fedllm.parallel import Layout
 from fedllm.simulation import Simulation
 from tests.conftest import assert_close_updates, switch_in, tiny_overrides
 
@@ -35,12 +37,14 @@ def fake_accelerator(kind="MULTI_GPU", processes=2, stage=0, precision="bf16"):
     )
 
 
+def layout(cfg, accelerator):
+    return layout_for(cfg, accelerator, strategy_from_config(cfg.aggregation))
+
+
 def test_layout_defaults():
     cfg = load_config()
-    assert resolve_layout("auto", fake_accelerator(), cfg).mode == "clients"
-    ds = resolve_layout(
-        "auto", fake_accelerator("DEEPSPEED", stage=3), load_config(None, ["eval.personalized=false"])
-    )
+    assert layout(cfg, fake_accelerator()).mode == "clients"
+    ds = layout(load_config(None, ["eval.personalized=false"]), fake_accelerator("DEEPSPEED", stage=3))
     assert ds.mode == "data" and ds.data_parallel and ds.zero_stage == 3
     assert Layout("clients", 1, 3).my_clients([0, 1, 2, 3, 4]) == [1, 4]
     assert Layout("data", 1, 3).my_clients([0, 1, 2, 3, 4]) == [0, 1, 2, 3, 4]
@@ -69,23 +73,19 @@ def test_layout_defaults():
         (
             "MULTI_GPU",
             0,
-            ["federation.parallel=data", "aggregation.name=floral"],
-            "aggregation.name = floral",
+            ["federation.parallel=data", "aggregation.name=floral", "lora.ranks=[4]"],
+            "aggregation.name = floral is not supported with federation.parallel=data",
         ),
     ],
 )
 def test_refused_combinations_name_the_field(kind, stage, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        resolve_layout(
-            load_config(None, overrides).federation.parallel,
-            fake_accelerator(kind, stage=stage),
-            load_config(None, overrides),
-        )
+        layout(load_config(None, overrides), fake_accelerator(kind, stage=stage))
 
 
 def test_fp16_without_deepspeed_is_refused():
     with pytest.raises(ConfigError, match="fp16 needs loss scaling"):
-        resolve_layout("auto", fake_accelerator(precision="fp16"), load_config())
+        layout(load_config(), fake_accelerator(precision="fp16"))
 
 
 def test_bad_parallel_value_is_a_config_error():
@@ -299,9 +299,14 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path, builtin_base):
         torch.testing.assert_close(runs["true"][k].A, f.A, rtol=1e-5, atol=1e-6)
 
 
-def test_data_layout_refuses_clients_smaller_than_a_batch(tmp_path, builtin_base):
-    cfg = load_config(None, tiny_overrides(tmp_path, "client.batch_size=16"))
-    fed = Simulation(cfg, tmp_path)
-    fed.layout = Layout("data", 0, 2)  # as under a 2-process launch with federation.parallel=data
-    with pytest.raises(ValueError, match=r"fewer than client.batch_size = 16.*data.min_examples_per_client"):
-        fed.setup()
+def test_data_layout_refuses_clients_smaller_than_a_batch():
+    from data_prep.prompts import TokenizedExample
+    from fedllm.assembly import check_client_batches
+
+    cfg = load_config(None, ["client.batch_size=16"])
+    data = [([TokenizedExample([1, 2], [1, 2])] * n, []) for n in (16, 15)]
+    check_client_batches(cfg, Layout("clients", 0, 2), data)  # each process takes whole clients: fine
+    with pytest.raises(
+        ValueError, match=r"client 1 has 15 .*fewer than client.batch_size = 16.*min_examples"
+    ):
+        check_client_batches(cfg, Layout("data", 0, 2), data)  # a 2-process launch with parallel=data

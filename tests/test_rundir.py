@@ -112,21 +112,73 @@ def test_reused_output_dir_is_refused_continued_or_overwritten(run_copy, tmp_pat
     assert code == 2 and "holds no fedllm run" in err and (foreign / "data.csv").exists()
 
 
+HOLD_LOCK = """
+import sys, time
+from fedllm.rundir import RunLock
+lock = RunLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
 def test_a_second_process_is_refused_while_the_first_lives(run_copy, capsys):
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run_copy)], stdout=subprocess.PIPE, text=True
+    )
     try:
-        (run_copy / ".lock").write_text(
-            json.dumps({"pid": holder.pid, "host": os.uname().nodename, "since": "now"})
-        )
+        assert holder.stdout.readline().strip() == "held"
         code, err = cli(capsys, "run", "--resume", str(run_copy), "federation.rounds=3")
         assert code == 2 and f"in use by another fedllm process (pid {holder.pid}" in err
     finally:
-        holder.kill()
+        holder.kill()  # SIGKILL: no release, the lock file stays behind
         holder.wait()
+    assert (run_copy / ".lock").exists()
     # its process is gone: the lock is stale and taken over; the resume runs and releases it
     code, err = cli(capsys, "run", "--resume", str(run_copy), "federation.rounds=3")
     assert code == 0, err
     assert rounds_in(run_copy) == [0, 1, 2, 3] and not (run_copy / ".lock").exists()
+
+
+RACE = """
+import json, sys, time
+from fedllm.rundir import RunDirError, RunLock
+folder, at = sys.argv[1], float(sys.argv[2])
+time.sleep(max(0.0, at - time.time()))
+try:
+    RunLock(folder).acquire()
+except RunDirError:
+    print("refused", flush=True)
+    sys.exit(0)
+print("held", flush=True)
+time.sleep(3)
+"""
+
+
+@pytest.mark.parametrize("stale", [False, False, True], ids=["fresh", "fresh-again", "stale"])
+def test_processes_starting_at_the_same_instant_hold_the_lock_once(tmp_path, stale):
+    """Many processes take the lock at the same instant (with or without a stale lock left by a dead process):
+    exactly one holds it, every other is refused."""
+    import time
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    if stale:  # the lock of a process that was SIGKILLed
+        dead = subprocess.Popen(
+            [sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, text=True
+        )
+        assert dead.stdout.readline().strip() == "held"
+        dead.kill()
+        dead.wait()
+    at = time.time() + 4.0  # every racer is started and waiting by then
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, str(folder), str(at)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(12)
+    ]
+    outcomes = [r.communicate(timeout=120)[0].strip() for r in racers]
+    assert all(r.returncode == 0 for r in racers)
+    assert sorted(outcomes) == ["held"] + ["refused"] * 11
 
 
 # 3. a resume takes only the changes that keep the trajectory

@@ -4,7 +4,9 @@ A strategy sees plain tensors only (no peft, no transformers, no config). Each
 round the server calls :meth:`Strategy.aggregate` with the valid client
 updates and the current :class:`GlobalState`, and :meth:`Strategy.client_factors`
 (and :meth:`Strategy.client_extras`) to learn what each client of the next
-round starts from. It never branches on a name.
+round starts from. It never branches on a name. A strategy whose clients train
+differently (FLoRAL's routers) names its client side in :attr:`Strategy.hook`,
+declared in its own file; the client runtime runs it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from fedllm.aggregation._linalg import weighted_mean
 from fedllm.factors import Adapter
-from fedllm.protocol import ClientUpdate
+from fedllm.lowrank import fit_rank, weighted_mean
+from fedllm.protocol import ClientHook, ClientUpdate
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -66,7 +68,7 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     merges_into_base: ClassVar[bool] = False
     averages_parameters: ClassVar[bool] = True
-    uses_routers: ClassVar[bool] = False  # clients mix adaptors with a local router (FLoRAL)
+    hook: ClassVar[type[ClientHook]] = ClientHook  # the client side (plain LoRA unless a strategy says else)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,9 +80,6 @@ class Strategy(abc.ABC):
             raise TypeError(f"strategy name {cls.name!r} is registered twice")
         STRATEGIES[cls.name] = cls
 
-    def __init__(self, **options: Any) -> None:
-        self.options = options
-
     @classmethod
     def from_config(cls, agg) -> Strategy:
         return cls()
@@ -88,6 +87,10 @@ class Strategy(abc.ABC):
     @classmethod
     def check_config(cls, cfg) -> None:
         """Refuse configs this strategy cannot run, before any work starts."""
+
+    def client_hook(self) -> ClientHook:
+        """The client side every client of this strategy runs (see :class:`~fedllm.protocol.ClientHook`)."""
+        return self.hook()
 
     def aggregate(self, updates: list[ClientUpdate], state: GlobalState) -> RoundResult:
         if not updates:
@@ -135,18 +138,9 @@ def leading_factors(state: GlobalState, rank: int, scale: float) -> Adapter | No
     Zero-padded where the global adapter has fewer; the client runtime gives
     such empty directions a fresh init so they can learn.
     """
-    from fedllm.aggregation._linalg import fit_rank
-
     if not state.factors:
         return None
     return {k: fit_rank(f, rank).with_scale(scale) for k, f in state.factors.items()}
-
-
-def new_residual(state: GlobalState, merged: Adapter) -> Adapter:
-    """The cumulative residual after merging ``merged`` into the base."""
-    from fedllm.factors import concat
-
-    return concat(state.residual, merged) if state.residual else {k: f.folded() for k, f in merged.items()}
 
 
 def strategy_from_config(agg) -> Strategy:

@@ -9,9 +9,9 @@ error is part of the method). With heterogeneous ranks every client's
 
 from __future__ import annotations
 
-from fedllm.aggregation._linalg import pad_rank, weighted_mean
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
 from fedllm.factors import Adapter, LoraFactors
+from fedllm.lowrank import pad_rank, weighted_mean
 
 
 class FedIT(Strategy):

@@ -9,9 +9,9 @@ factors and an SVD of a small R x R core (R = sum of ranks), which is exact.
 
 from __future__ import annotations
 
-from fedllm.aggregation._linalg import low_rank_svd, stack, svd_factors
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
 from fedllm.factors import Adapter
+from fedllm.lowrank import low_rank_svd, stack, svd_factors
 
 
 class FlexLoRA(Strategy):
@@ -30,7 +30,6 @@ class FlexLoRA(Strategy):
     def __init__(self, split: str = "us") -> None:
         if split not in ("us", "sqrt"):
             raise ValueError(f"split = {split!r}: expected 'us' or 'sqrt'")
-        super().__init__(split=split)
         self.split = split
 
     @classmethod

@@ -10,8 +10,8 @@ the sum of the round's ranks.
 
 from __future__ import annotations
 
-from fedllm.aggregation._linalg import stack
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, new_residual
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.lowrank import add_to_residual, stack
 
 
 class FLoRA(Strategy):
@@ -29,4 +29,6 @@ class FLoRA(Strategy):
         self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
     ) -> RoundResult:
         merged = {key: stack([u.factors[key] for u in updates], weights) for key in updates[0].factors}
-        return RoundResult(GlobalState({}, new_residual(state, merged), extras=dict(state.extras)), merged)
+        return RoundResult(
+            GlobalState({}, add_to_residual(state.residual, merged), extras=dict(state.extras)), merged
+        )

@@ -16,13 +16,16 @@ C = 1 this is FedIT.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedllm.aggregation._linalg import weighted_mean
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
-from fedllm.factors import Adapter, LoraFactors
+from fedllm.factors import Adapter, LoraFactors, unprefixed
+from fedllm.lowrank import weighted_mean
+from fedllm.mixture import MixtureOptions, MixtureSession
+from fedllm.protocol import ClientHook
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +41,73 @@ def adaptor_weights(updates: list[ClientUpdate], weights: list[float], key: str)
     return torch.where(mass > 0, joint / mass.clamp_min(torch.finfo(torch.float64).tiny), torch.nan)
 
 
+class FloralClient(ClientHook):
+    """FLoRAL's client side: the client's rank C*r adapter mixed by its own router (``fedllm/mixture.py``).
+
+    The router is trained beside the adaptors at its own learning rate and
+    kept on the client (stateful across rounds, or re-learned from zero each
+    round); the session uploads the per-module router probabilities and the
+    bias adaptors. A client's personalized model is its own router's mixture;
+    the global model as it gets it is the uniform mixture.
+    """
+
+    personalizes = True
+    local_params = True
+
+    def __init__(self, options: MixtureOptions) -> None:
+        self.options = options
+
+    def session(self, model, adapter, state, extras, view) -> MixtureSession:
+        own = view == "own" or (view == "train" and self.options.stateful)
+        return MixtureSession(
+            model, adapter, self.options, state if own and state else None, unprefixed(extras, BIAS)
+        )
+
+
 class FLoRAL(Strategy):
     """Average each adaptor with router-weighted example weights.
 
-    Client: loads the C global adaptors (a rank C*r adapter, and the C bias
-    adaptors if enabled), mixes them with its local router (stateful across
-    rounds, or re-learned from zero), trains adaptors and router, and uploads
-    the adaptors and its per-module router probabilities, never the router.
+    Client (:class:`FloralClient`): loads the C global adaptors (a rank C*r
+    adapter, and the C bias adaptors if enabled), mixes them with its local
+    router, trains adaptors and router, and uploads the adaptors and its
+    per-module router probabilities, never the router.
     """
 
     name = "floral"
-    uses_routers = True
+    hook = FloralClient
 
-    def __init__(self, num_adaptors: int = 2) -> None:
+    def __init__(self, num_adaptors: int = 2, **router: Any) -> None:
+        """``router``: the clients' :class:`~fedllm.mixture.MixtureOptions` besides ``num_adaptors``."""
         if num_adaptors < 1:
             raise ValueError(f"num_adaptors = {num_adaptors} is invalid: expected an integer >= 1")
-        super().__init__(num_adaptors=num_adaptors)
+        self.options = MixtureOptions(num_adaptors=num_adaptors, **router)
         self.num_adaptors = num_adaptors
 
     @classmethod
     def from_config(cls, agg) -> FLoRAL:
-        return cls(num_adaptors=agg.num_adaptors)
+        return cls(
+            num_adaptors=agg.num_adaptors,
+            temperature=agg.router_temperature,
+            noise=agg.router_noise,
+            per_layer=agg.router_per_layer,
+            stateful=agg.stateful_routers,
+            router_lr=agg.router_lr,
+            precondition_eps=agg.precondition_eps,
+            bias=agg.bias_adaptors,
+        )
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        ranks = sorted(set(cfg.lora.ranks) | set(cfg.lora.rank_distribution))
+        if len(ranks) != 1:
+            raise ValueError(
+                f"aggregation.name = {cls.name} mixes C adaptors of one rank r: set lora.ranks to a single "
+                "rank "
+                f"(got {ranks})"
+            )
+
+    def client_hook(self) -> FloralClient:
+        return FloralClient(self.options)
 
     def adapter_rank(self, rank: int) -> int:
         return self.num_adaptors * rank
@@ -129,4 +178,4 @@ class FLoRAL(Strategy):
 
     def global_biases(self, state: GlobalState) -> dict[str, Tensor]:
         """The uniform mixture's bias per module (the mean of its C bias adaptors)."""
-        return {k[len(BIAS) :]: v.mean(0) for k, v in state.extras.items() if k.startswith(BIAS)}
+        return {k: v.mean(0) for k, v in unprefixed(state.extras, BIAS).items()}

@@ -11,9 +11,9 @@ base, so the download grows with ``p`` instead of the sum of ranks.
 
 from __future__ import annotations
 
-from fedllm.aggregation._linalg import energy_rank, low_rank_svd, stack, svd_factors
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, new_residual
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
 from fedllm.factors import Adapter
+from fedllm.lowrank import add_to_residual, energy_rank, low_rank_svd, stack, svd_factors
 
 
 class FLoRIST(Strategy):
@@ -32,7 +32,6 @@ class FLoRIST(Strategy):
             raise ValueError(f"tau = {tau} is invalid: expected a value in (0, 1]")
         if fixed_rank < 0:
             raise ValueError(f"fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
-        super().__init__(tau=tau, fixed_rank=fixed_rank)
         self.tau, self.fixed_rank = tau, fixed_rank
 
     @classmethod
@@ -51,5 +50,5 @@ class FLoRIST(Strategy):
             kept[key] = p
         info = {"kept_rank_mean": sum(kept.values()) / len(kept), "kept_rank_max": max(kept.values())}
         return RoundResult(
-            GlobalState({}, new_residual(state, merged), extras=dict(state.extras)), merged, info
+            GlobalState({}, add_to_residual(state.residual, merged), extras=dict(state.extras)), merged, info
         )

@@ -110,11 +110,10 @@ class ClientAlgorithm(abc.ABC):
             raise TypeError(f"client algorithm {cls.name!r} is registered twice")
         ALGORITHMS[cls.name] = cls
 
-    def __init__(self, optimizer: str = "adamw", **options: Any) -> None:
+    def __init__(self, optimizer: str = "adamw") -> None:
         if optimizer not in ("adamw", "sgd"):
             raise ValueError(f"client.optimizer = {optimizer!r}: expected adamw or sgd")
         self.optimizer = optimizer
-        self.options = options
 
     @classmethod
     def from_config(cls, client_cfg) -> ClientAlgorithm:

@@ -24,7 +24,7 @@ class FedProx(ClientAlgorithm):
     name = "fedprox"
 
     def __init__(self, mu: float = 0.01, optimizer: str = "adamw") -> None:
-        super().__init__(optimizer, mu=mu)
+        super().__init__(optimizer)
         self.mu = mu
         self.anchor: dict[str, torch.Tensor] = {}
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from fedllm.client.base import ClientAlgorithm, Params, backward, lm_loss
+from fedllm.client.base import ClientAlgorithm, Params, accumulate
 
 
 def _rng_state() -> tuple:
@@ -51,7 +51,7 @@ class PerFedAvg(ClientAlgorithm):
     def __init__(self, alpha: float = 0.0, variant: str = "fo", fd_delta: float = 1e-3) -> None:
         if variant not in ("fo", "hf"):
             raise ValueError(f"client.perfedavg_variant = {variant!r}: expected fo or hf")
-        super().__init__("sgd", alpha=alpha, variant=variant, fd_delta=fd_delta)
+        super().__init__("sgd")
         self.alpha, self.variant, self.fd_delta = alpha, variant, fd_delta
 
     @classmethod
@@ -79,11 +79,7 @@ class PerFedAvg(ClientAlgorithm):
         """Gradient of the mean loss over ``grad_accum`` micro-batches, and that loss."""
         for p in params.values():
             p.grad = None
-        total = 0.0
-        for _ in range(plan.grad_accum):
-            loss = lm_loss(model, next(batches), accelerator) / plan.grad_accum
-            backward(loss, accelerator)
-            total += loss.item()
+        total = accumulate(model, batches, plan, accelerator)
         grads = {
             k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
             for k, p in params.items()

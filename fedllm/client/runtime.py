@@ -6,17 +6,22 @@ load) or exactly one real site (Flower). ``train`` takes a client's
 :class:`~fedllm.protocol.ClientStart`, runs the client algorithm and returns
 its :class:`~fedllm.protocol.ClientUpdate`; nothing else crosses to the
 server. What stays on the client lives here: the algorithm's state (SCAFFOLD's
-c_k, under ``algo.*``), FLoRAL's router (``router.*``) and the merges applied
-to the base (FLoRA/FLoRIST), which a 4/8-bit base (or ZeRO-3) keeps as a frozen
-residual adapter because its weights cannot absorb them.
+c_k, under ``algo.``), the strategy's client-side state (FLoRAL's router,
+under ``hook.``) and the merges applied to the base (FLoRA/FLoRIST), which a
+4/8-bit base (or ZeRO-3) keeps as a frozen residual adapter because its
+weights cannot absorb them.
+
+The strategy's client side is a :class:`~fedllm.protocol.ClientHook` handed in
+by the assembly; the runtime calls it and never asks which strategy it serves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -26,17 +31,19 @@ from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_str
 from fedllm.evaluation import heldout
 from fedllm.factors import (
     Adapter,
-    LoraFactors,
     concat,
     dense_param_names,
     fresh_factors,
     module_key,
+    module_shapes,
+    prefixed,
     read_dense,
     read_factors,
+    unprefixed,
     write_dense,
     write_factors,
 )
-from fedllm.mixture import MixtureSession, MixtureSpec
+from fedllm.lowrank import add_to_residual
 from fedllm.modeling import (
     RESIDUAL,
     activate,
@@ -50,11 +57,12 @@ from fedllm.modeling import (
     set_trainable_modules,
 )
 from fedllm.parallel import Layout, full_tensors
-from fedllm.protocol import ClientStart, ClientUpdate, derive_seed
+from fedllm.protocol import ClientHook, ClientStart, ClientUpdate, HookSession, derive_seed
 
 log = logging.getLogger(__name__)
 
-ClientHook = Callable[[int, int, ClientUpdate], ClientUpdate]
+ClientFault = Callable[[int, int, ClientUpdate], ClientUpdate]  # (round, client, update) -> update; tests
+ALGO, HOOK = "algo.", "hook."  # where a client's state keeps its algorithm's and its strategy's part
 
 
 @dataclass
@@ -66,28 +74,11 @@ class ClientData:
     scale: float
     train: list[TokenizedExample]
     test: list[TokenizedExample]
-    state: dict[str, Tensor] = field(default_factory=dict)  # algo.* and router.*: never uploaded
+    state: dict[str, Tensor] = field(default_factory=dict)  # algo.* and hook.*: never uploaded
 
     @property
     def num_examples(self) -> int:
         return len(self.train)
-
-
-def revive_empty_directions(start: Adapter, fresh: Adapter) -> Adapter:
-    """Give zero rank directions (zero A row and B column) a fresh A row.
-
-    Zero-padding leaves directions whose gradients are zero forever; a fresh
-    A row with the zero B column keeps the product unchanged and lets them learn.
-    """
-    out = {}
-    for key, f in start.items():
-        dead = (f.A.abs().sum(1) == 0) & (f.B.abs().sum(0) == 0)
-        if dead.any():
-            A = f.A.clone()
-            A[dead] = fresh[key].A[dead]
-            f = LoraFactors(A, f.B, f.scale)
-        out[key] = f
-    return out
 
 
 class ClientRuntime:
@@ -95,6 +86,7 @@ class ClientRuntime:
 
     def __init__(
         self,
+        *,
         model,
         tokenizer,
         ranks: list[int],
@@ -103,13 +95,14 @@ class ClientRuntime:
         seed: int,
         layout: Layout,
         accelerator,
-        mixture: MixtureSpec | None = None,
+        hook: ClientHook | None = None,
         residual_merges: bool = False,
         client_timeout_s: float = 0.0,
         progress: bool = False,
     ) -> None:
         self.tokenizer, self.lora_cfg, self.client_cfg = tokenizer, lora_cfg, client_cfg
-        self.seed, self.layout, self.acc, self.mixture = seed, layout, accelerator, mixture
+        self.seed, self.layout, self.acc = seed, layout, accelerator
+        self.hook = hook or ClientHook()
         self.client_timeout_s, self.progress = client_timeout_s, progress
         self.model = attach_lora(model, ranks, lora_cfg)
         self.algorithm: ClientAlgorithm = ALGORITHMS[client_cfg.algorithm].from_config(client_cfg)
@@ -118,6 +111,7 @@ class ClientRuntime:
         self.residual: Adapter = {}  # everything merged into this base so far
         self.residual_rank = 0
         self.applied_round = 0  # merges of rounds up to this one are in the base
+        self.timings: dict[str, float] = {}  # the last client's switch-in and read-out seconds (benchmarks)
 
     # ---------------------------------------------------------------- the base
     def whole_adapters(self, modify: bool = False):
@@ -132,6 +126,10 @@ class ClientRuntime:
         with self.whole_adapters():
             return read_dense(self.model, self.dense_names)
 
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{module: (out, in)}`` of the LoRA target modules, in model order (what the server must know)."""
+        return module_shapes(self.model, next(iter(self.model.peft_config)))
+
     def apply_merges(self, merges: list[tuple[int, Adapter]]) -> None:
         """Make each merge of a round this base has not seen part of every later forward pass.
 
@@ -141,9 +139,7 @@ class ClientRuntime:
         """
         new = [(r, m) for r, m in merges if r > self.applied_round and m]
         for r, merged in new:
-            self.residual = (
-                concat(self.residual, merged) if self.residual else {k: f.folded() for k, f in merged.items()}
-            )
+            self.residual = add_to_residual(self.residual, merged)
             if not self.residual_merges:
                 merge_into_base(self.model, merged)
             self.applied_round = r
@@ -197,6 +193,7 @@ class ClientRuntime:
         Returns its trainable parameters by name and the factors it starts
         from (its fresh init where it downloads none; for norm clipping).
         """
+        t0 = time.perf_counter()
         self.apply_merges(start.merges)
         name = adapter_name(client.rank)
         activate(self.model, name)
@@ -204,7 +201,7 @@ class ClientRuntime:
         restore_dequant_layers(self.model)  # the packed CPU 4-bit kernel has no backward
         with self.whole_adapters(modify=True):
             fresh = fresh_factors(self.model, name, derive_seed(self.seed, start.round, 7))
-            factors = revive_empty_directions(start.factors, fresh) if start.factors else fresh
+            factors = self.hook.start_factors(start.factors, fresh)
             write_factors(self.model, name, factors)
             write_dense(self.model, start.dense)
         params = adapter_params(self.model, name)
@@ -215,52 +212,48 @@ class ClientRuntime:
                 if p.requires_grad and "lora_" not in k
             }
         )
+        self.timings["switch_in_s"] = time.perf_counter() - t0
         return params, factors
 
-    def open_mixture(self, client: ClientData, start: ClientStart, own_router: bool) -> MixtureSession | None:
-        """The client's router hooks (FLoRAL); ``own_router=False`` gives the uniform mixture."""
-        if self.mixture is None:
-            return None
-        router = None
-        if own_router and (self.mixture.stateful or not self.model.training):
-            router = {
-                k[len("router.") :]: v for k, v in client.state.items() if k.startswith("router.")
-            } or None
-        biases = {k[len("bias.") :]: v for k, v in start.extras.items() if k.startswith("bias.")}
-        return MixtureSession(self.model, adapter_name(client.rank), self.mixture, router, biases)
-
-    def train(self, client: ClientData, start: ClientStart, hook: ClientHook | None = None) -> ClientUpdate:
-        """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
-        params, factors = self.switch_in(client, start)
-        plan = self.plan_for(client, start.round)
-        algo_state = {k[len("algo.") :]: v for k, v in client.state.items() if k.startswith("algo.")}
-        self.model.train()
-        session = self.open_mixture(
-            client, start, own_router=self.mixture is not None and self.mixture.stateful
+    @contextlib.contextmanager
+    def view(self, client: ClientData, start: ClientStart, view: str) -> Iterator[HookSession | None]:
+        """The strategy's hooks on the active adapter for ``view`` ('train', 'global', 'own'),
+        removed after.
+        """
+        session = self.hook.session(
+            self.model, adapter_name(client.rank), unprefixed(client.state, HOOK), start.extras, view
         )
-        if (
-            session is not None
-        ):  # the router is the client's own: trained, never corrected, pulled or uploaded
-            plan.local_params, plan.local_lr = session.params(), self.mixture.router_lr
-            params.update(session.bias_params())  # bias adaptors are shared like the LoRA adaptors
-        t0 = time.perf_counter()
-        batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
-        if self.layout.data_parallel:
-            batches = self.layout.split_batches(batches)
         try:
-            result = self.algorithm.train(self.model, params, batches, plan, self.acc, algo_state, start.algo)
+            yield session
         finally:
             if session is not None:
                 session.close()
-        state = {k: v for k, v in client.state.items() if not k.startswith("algo.")}
-        state.update({f"algo.{k}": v for k, v in algo_state.items()})
-        if session is not None:
-            result.extras.update(session.upload())
-            state.update({f"router.{g}": t for g, t in session.router_state().items()})
-        client.state = state
+
+    def train(self, client: ClientData, start: ClientStart, fault: ClientFault | None = None) -> ClientUpdate:
+        """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
+        params, factors = self.switch_in(client, start)
+        plan = self.plan_for(client, start.round)
+        algo_state = unprefixed(client.state, ALGO)
+        self.model.train()
+        t0 = time.perf_counter()
+        with self.view(client, start, "train") as session:
+            if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
+                plan.local_params, plan.local_lr = session.local_params(), session.local_lr
+                params.update(session.shared_params())
+            batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
+            if self.layout.data_parallel:
+                batches = self.layout.split_batches(batches)
+            result = self.algorithm.train(self.model, params, batches, plan, self.acc, algo_state, start.algo)
+            if session is not None:
+                result.extras.update(session.upload())
+                client.state = {**prefixed(session.state(), HOOK), **without_prefix(client.state, HOOK)}
+        client.state = {**without_prefix(client.state, ALGO), **prefixed(algo_state, ALGO)}
+        train_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
         name = adapter_name(client.rank)
         with self.whole_adapters():
             trained, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
+        self.timings["read_out_s"] = time.perf_counter() - t1
         log.info(
             "round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s",
             start.round,
@@ -269,24 +262,24 @@ class ClientRuntime:
             plan.steps,
             result.losses[0],
             result.losses[-1],
-            time.perf_counter() - t0,
+            train_s,
         )
         update = ClientUpdate(
-            client.client_id,
-            client.num_examples,
-            trained,
-            dense,
-            result.extras,
-            {
+            client_id=client.client_id,
+            num_examples=client.num_examples,
+            factors=trained,
+            dense=dense,
+            extras=result.extras,
+            metrics={
                 "loss_first": result.losses[0],
                 "loss_last": result.losses[-1],
                 "loss_mean": result.mean_loss,
-                "train_s": time.perf_counter() - t0,
+                "train_s": train_s,
                 "steps": plan.steps,
             },
-            factors,
+            start=factors,
         )
-        return hook(start.round, client.client_id, update) if hook is not None else update
+        return fault(start.round, client.client_id, update) if fault is not None else update
 
     # ------------------------------------------------------- evaluation
     def install_global(self, adapter: Adapter, dense: dict[str, Tensor], biases: dict[str, Tensor]) -> bool:
@@ -308,19 +301,18 @@ class ClientRuntime:
     ) -> dict[str, float | None]:
         """``client``'s test data scored by the global model, then by its personalization of it.
 
-        FLoRAL's personalization is the client's own router (against the
-        uniform mixture); the others take ``client.personalize_steps`` plain
-        SGD steps on the client's own training data.
+        A strategy whose client side personalizes (FLoRAL: the client's own
+        router against the uniform mixture) gives both models; for the others
+        the personalization is ``client.personalize_steps`` plain SGD steps on
+        the client's own training data.
         """
         params, _ = self.switch_in(client, start)
         self.model.eval()
-        uniform = self.open_mixture(client, start, own_router=False)
-        g_loss, g_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
-        if uniform is not None:
-            uniform.close()
-            own = self.open_mixture(client, start, own_router=True)
-            p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
-            own.close()
+        with self.view(client, start, "global"):
+            g_loss, g_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
+        if self.hook.personalizes:
+            with self.view(client, start, "own"):
+                p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
         else:
             self.personalize(client, start, params)
             p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
@@ -336,19 +328,21 @@ class ClientRuntime:
     def personalized_adapter(
         self, client: ClientData, start: ClientStart
     ) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
-        """A client's personalized model as one adapter (plus the merges), its dense modules and LoRA
+        """A client's personalized model as one adapter (merges included), its dense modules and LoRA
         biases.
         """
         params, _ = self.switch_in(client, start)
         self.model.eval()
-        session = self.open_mixture(client, start, own_router=True)
-        biases: dict[str, Tensor] = {}
-        if (
-            session is not None
-        ):  # FLoRAL: bake the client's router into its stacked adaptors (and bias adaptors)
-            mine, biases = session.bake(read_factors(self.model, adapter_name(client.rank)))
-            session.close()
-        else:
+        if not self.hook.personalizes:
             self.personalize(client, start, params)
+        with self.view(client, start, "own") as session:
             mine = read_factors(self.model, adapter_name(client.rank))
+            mine, biases = session.bake(mine) if session is not None else (mine, {})
         return concat(mine, self.residual), read_dense(self.model, self.dense_names), biases
+
+
+def without_prefix(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The entries of ``state`` that are not under ``prefix`` (the other owners' parts of a client's
+    state).
+    """
+    return {k: v for k, v in state.items() if not k.startswith(prefix)}

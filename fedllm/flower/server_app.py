@@ -1,4 +1,4 @@
-"""The Flower ServerApp: fedllm's round loop (:class:`~fedllm.simulation.Driver`) with clients on real sites.
+"""The Flower ServerApp: fedllm's round loop (:class:`~fedllm.round_loop.RoundLoop`) with clients on sites.
 
 The server side is the same :class:`~fedllm.server.Server` as in the
 simulation; only :meth:`FlowerDriver.train_clients` differs: each active
@@ -28,19 +28,19 @@ from typing import Any
 from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
-from data_prep.prompts import tokenize_examples
 from data_prep.schema import DataError
+from fedllm import assembly
+from fedllm.aggregation import strategy_from_config
 from fedllm.config import Config, config_to_text, load_config
 from fedllm.flower.records import info_record, read_info, read_update, start_record
 from fedllm.logs import setup_logging
-from fedllm.modeling import context_length
-from fedllm.partitions import load_partitions, max_seq_len, prompt_template
-from fedllm.simulation import Driver, assign_ranks, personal_summary, resolve_benchmark
+from fedllm.partitions import load_partitions
+from fedllm.round_loop import RoundLoop, personal_summary
 
 log = logging.getLogger(__name__)
 
 
-class FlowerDriver(Driver):
+class FlowerDriver(RoundLoop):
     """The round loop over a Flower Grid (see module docstring)."""
 
     def __init__(
@@ -55,20 +55,19 @@ class FlowerDriver(Driver):
     # ---------------------------------------------------------------- set-up
     def setup(self) -> None:
         cfg = self.cfg
-        self.benchmark = resolve_benchmark(cfg)
-        model, tokenizer = self.load_model()
+        strategy = strategy_from_config(cfg.aggregation)
+        layout = assembly.layout_for(cfg, self.acc, strategy)
+        self.benchmark = assembly.benchmark_for(cfg)
+        model, tokenizer = assembly.load_model(cfg, self.acc)
+        lora_ranks = assembly.assign_ranks(cfg)
+        ranks = sorted({strategy.adapter_rank(r) for r in lora_ranks})
+        # the evaluation base: no client trains here
+        self.runtime = assembly.build_runtime(cfg, strategy, layout, self.acc, model, tokenizer, ranks)
         try:  # the server's held-out split, when it can read the data (the built-in data, a public file)
-            eval_examples = load_partitions(cfg).eval_examples
+            _, self.eval_data = assembly.tokenize_partitions(cfg, load_partitions(cfg), model, tokenizer)
         except DataError as e:
             log.warning("the server cannot read data.dataset (%s): no held-out loss, the benchmark only", e)
-            eval_examples = []
-        max_len = max_seq_len(cfg, context_length(model))
-        self.eval_data = tokenize_examples(eval_examples, tokenizer, prompt_template(cfg), max_len)
-        lora_ranks = assign_ranks(cfg)
-        ranks = sorted({self.strategy.adapter_rank(r) for r in lora_ranks})
-        self.runtime = self.build_runtime(
-            model, tokenizer, ranks
-        )  # the evaluation base: no client trains here
+            self.eval_data = []
         infos = self.wait_for_sites()
         self.partition_stats = [
             {
@@ -81,7 +80,10 @@ class FlowerDriver(Driver):
             }
             for k, i in sorted(infos.items())
         ]
-        self.server = self.build_server(self.client_infos({k: i["num-examples"] for k, i in infos.items()}))
+        sizes = {k: i["num-examples"] for k, i in infos.items()}
+        self.server = assembly.build_server(
+            cfg, strategy, assembly.client_infos(cfg, strategy, sizes), self.runtime
+        )
 
     def handshake(self) -> dict[int, dict]:
         """Ask every node not yet known which client it is; forget nodes that are gone."""
@@ -183,21 +185,22 @@ class FlowerDriver(Driver):
 
 
 def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> dict:
-    """The ServerApp's work: the run directory's rules (lock, refuse, continue), then the round loop."""
+    """The ServerApp's work: the run folder's policy (the CLI's: lock, refuse, continue), then the round
+    loop."""
     from fedllm import rundir
-    from fedllm.checkpoint import clean_temporaries
 
     setup_logging(os.environ.get("FEDLLM_LOG_LEVEL", "INFO"))
     cfg.output.dir = str(run_dir)
-    action = rundir.check_new_run(run_dir, cfg, overwrite=False)
+    action, lock = rundir.open_run(run_dir, cfg)
     if action == "done":
         log.info("nothing to do: %s has finished all %d rounds", run_dir, cfg.federation.rounds)
         return {}
-    with rundir.RunLock(run_dir):
-        clean_temporaries(run_dir)
+    try:
         driver = FlowerDriver(cfg, run_dir, grid, startup_timeout_s=startup_timeout_s)
         driver.setup()
         return driver.run(resume=action == "continue")
+    finally:
+        lock.release()
 
 
 def server_app(cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> ServerApp:

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 from fedllm.checkpoint import atomic_write_text, save_tensors_atomic
-from fedllm.client.runtime import ClientData
-from fedllm.config import Config, ConfigError, config_from_text, save_config
-from fedllm.factors import adapter_from_tensors, adapter_tensors
+from fedllm.config import Config, ConfigError, config_from_text
+from fedllm.factors import adapter_from_tensors, adapter_tensors, prefixed, unprefixed
 from fedllm.protocol import ClientStart, ClientUpdate
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,8 @@ def trajectory_digest(cfg: Config) -> str:
     """A digest of what the clients train (a resume may change rounds, evaluation and output: same site
     state).
     """
-    from fedllm.rundir import RESUMABLE_CHANGES, flat_config
+    from fedllm.config import flat_config
+    from fedllm.rundir import RESUMABLE_CHANGES
 
     keys = {k: v for k, v in flat_config(cfg).items() if not k.startswith(RESUMABLE_CHANGES)}
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -92,11 +92,8 @@ class Site:
     ) -> None:
         from accelerate import Accelerator
 
-        from fedllm.aggregation import strategy_from_config
-        from fedllm.modeling import load_base
-        from fedllm.parallel import resolve_layout
-        from fedllm.partitions import load_partitions, max_seq_len, prompt_template, tokenize_client
-        from fedllm.simulation import client_infos, make_runtime
+        from fedllm.assembly import assemble_site
+        from fedllm.partitions import load_partitions
 
         t0 = time.perf_counter()
         if not 0 <= client_id < cfg.federation.num_clients:
@@ -111,18 +108,10 @@ class Site:
         else:  # the Simulation Engine: this partition of the run's own data
             parts = load_partitions(cfg)
             examples, n_test = parts.clients[client_id], parts.test_sizes[client_id]
-        cfg.model.name = self._fast_base(model_path or cfg.model.name)
         acc = Accelerator(cpu=not torch.cuda.is_available())
-        strategy = strategy_from_config(cfg.aggregation)
-        model, tokenizer = load_base(cfg.model, acc.device)
-        info = client_infos(cfg, strategy, {client_id: 0})[0]
-        rank = strategy.adapter_rank(info.rank)
-        self.runtime = make_runtime(
-            cfg, strategy, resolve_layout("clients", acc, cfg), acc, model, tokenizer, [rank]
-        )
-        max_len = max_seq_len(cfg, model.config.max_position_embeddings)
-        train, test = tokenize_client(examples, n_test, tokenizer, prompt_template(cfg), max_len, client_id)
-        self.client = ClientData(client_id, rank, info.scale, train, test)
+        base = self._fast_base(model_path or cfg.model.name)
+        self.runtime, self.client = assemble_site(cfg, client_id, examples, n_test, acc, base)
+        train, test, rank = self.client.train, self.client.test, self.client.rank
         self.categories = _histogram(examples)
         resumed = self._load_state()
         log.info(
@@ -164,14 +153,14 @@ class Site:
 
         meta = json.loads(meta_path.read_text())
         tensors = load_file(str(self.state_dir / "state.safetensors"))
-        self.client.state = {k[len("client.") :]: v for k, v in tensors.items() if k.startswith("client.")}
+        self.client.state = unprefixed(tensors, "client.")
         residual = adapter_from_tensors(tensors, meta["scales"], "residual.")
         self.runtime.restore_base(residual, meta["applied_round"])
         return int(meta.get("round", meta["applied_round"]))
 
     def save_state(self, round_idx: int) -> None:
         tensors, scales = adapter_tensors(self.runtime.residual, "residual.")
-        tensors.update({f"client.{k}": v for k, v in self.client.state.items()})
+        tensors.update(prefixed(self.client.state, "client."))
         save_tensors_atomic(self.state_dir / "state.safetensors", tensors)
         atomic_write_text(
             self.state_dir / "site.json",
@@ -186,8 +175,10 @@ class Site:
         )
 
     def use_state(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Take the client state ``context.state`` kept in memory (it is newer than the disk's only
-        if equal).
+        """Take the client state Flower kept in this SuperNode's memory (``context.state``).
+
+        It equals the state folder's (the site writes both after every
+        message); after a SuperNode restart it is empty and the folder's stays.
         """
         if state:
             self.client.state = dict(state)
@@ -229,35 +220,3 @@ def _histogram(examples) -> dict[str, int]:
     from collections import Counter
 
     return dict(sorted(Counter(e.category or "other" for e in examples).items()))
-
-
-def write_site_partitions(cfg: Config, out: Path) -> list[Path]:
-    """The run's partition, one folder per site with its examples in fedllm's own jsonl format (for local
-    tests).
-    """
-    from fedllm.partitions import load_partitions
-
-    parts = load_partitions(cfg)
-    paths = []
-    for k, examples in enumerate(parts.clients):
-        folder = Path(out) / f"site-{k}"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "data.jsonl"
-        atomic_write_text(
-            path,
-            "".join(
-                json.dumps(
-                    {
-                        "instruction": e.instruction,
-                        "input": e.input,
-                        "response": e.response,
-                        "category": e.category,
-                    }
-                )
-                + "\n"
-                for e in examples
-            ),
-        )
-        paths.append(path)
-    save_config(cfg, Path(out) / "config.yaml")
-    return paths

@@ -1,4 +1,8 @@
-"""Shared linear algebra of the strategies, on plain tensors.
+"""Low-rank linear algebra on LoRA factors, on plain tensors: the strategies' math and the merged residual.
+
+Below both halves of the federation (the server's strategies and the client
+runtime's merged base use it alike), so it imports nothing but torch and the
+``LoraFactors`` type.
 
 The key identity: for stacked factors ``B = [B_1 .. B_K]`` (out x R) and
 ``A = [p_1 A_1; ..; p_K A_K]`` (R x in), ``B @ A = sum_k p_k B_k A_k``. Its SVD
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fedllm.factors import Adapter, LoraFactors
+from fedllm.factors import Adapter, LoraFactors, concat
 
 
 def pad_rank(f: LoraFactors, rank: int) -> LoraFactors:
@@ -100,3 +104,12 @@ def compact(adapter: Adapter) -> Adapter:
             f = svd_factors(u, s, vh, limit)
         out[key] = f.folded()
     return out
+
+
+def add_to_residual(residual: Adapter, merged: Adapter) -> Adapter:
+    """The cumulative update merged into the base after also merging ``merged`` (scales folded).
+
+    The server's checkpointed residual and every client's merged base are
+    built by this one function, so they cannot drift apart.
+    """
+    return concat(residual, merged)

@@ -1,0 +1,161 @@
+"""The model card of an export: the Hub's metadata and what was exported (round, metrics, traffic).
+
+Written into every export folder as ``README.md``; ``base_model`` and
+``datasets`` name Hub ids only, since a path of this machine means nothing on
+the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+from fedllm.checkpoint import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+def hub_id(name: str) -> str | None:
+    """``name`` if it reads as a Hub repository id (owner/name, not a path on this machine), else None."""
+    if name == "builtin" or Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+        return None
+    return name if name.count("/") == 1 and all(name.split("/")) else None
+
+
+def card_facts(run_dir: Path, cfg, round_idx: int | None) -> dict:
+    """What the card says about the exported round: metrics of that round, cumulative traffic up to it."""
+    from fedllm import checkpoint as ckpt
+    from fedllm.rundir import rounds_done
+
+    rows = ckpt.read_jsonl(Path(run_dir) / "metrics.jsonl")
+    upto = round_idx if round_idx is not None else rounds_done(run_dir)
+    rows = [r for r in rows if r["round"] <= upto]
+    evals = [r for r in rows if r.get("eval_loss") is not None or r.get("accuracy") is not None]
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    comm = next((r["cumulative"] for r in reversed(rows) if "cumulative" in r), {})
+    return {
+        "round": upto,
+        "eval_round": last.get("round"),
+        "accuracy_before": first.get("accuracy"),
+        "accuracy": last.get("accuracy"),
+        "loss_before": first.get("eval_loss"),
+        "loss": last.get("eval_loss"),
+        "up_params": comm.get("total_up_params"),
+        "down_params": comm.get("total_down_params"),
+        "up_bytes": comm.get("total_up_bytes"),
+        "down_bytes": comm.get("total_down_bytes"),
+    }
+
+
+def benchmark_name(source: str) -> str:
+    if source == "builtin":
+        return "fedllm built-in MMLU-format benchmark"
+    return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
+
+
+def write_model_card(
+    folder: Path,
+    run_dir: Path,
+    cfg,
+    base: str,
+    merged: bool,
+    client: int | None = None,
+    round_idx: int | None = None,
+) -> None:
+    """README.md with the Hub's metadata and what was exported (the round, its metrics and traffic).
+
+    ``base_model`` and ``datasets`` name Hub ids only: a base or data set that
+    was a local path (or the built-in one) is left out, with a warning, since a
+    path of this machine means nothing on the Hub.
+    """
+    from data_prep.loaders import HUB_IDS
+    from fedllm.assembly import assign_ranks
+
+    facts = card_facts(run_dir, cfg, round_idx)
+    kind = "merged model" if merged else "LoRA adapter"
+    base_id = hub_id(cfg.model.name)
+    if base_id is None:
+        log.warning(
+            "model card: the base %r is not a Hub id, so base_model is left out of the card", cfg.model.name
+        )
+    data_id = hub_id(HUB_IDS.get(cfg.data.dataset, cfg.data.dataset))
+    meta: dict = {
+        "base_model": base_id,
+        "library_name": "transformers" if merged else "peft",
+        "license": "apache-2.0",
+        "datasets": [data_id] if data_id else None,
+        "pipeline_tag": "text-generation",
+        "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm],
+    }
+    meta = {k: v for k, v in meta.items() if v is not None}
+    summary_path = Path(run_dir) / "summary.json"
+    source = json.loads(summary_path.read_text()).get("benchmark") if summary_path.exists() else None
+    bench = benchmark_name(source) if source else None
+    if bench and facts["accuracy"] is not None:
+        meta["model-index"] = [
+            {
+                "name": f"fedllm-{cfg.aggregation.name}-round-{facts['round']}",
+                "results": [
+                    {
+                        "task": {"type": "multiple-choice", "name": "Multiple-choice question answering"},
+                        "dataset": {"type": source, "name": bench},
+                        "metrics": [
+                            {
+                                "type": "accuracy",
+                                "value": round(facts["accuracy"], 4),
+                                "name": f"accuracy ({cfg.eval.shots}-shot)",
+                            }
+                        ],
+                    }
+                ],
+            }
+        ]
+    base_text = (
+        f"`{base_id}`"
+        if base_id
+        else ("the fedllm built-in base" if cfg.model.name == "builtin" else "a local base model")
+    )
+
+    def num(x, spec=".4f"):
+        return "n/a" if x is None else format(x, spec)
+
+    body = [
+        f"# fedllm {cfg.aggregation.name} {kind}"
+        + (f" (client {client}, personalized)" if client is not None else ""),
+        "",
+        f"Federated fine-tuning of {base_text} with **{cfg.aggregation.name}** aggregation and "
+        f"**{cfg.client.algorithm}** clients: {cfg.federation.num_clients} clients with LoRA ranks "
+        f"{assign_ranks(cfg)}, exported after round **{facts['round']}** of {cfg.federation.rounds}"
+        + (f", then personalized for client {client}." if client is not None else "."),
+        "",
+        "| | value |",
+        "|---|---|",
+        f"| strategy / client algorithm | {cfg.aggregation.name} / {cfg.client.algorithm} |",
+        f"| rounds (exported / configured) | {facts['round']} / {cfg.federation.rounds} |",
+        f"| held-out loss (before round 1 -> round {facts['eval_round']}) | {num(facts['loss_before'])} -> "
+        f"{num(facts['loss'])} |",
+    ]
+    if bench:
+        body.append(
+            f"| {bench} accuracy (before round 1 -> round {facts['eval_round']}) | "
+            f"{num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |"
+        )
+    body += [
+        f"| communication up to round {facts['round']} | up {num(facts['up_params'], ',')} params "
+        f"({num(facts['up_bytes'] and facts['up_bytes'] / 1e6, '.2f')} MB), "
+        f"down {num(facts['down_params'], ',')} "
+        f"params ({num(facts['down_bytes'] and facts['down_bytes'] / 1e6, '.2f')} MB) |",
+        "",
+        "Load it with "
+        + (
+            "`AutoModelForCausalLM.from_pretrained(...)`."
+            if merged
+            else "`peft.AutoPeftModelForCausalLM.from_pretrained(...)` (or `PeftModel.from_pretrained` on "
+            "the base)."
+        ),
+    ]
+    text = "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(body) + "\n"
+    atomic_write_text(folder / "README.md", text)

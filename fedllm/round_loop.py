@@ -1,0 +1,274 @@
+"""The round loop every driver shares: plan, train, finish, merge, evaluate, log, checkpoint.
+
+A round is ``server.plan_round`` -> each active client trained from its
+ClientStart (:meth:`RoundLoop.train_clients`: the in-process simulation's
+runtime, or the Flower sites) -> ``server.finish_round`` -> the merged update
+applied to the evaluation base -> evaluation -> one metrics row and a
+checkpoint. Flower's ``Strategy.start`` is the model: the loop is written once
+here and a driver fills in where clients train (:meth:`train_clients`), how
+their personalized models are scored (:meth:`personalized`) and what it must
+build first (:meth:`setup`). Tests and benchmarks run this same loop
+(:meth:`run_round`, a subclass's ``train_clients``) instead of copying it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from eval.mmlu import Benchmark
+from fedllm import assembly
+from fedllm.client.runtime import ClientData, ClientRuntime
+from fedllm.config import Config, flat_config
+from fedllm.evaluation import evaluate_global
+from fedllm.export import save_global_adapter
+from fedllm.rundir import RunWriter
+from fedllm.server import RoundPlan, RoundReport, Server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    """What :meth:`RoundLoop.run_round` returns: the round's metrics row (evaluation comes after) and the
+    server's report of it (the update merged into the base, if any)."""
+
+    row: dict[str, Any]
+    report: RoundReport
+
+
+class RoundLoop(abc.ABC):
+    """The loop (see module docstring); subclasses say where clients train.
+
+    After :meth:`setup` a driver has ``server``, ``runtime`` (the base the
+    global model is evaluated on; in the simulation also where the clients
+    train), ``eval_data``, ``benchmark`` and ``partition_stats`` (written to
+    ``partition.json``).
+    """
+
+    server: Server
+    runtime: ClientRuntime
+    eval_data: list
+    benchmark: Benchmark | None
+    partition_stats: list[dict]
+
+    def __init__(self, cfg: Config, run_dir: Path, accelerator=None):
+        from accelerate import Accelerator
+
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        # the launch decides the device, the process group, DeepSpeed and mixed precision
+        self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
+        self.start_round, self.wall_before = 1, 0.0
+        self.t_start = time.perf_counter()
+        self.writer = RunWriter(
+            self.run_dir,
+            enabled=self.acc.is_main_process,
+            keep_checkpoints=cfg.output.keep_checkpoints,
+            save_every_round=cfg.output.save_every_round,
+            tracker=self.acc.log if cfg.output.log_with else None,
+        )
+
+    @property
+    def strategy(self):
+        return self.server.strategy
+
+    @property
+    def layout(self):
+        return self.runtime.layout
+
+    # ----------------------------------------------- what a driver fills in
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """Build the pieces (``fedllm.assembly``); bad input fails before the model loads."""
+
+    @abc.abstractmethod
+    def train_clients(self, plan: RoundPlan) -> dict[int, Any]:
+        """Each active client's update (or why it failed), trained from ``plan.starts``."""
+
+    @abc.abstractmethod
+    def personalized(self, round_idx: int) -> dict[str, Any]:
+        """The metrics row's personalized part after ``round_idx`` (see :func:`personal_summary`)."""
+
+    def local_clients(self) -> list[ClientData]:
+        """The clients whose state this driver holds and checkpoints (the simulation's; a site keeps
+        its own).
+        """
+        return []
+
+    # ------------------------------------------------------------- a round
+    def quiet(self) -> bool | None:
+        """tqdm's ``disable``: bars on the main process's terminal only (None: tqdm checks for a TTY)."""
+        return None if self.acc.is_main_process else True
+
+    def elapsed(self) -> float:
+        """Seconds this run has spent so far, over every attempt (resumes add to it)."""
+        return self.wall_before + time.perf_counter() - self.t_start
+
+    def run_round(self, round_idx: int) -> Round:
+        """One round up to the merged base (no evaluation), each phase timed in the row."""
+        t0 = time.perf_counter()
+        plan = self.server.plan_round(round_idx)
+        t1 = time.perf_counter()
+        results = self.train_clients(plan)
+        t2 = time.perf_counter()
+        report = self.server.finish_round(plan, results)
+        t3 = time.perf_counter()
+        if report.merged:
+            self.runtime.apply_merges([(round_idx, report.merged)])
+        times = {"time_plan_s": t1 - t0, "time_train_s": t2 - t1, "time_merge_s": time.perf_counter() - t3}
+        return Round({**report.row, **times}, report)
+
+    def evaluate(self) -> dict[str, Any]:
+        return evaluate_global(
+            self.runtime,
+            self.server.global_adapter(),
+            self.eval_data,
+            self.benchmark,
+            self.cfg.eval.batch_size,
+        )
+
+    # -------------------------------------------------------- checkpointing
+    def checkpoint(self, round_idx: int) -> None:
+        from fedllm.checkpoint import client_state_tensors
+
+        tensors, meta = self.server.state_dict()
+        tensors.update(client_state_tensors(self.local_clients()))
+        meta.update(
+            {
+                "seed": self.cfg.federation.seed,
+                "rng": "derived from (seed, round, client)",
+                "wall_s": self.elapsed(),
+            }
+        )
+        self.writer.checkpoint(round_idx, tensors, meta)
+
+    def restore(self) -> None:
+        """Continue after the newest intact checkpoint of the run directory (a damaged newer one is passed
+        over)."""
+        meta = assembly.restore(self.server, self.runtime, self.local_clients(), self.run_dir)
+        if meta is None:
+            log.info("no checkpoint in %s: starting from round 1", self.run_dir)
+            return
+        self.start_round = meta["round"] + 1
+        self.wall_before = meta.get("wall_s", 0.0)
+        log.info("resuming %s after round %d", self.run_dir, meta["round"])
+
+    # ------------------------------------------------------------------ run
+    def run(self, resume: bool = False) -> dict:
+        cfg = self.cfg
+        if cfg.output.log_with:
+            self.acc.init_trackers("fedllm", config=tracker_config(cfg))
+        rows: list[dict] = []
+        if resume:
+            self.restore()
+            rows = self.writer.keep_rows_before(self.start_round)
+        else:
+            self.writer.start(cfg, self.partition_stats)
+        self.t_start = time.perf_counter()
+        if not rows:  # the evaluation before round 1 (kept from the first attempt when there was one)
+            row = {"round": 0, **self.evaluate()}
+            self.writer.log(row)
+            log.info(
+                "before round 1: eval loss %s, accuracy %s",
+                _fmt(row.get("eval_loss")),
+                _fmt(row.get("accuracy")),
+            )
+        for r in tqdm(
+            range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.quiet()
+        ):
+            row = self.run_round(r).row
+            if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
+                row.update(self.evaluate())
+                if cfg.eval.personalized:
+                    row.update(self.personalized(r))
+            row["cumulative"] = {k: v for k, v in self.server.ledger.totals().items() if k != "per_client"}
+            self.writer.log(row)
+            self.checkpoint(r)
+            log.info(
+                "round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params",
+                r,
+                _fmt(row["train_loss"]),
+                _fmt(row.get("eval_loss")),
+                _fmt(row.get("accuracy")),
+                row["up_params"],
+                row["down_params"],
+            )
+        summary = self.finish()
+        if cfg.output.log_with:
+            self.acc.end_training()
+        return summary
+
+    def finish(self) -> dict:
+        cfg, rt, layout, strategy = self.cfg, self.runtime, self.layout, self.strategy
+        summary: dict[str, Any] = {
+            "run_dir": str(self.run_dir),
+            "strategy": strategy.name,
+            "algorithm": cfg.client.algorithm,
+            "rounds": cfg.federation.rounds,
+            "wall_s": self.elapsed(),
+            "ranks": [strategy.adapter_rank(c.rank) for c in self.server.clients.values()],
+            "processes": self.acc.num_processes,
+            "parallel": layout.mode,
+            "benchmark": self.benchmark.source if self.benchmark is not None else None,
+            "mixed_precision": str(self.acc.mixed_precision),
+            "communication": self.server.ledger.totals(),
+            "global_adapter": str(self.run_dir / "global_adapter") if self.server.updated_rounds else None,
+        }
+        if layout.deepspeed:
+            summary["deepspeed_zero_stage"] = layout.zero_stage
+        if cfg.model.quantization != "none":
+            summary["quantization"] = cfg.model.quantization
+            kernel = getattr(rt.model.get_base_model(), "fedllm_cpu_4bit_kernel", None)
+            if kernel:
+                summary["quant_cpu_kernel"] = kernel
+        if rt.residual_merges:
+            why = (
+                f"the base is {cfg.model.quantization}-quantized"
+                if cfg.model.quantization != "none"
+                else "DeepSpeed ZeRO-3 shards the base weights"
+            )
+            summary["residual_adapter_rank"] = rt.residual_rank
+            summary["note"] = (
+                f"{why}, so the merged global update is kept as a frozen residual adapter (rank "
+                f"{rt.residual_rank}) instead of being written into the base weights; the exported adapter "
+                "holds it"
+            )
+        elif strategy.merges_into_base:
+            summary["note"] = (
+                "the global update is merged into the base; the exported adapter holds the residual"
+            )
+        summary = self.writer.finish(summary, lambda path: save_global_adapter(self.server, cfg, path))
+        self.acc.wait_for_everyone()
+        return summary
+
+
+def personal_summary(rows: dict[str, dict]) -> dict[str, Any]:
+    """The metrics row's personalized part: each client's row and the means over clients."""
+    if not rows:
+        return {}
+
+    def mean(key: str) -> float:
+        return sum(r[key] for r in rows.values()) / len(rows)
+
+    return {
+        "personal": rows,
+        "global_client_acc": mean("global_acc"),
+        "personal_acc": mean("personal_acc"),
+        "global_client_loss": mean("global_loss"),
+        "personal_loss": mean("personal_loss"),
+    }
+
+
+def tracker_config(cfg: Config) -> dict[str, Any]:
+    """The resolved config as accelerate trackers take it (scalars; lists and maps as text)."""
+    return {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in flat_config(cfg).items()}
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

@@ -1,0 +1,49 @@
+"""Split a config's data into one folder per Flower site, for a deployment on one machine.
+
+``scripts/run_flower_local.sh`` calls this before it starts the SuperNodes: each
+site gets ``OUT/site-K/data.jsonl`` (its partition of the run's data, in
+fedllm's own jsonl format, which any site would point ``data-path`` at) and the
+resolved config goes to ``OUT/config.yaml``. Prints the number of sites.
+
+    python scripts/flower_sites.py OUT [CONFIG|default] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedllm.checkpoint import atomic_write_text
+from fedllm.config import Config, load_config, save_config
+from fedllm.partitions import load_partitions
+
+
+def write_site_partitions(cfg: Config, out: Path) -> list[Path]:
+    """The run's partition, one folder per site with its examples as jsonl; the resolved config beside."""
+    paths = []
+    for k, examples in enumerate(load_partitions(cfg).clients):
+        path = Path(out) / f"site-{k}" / "data.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        records = (
+            {"instruction": e.instruction, "input": e.input, "response": e.response, "category": e.category}
+            for e in examples
+        )
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+        paths.append(path)
+    save_config(cfg, Path(out) / "config.yaml")
+    return paths
+
+
+def main(argv: list[str]) -> int:
+    out, config, overrides = Path(argv[0]), (argv[1] if len(argv) > 1 else "default"), argv[2:]
+    cfg = load_config(None if config == "default" else config, overrides)
+    write_site_partitions(cfg, out)
+    print(cfg.federation.num_clients)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
