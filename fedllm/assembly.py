@@ -33,7 +33,7 @@ from fedllm.modeling import context_length, is_quantized, load_base
 from fedllm.parallel import Layout, uses_deepspeed, zero_stage
 from fedllm.partitions import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_client
 from fedllm.protocol import ClientInfo, derive_seed
-from fedllm.server import Sampling, Server
+from fedllm.server import Rules, Sampling, Server
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +225,17 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
     return Server(
         strategy=strategy,
         clients=infos,
+        modules=runtime.module_shapes(),
         algorithm=ALGORITHMS[cfg.client.algorithm].server_half.from_config(cfg.client),
         sampling=Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout),
         dense=dense,
-        min_clients=fed.min_clients,
-        clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
-        client_timeout_s=fed.client_timeout_s,
+        rules=Rules(
+            min_clients=fed.min_clients,
+            clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
+            client_timeout_s=fed.client_timeout_s,
+            weighting=fed.weighting,
+            max_client_weight=fed.max_client_weight,
+        ),
     )
 
 

@@ -220,6 +220,12 @@ def validate(cfg: Config) -> None:
             "strategy's clients also train parameters of their own (FLoRAL's routers); use "
             "client.algorithm=sft, fedprox or scaffold"
         )
+    if cfg.aggregation.robust != "none" and not strategy.supports_robust:
+        robust = sorted(n for n, s in STRATEGIES.items() if s.supports_robust)
+        raise ConfigError(
+            f"aggregation.robust = {cfg.aggregation.robust} replaces a plain average, which "
+            f"aggregation.name = {cfg.aggregation.name} does not compute; use it with {', '.join(robust)}"
+        )
     try:
         strategy.check_config(cfg)
         algorithm.check_config(cfg)

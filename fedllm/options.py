@@ -166,6 +166,21 @@ class FederationConfig:
         lambda x: x in ("auto", "clients", "data"),
         "one of auto, clients, data",
     )
+    weighting: str = opt(
+        "examples",
+        "each update's share of a round's average: examples (n_k over the round's clients, from the counts "
+        "the server registered: the partition, or each Flower site's handshake) or uniform (1/K: a site "
+        "cannot gain weight by registering more examples)",
+        lambda x: x in ("examples", "uniform"),
+        "one of examples, uniform",
+    )
+    max_client_weight: float = opt(
+        1.0,
+        "the largest share one client may have in a round's average (the excess goes to the others in "
+        "proportion; 1: no cap). Bounds what one site that registered many examples can do",
+        _fraction,
+        "in (0, 1]",
+    )
     dropout: float = opt(
         0.0,
         "fraction of sampled clients that never report (system heterogeneity)",
@@ -261,7 +276,25 @@ class AggregationConfig:
         "one of us, sqrt",
     )
     clip_norm_ratio: float = opt(
-        0.0, "clip each update's norm to this multiple of the round median (0: off)", _nonneg, ">= 0"
+        2.0,
+        "clip each update's change (measured from what the server knows the client started from) to this "
+        "multiple of the round's median change, so one client cannot move the model more than a few honest "
+        "ones do (0: off)",
+        lambda x: x == 0 or x >= 1,
+        "0 or a value >= 1",
+    )
+    robust: str = opt(
+        "none",
+        "robust aggregate of the averaging strategies (fedit): the coordinate-wise median or trimmed mean of "
+        "the clients' tensors instead of the weighted mean (weights are then ignored)",
+        lambda x: x in ("none", "median", "trimmed_mean"),
+        "one of none, median, trimmed_mean",
+    )
+    trim_fraction: float = opt(
+        0.1,
+        "with robust=trimmed_mean: the share of clients dropped at each end of every coordinate",
+        lambda x: 0 <= x < 0.5,
+        "in [0, 0.5)",
     )
 
 

@@ -54,7 +54,10 @@ class ClientStart:
     to merge into its base that it has not applied yet, oldest first (FLoRA,
     FLoRIST); ``dense``: the fully trained modules; ``extras``: strategy state
     a client trains from (FLoRAL's bias adaptors); ``algo``: the client
-    algorithm's server state (SCAFFOLD's control variate).
+    algorithm's server state (SCAFFOLD's control variate); ``accepted``: the
+    last round whose aggregate used this client's update (0: none yet), so
+    that state a client keeps in step with the server (SCAFFOLD's c_k) takes
+    effect only once the server has taken the update it came with.
     """
 
     round: int
@@ -63,6 +66,7 @@ class ClientStart:
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Tensor] = field(default_factory=dict)
     algo: dict[str, Tensor] = field(default_factory=dict)
+    accepted: int = 0
 
     def numel(self) -> int:
         """Parameters this download carries (the communication ledger counts these)."""
@@ -82,10 +86,9 @@ class ClientUpdate:
 
     ``extras`` holds algorithm- or strategy-specific tensors that travel with
     the update (SCAFFOLD's control-variate delta, FLoRAL's router
-    probabilities and bias adaptors); they are counted in the ledger. ``start``
-    is the adapter the client began from after its fresh initialization (what
-    norm clipping measures the change from); the server could derive it from
-    the round's seed, so it is not counted as traffic.
+    probabilities and bias adaptors); they are counted in the ledger. Every
+    field is a claim: the server checks each against what it knows
+    (``fedllm/trust.py``) and derives what the client started from itself.
     """
 
     client_id: int
@@ -94,7 +97,6 @@ class ClientUpdate:
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
-    start: Adapter = field(default_factory=dict)
 
     def numel(self) -> int:
         return adapter_numel(self.factors) + _numel(self.dense) + _numel(self.extras)
@@ -121,12 +123,24 @@ class AlgorithmServer:
     def from_config(cls, client_cfg) -> AlgorithmServer:
         return cls()
 
+    def bind(self, param_shapes: dict[str, torch.Size]) -> None:
+        """The clients' trainable tensors by name at the largest adapter rank (``<module>.A/.B``, dense)."""
+
     def download(self, rank: int) -> dict[str, Tensor]:
         """What a client whose adapter has rank ``rank`` downloads for this algorithm."""
         return {}
 
-    def update(self, updates: list[ClientUpdate], population_examples: int) -> None:
-        """After a round's aggregation; ``population_examples`` counts the examples of all clients."""
+    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+        """The extras this algorithm expects in an update, checked against ``exp`` (``fedllm.trust.Expected``)
+        and cast; raises ``ClientFailure``. Extras nobody claims are refused by the server."""
+        return {}
+
+    def clip(self, updates: list[ClientUpdate], ratio: float) -> int:
+        """Bound the algorithm's extras like the model update (``ratio`` x the round's median); how many."""
+        return 0
+
+    def update(self, updates: list[ClientUpdate], population_weights: dict[int, float]) -> None:
+        """After a round's aggregation; ``population_weights``: every client's p_k (they sum to 1)."""
 
     def state_dict(self) -> dict[str, Tensor]:
         return {}
@@ -232,6 +246,7 @@ def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
         "scales": scales,
         "has_factors": start.factors is not None,
         "merge_rounds": [r for r, _ in start.merges],
+        "accepted": start.accepted,
     }
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
@@ -245,14 +260,12 @@ def decode_start(tensors: dict[str, Tensor], meta: dict) -> ClientStart:
         dense=unprefixed(tensors, "dense."),
         extras=unprefixed(tensors, "extras."),
         algo=unprefixed(tensors, "algo."),
+        accepted=int(meta.get("accepted", 0)),
     )
 
 
 def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict]:
     tensors, scales = adapter_tensors(update.factors, "factors.")
-    t, s = adapter_tensors(update.start, "start.")
-    tensors.update(t)
-    scales.update(s)
     tensors.update(prefixed(update.dense, "dense."))
     tensors.update(prefixed(update.extras, "extras."))
     meta = {
@@ -273,5 +286,4 @@ def decode_update(tensors: dict[str, Tensor], meta: dict) -> ClientUpdate:
         dense=unprefixed(tensors, "dense."),
         extras=unprefixed(tensors, "extras."),
         metrics=dict(meta["metrics"]),
-        start=adapter_from_tensors(tensors, scales, "start."),
     )

@@ -5,9 +5,11 @@ messages. ``plan_round`` samples the round's clients and hands out one
 :class:`~fedllm.protocol.ClientStart` per client (what it downloads: its
 factors, the merges it has not applied yet, the dense modules, strategy and
 algorithm state); ``finish_round`` takes back the round's
-:class:`~fedllm.protocol.ClientUpdate` s (or why a client failed), checks
-them, clips them, aggregates them when at least ``min_clients`` are valid,
-and returns the round's metrics. Every number it draws derives from
+:class:`~fedllm.protocol.ClientUpdate` s (or why a client failed), accepts
+them against what it knows (``fedllm/trust.py``: it believes no count, scale,
+shape or starting point a client claims), clips them, aggregates them when at
+least ``min_clients`` are valid, and returns the round's metrics. Nothing a
+client sends can raise out of it. Every number it draws derives from
 ``(seed, round)``, so any driver (one process, several, Flower) gets the same
 rounds. Flower's Message-API strategies read the same way
 (``configure_train`` / ``aggregate_train``).
@@ -26,14 +28,19 @@ from torch import Tensor
 
 from fedllm.aggregation import GlobalState, Strategy
 from fedllm.comm import Ledger
-from fedllm.factors import Adapter, LoraFactors, adapter_from_tensors, adapter_tensors, prefixed, unprefixed
+from fedllm.factors import Adapter, adapter_from_tensors, adapter_tensors, init_factors, prefixed, unprefixed
 from fedllm.protocol import AlgorithmServer, ClientInfo, ClientStart, ClientUpdate, derive_seed
+from fedllm.trust import (
+    ClientFailure,
+    Expected,
+    accept_dense,
+    accept_factors,
+    cap_weights,
+    change_norm,
+    clean_metrics,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ClientFailure(RuntimeError):
-    """A client's update is unusable (raised, timed out, non-finite, mis-shaped)."""
 
 
 @dataclass
@@ -70,90 +77,54 @@ class Sampling:
     dropout: float = 0.0  # share of the sampled clients that never report
 
 
-def validate_update(update: ClientUpdate, rank: int, timeout_s: float = 0.0) -> None:
-    """Reject late, non-finite or mis-shaped updates before they reach the server math."""
-    if timeout_s and update.metrics.get("train_s", 0.0) > timeout_s:
-        raise ClientFailure(
-            f"ran {update.metrics['train_s']:.1f}s, past federation.client_timeout_s={timeout_s}"
-        )
-    if update.start and set(update.factors) != set(update.start):
-        raise ClientFailure("update covers other modules than the adapter")
-    for key, f in update.factors.items():
-        ref = update.start.get(key)
-        want_a = tuple(ref.A.shape) if ref is not None else (rank, f.A.shape[1])
-        want_b = tuple(ref.B.shape) if ref is not None else (f.B.shape[0], rank)
-        if tuple(f.A.shape) != want_a or tuple(f.B.shape) != want_b or f.A.shape[0] != rank:
-            raise ClientFailure(
-                f"wrong shape at {key}: A{tuple(f.A.shape)} B{tuple(f.B.shape)}, expected A{want_a} B{want_b}"
-            )
-        if not (torch.isfinite(f.A).all() and torch.isfinite(f.B).all()):
-            raise ClientFailure(f"non-finite values at {key}")
-    for key, t in list(update.dense.items()) + list(update.extras.items()):
-        if not torch.isfinite(t).all():
-            raise ClientFailure(f"non-finite values in {key}")
-
-
-def clip_updates(updates: list[ClientUpdate], ratio: float, dense_start: dict[str, Tensor]) -> int:
-    """Scale each update's change to at most ``ratio`` x the round's median norm; returns how many were
-    clipped.
-
-    The change is measured from what the client started with (factors and
-    dense modules), so one hostile or broken client cannot dominate the
-    aggregate by sending a huge update.
+@dataclass
+class Rules:
+    """What the server enforces on updates (``federation.*`` and ``aggregation.*``; see
+    ``fedllm/trust.py``).
     """
 
-    def delta_norm(u: ClientUpdate) -> float:
-        sq = sum(
-            float((f.A - u.start[k].A).pow(2).sum() + (f.B - u.start[k].B).pow(2).sum())
-            for k, f in u.factors.items()
-        )
-        sq += sum(float((t - dense_start[k]).pow(2).sum()) for k, t in u.dense.items())
-        return sq**0.5
-
-    norms = [delta_norm(u) for u in updates]
-    cap = ratio * float(torch.tensor(norms).median())
-    clipped = 0
-    for u, n in zip(updates, norms, strict=True):
-        if n <= cap or n == 0:
-            continue
-        c = cap / n
-        u.factors = {
-            k: LoraFactors(
-                u.start[k].A + c * (f.A - u.start[k].A), u.start[k].B + c * (f.B - u.start[k].B), f.scale
-            )
-            for k, f in u.factors.items()
-        }
-        u.dense = {k: dense_start[k] + c * (t - dense_start[k]) for k, t in u.dense.items()}
-        clipped += 1
-    return clipped
+    min_clients: int = 1
+    clip_norm_ratio: float = 0.0  # 0: no clipping
+    client_timeout_s: float = 0.0
+    weighting: str = "examples"  # or "uniform"
+    max_client_weight: float = 1.0  # the largest share of one client in a round's average
 
 
 class Server:
-    """The server half of a federated run (see module docstring)."""
+    """The server half of a federated run (see module docstring).
+
+    ``modules``: ``{module: (out, in)}`` of the LoRA target modules in model
+    order, from the assembly (the server holds no model); with the clients'
+    ranks, scales and the seed it is what lets the server know the shape of
+    every update and the fresh initialization every client starts from.
+    """
 
     def __init__(
         self,
         *,
         strategy: Strategy,
         clients: list[ClientInfo],
+        modules: dict[str, tuple[int, int]],
         algorithm: AlgorithmServer | None = None,
         sampling: Sampling | None = None,
         dense: dict[str, Tensor] | None = None,
-        min_clients: int = 1,
-        clip_norm_ratio: float = 0.0,
-        client_timeout_s: float = 0.0,
+        rules: Rules | None = None,
     ) -> None:
         self.strategy = strategy
+        self.hook = strategy.client_hook()  # to derive what each client starts from, as it does
         self.clients = {c.client_id: c for c in clients}
+        self.modules = dict(modules)
         self.algorithm = algorithm or AlgorithmServer()
         self.sampling = sampling or Sampling()
-        self.min_clients, self.clip_norm_ratio = min_clients, clip_norm_ratio
-        self.client_timeout_s = client_timeout_s
+        self.rules = rules or Rules()
         self.state = GlobalState(dense=dict(dense or {}))
         self.ledger = Ledger()
         self.merges: list[tuple[int, Adapter]] = []  # merged updates some client has not downloaded yet
         self.synced = {k: 0 for k in self.clients}  # the last round whose merges each client has
+        self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
+        max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
+        self.algorithm.bind(self.expected(next(iter(self.clients)), rank=max_rank).param_shapes())
 
     # ------------------------------------------------------------- a round
     def sample(self, round_idx: int) -> tuple[list[int], list[int]]:
@@ -180,6 +151,7 @@ class Server:
             dense=dict(self.state.dense),
             extras=self.strategy.client_extras(self.state, client_id),
             algo=self.algorithm.download(rank),
+            accepted=self.accepted[client_id],
         )
 
     def plan_round(self, round_idx: int) -> RoundPlan:
@@ -203,20 +175,18 @@ class Server:
         """
         t0 = time.perf_counter()
         updates, failures = self._accept(plan, results)
-        for u in updates:
-            self.ledger.upload(u.client_id, u.numel())
-        info = self._clip(updates)
-        skipped = len(updates) < self.min_clients
+        info = self._clip(plan, updates)
+        skipped = len(updates) < self.rules.min_clients
         merged: Adapter = {}
         if skipped:
             log.warning(
                 "round %d skipped: %d valid update(s) < federation.min_clients = %d",
                 plan.round,
                 len(updates),
-                self.min_clients,
+                self.rules.min_clients,
             )
         else:
-            merged = self._aggregate(updates, info)
+            merged, skipped = self._aggregate(plan.round, updates, info)
         self._keep_merge(plan.round, merged)
         row = {
             "round": plan.round,
@@ -234,10 +204,26 @@ class Server:
         }
         return RoundReport(row, merged)
 
+    # ------------------------------------------------- what the server believes
+    def expected(self, client_id: int, rank: int | None = None) -> Expected:
+        """What an update of ``client_id`` must be, from what the server knows (``rank``: another adapter
+        rank, for shapes at the largest one)."""
+        c = self.clients[client_id]
+        return Expected(
+            client_id=client_id,
+            num_examples=c.num_examples,
+            rank=rank or self.strategy.adapter_rank(c.rank),
+            scale=c.scale,
+            modules=self.modules,
+            dense={k: v.shape for k, v in self.state.dense.items()},
+            timeout_s=self.rules.client_timeout_s,
+        )
+
     def _accept(
         self, plan: RoundPlan, results: dict[int, ClientUpdate | str]
     ) -> tuple[list[ClientUpdate], dict[str, str]]:
-        """The round's usable updates (sorted by client) and, by client, why the others were left out."""
+        """The round's usable updates (checked copies, sorted by client) and, by client, why the others were
+        left out. Uploads count in the ledger whether or not they are used: they travelled."""
         failures: dict[str, str] = {}
         updates: list[ClientUpdate] = []
         for k in plan.active:
@@ -245,28 +231,130 @@ class Server:
             if isinstance(got, str):
                 failures[str(k)] = got
                 continue
+            self.ledger.upload(k, _numel(got))
             try:
-                validate_update(got, self.strategy.adapter_rank(self.clients[k].rank), self.client_timeout_s)
-            except ClientFailure as e:
-                log.warning("round %d: client %d left out: %s", plan.round, k, e)
-                failures[str(k)] = f"ClientFailure: {e}"
-                continue
-            updates.append(got)
+                updates.append(self.accept(got, self.expected(k)))
+            except Exception as e:  # whatever a client sends, it is that client's failure only
+                why = (
+                    str(e) if isinstance(e, ClientFailure) else f"unreadable update ({type(e).__name__}: {e})"
+                )
+                log.warning("round %d: client %d left out: %s", plan.round, k, why)
+                failures[str(k)] = f"ClientFailure: {why}"
         return sorted(updates, key=lambda u: u.client_id), failures
 
-    def _clip(self, updates: list[ClientUpdate]) -> dict[str, Any]:
-        if not (self.clip_norm_ratio and updates):
-            return {}
-        return {"clipped": clip_updates(updates, self.clip_norm_ratio, self.state.dense)}
+    def accept(self, update: ClientUpdate, exp: Expected) -> ClientUpdate:
+        """A checked copy of ``update`` with the server's own count and scale, or ClientFailure saying why."""
+        if not isinstance(update, ClientUpdate):
+            raise ClientFailure(f"the reply is a {type(update).__name__}, not a client update")
+        if update.client_id != exp.client_id:
+            raise ClientFailure(f"it claims to be client {update.client_id!r}")
+        if update.num_examples != exp.num_examples:
+            raise ClientFailure(
+                f"it claims {update.num_examples!r} examples; {exp.num_examples} are registered for it"
+            )
+        metrics = clean_metrics(update.metrics)
+        if exp.timeout_s and metrics.get("train_s", 0.0) > exp.timeout_s:
+            raise ClientFailure(
+                f"ran {metrics['train_s']:.1f}s, past federation.client_timeout_s={exp.timeout_s}"
+            )
+        extras = update.extras if isinstance(update.extras, dict) else {}
+        accepted = {**self.strategy.accept_extras(extras, exp), **self.algorithm.accept_extras(extras, exp)}
+        unknown = sorted(set(extras) - set(accepted))
+        if unknown:
+            raise ClientFailure(f"it sends {len(unknown)} unexpected extra tensor(s), e.g. {unknown[0]!r}")
+        return ClientUpdate(
+            client_id=exp.client_id,
+            num_examples=exp.num_examples,
+            factors=accept_factors(update.factors, exp),
+            dense=accept_dense(update.dense, exp),
+            extras=accepted,
+            metrics=metrics,
+        )
 
-    def _aggregate(self, updates: list[ClientUpdate], info: dict[str, Any]) -> Adapter:
-        """The strategy's new global state and the algorithm's server update; returns what is merged."""
-        result = self.strategy.aggregate(updates, self.state)
-        self.algorithm.update(updates, sum(c.num_examples for c in self.clients.values()))
+    def reference(self, round_idx: int, client_id: int, start: ClientStart) -> Adapter:
+        """The factors ``client_id`` started ``round_idx`` from, derived as the client derives them: its
+        download, or the round's fresh initialization (never what a client says it started from)."""
+        c = self.clients[client_id]
+        rank = self.strategy.adapter_rank(c.rank)
+        fresh = init_factors(self.modules, rank, c.scale, derive_seed(self.sampling.seed, round_idx, 7))
+        return self.hook.start_factors(start.factors, fresh)
+
+    def _clip(self, plan: RoundPlan, updates: list[ClientUpdate]) -> dict[str, Any]:
+        """Scale each update's change (from the server's reference) to at most ``clip_norm_ratio`` x the
+        round's median change: one client cannot move the model more than a few honest ones do."""
+        ratio = self.rules.clip_norm_ratio
+        if not (ratio and updates):
+            return {}
+        changes = [self._change(plan, u) for u in updates]
+        norms = [change_norm(pairs) for pairs in changes]
+        cap = ratio * float(torch.tensor(norms).median())
+        clipped = 0
+        for pairs, n in zip(changes, norms, strict=True):
+            if n > cap > 0:
+                c = cap / n
+                for value, ref in pairs:
+                    value.sub_(ref).mul_(c).add_(ref)  # in place: the update's own checked copies
+                clipped += 1
+        return {
+            "clipped": clipped,
+            "update_norm_median": float(torch.tensor(norms).median()),
+            "algo_clipped": self.algorithm.clip(updates, ratio),
+        }
+
+    def _change(self, plan: RoundPlan, u: ClientUpdate) -> list[tuple[Tensor, Tensor]]:
+        """``(value, reference)`` pairs of everything ``u`` changes: its factors, dense modules and the
+        strategy's shared extras (FLoRAL's bias adaptors)."""
+        start = plan.starts[u.client_id]
+        ref = self.reference(plan.round, u.client_id, start)
+        pairs = []
+        for key, f in u.factors.items():
+            r = ref[key].with_scale(f.scale)
+            pairs += [(t, r_t) for t, r_t in ((f.A, r.A), (f.B, r.B)) if t is not None]
+        pairs += [(t, self.state.dense[k]) for k, t in u.dense.items()]
+        pairs += [
+            (t, start.extras.get(k, torch.zeros_like(t))) for k, t in self.strategy.shared_extras(u).items()
+        ]
+        return pairs
+
+    def weights(self, updates: list[ClientUpdate]) -> list[float]:
+        """Each update's share of the round's average, from the server's own counts (or uniform), capped."""
+        if self.rules.weighting == "uniform":
+            raw = [1.0] * len(updates)
+        else:
+            raw = [float(self.clients[u.client_id].num_examples) for u in updates]
+        total = sum(raw)
+        base = [w / total for w in raw] if total > 0 else [1 / len(updates)] * len(updates)
+        return cap_weights(base, self.rules.max_client_weight)
+
+    def population_weights(self) -> dict[int, float]:
+        """Every client's share of the objective ``sum_k p_k f_k`` (SCAFFOLD's control variate keeps
+        ``c = sum_k p_k c_k`` with these)."""
+        if self.rules.weighting == "uniform":
+            return {k: 1 / len(self.clients) for k in self.clients}
+        total = sum(c.num_examples for c in self.clients.values())
+        return {k: c.num_examples / total for k, c in self.clients.items()}
+
+    def _aggregate(
+        self, round_idx: int, updates: list[ClientUpdate], info: dict[str, Any]
+    ) -> tuple[Adapter, bool]:
+        """The strategy's new global state and the algorithm's server update; returns what is merged, and
+        whether the round had to be skipped (an aggregate that fails or is not finite changes nothing)."""
+        try:
+            result = self.strategy.aggregate(updates, self.state, self.weights(updates))
+            _check_finite(result.state, result.merged)
+        except (ValueError, RuntimeError) as e:  # e.g. an SVD that does not converge
+            log.error(
+                "round %d skipped: the aggregate failed (%s); the global state is unchanged", round_idx, e
+            )
+            info["error"] = f"{type(e).__name__}: {e}"
+            return {}, True
+        self.algorithm.update(updates, self.population_weights())
         self.state = result.state
         self.updated_rounds += 1
         info.update(result.info)
-        return result.merged
+        for u in updates:
+            self.accepted[u.client_id] = round_idx
+        return result.merged, False
 
     def _keep_merge(self, round_idx: int, merged: Adapter) -> None:
         """Keep merged updates until every client has downloaded them."""
@@ -276,11 +364,11 @@ class Server:
 
     @staticmethod
     def _client_metrics(updates: list[ClientUpdate]) -> dict[str, Any]:
-        losses = [u.metrics["loss_mean"] for u in updates]
+        losses = [u.metrics["loss_mean"] for u in updates if "loss_mean" in u.metrics]
         return {
             "train_loss": sum(losses) / len(losses) if losses else None,
             "client_loss": {
-                str(u.client_id): [u.metrics["loss_first"], u.metrics["loss_last"]] for u in updates
+                str(u.client_id): [u.metrics.get("loss_first"), u.metrics.get("loss_last")] for u in updates
             },
         }
 
@@ -311,6 +399,7 @@ class Server:
         )
         tensors.update(prefixed(self.algorithm.state_dict(), "algo."))
         meta = {
+            "accepted": {str(k): v for k, v in self.accepted.items()},
             "scales": scales,
             "ledger": self.ledger.state(),
             "strategy": self.strategy.name,
@@ -330,6 +419,7 @@ class Server:
         self.algorithm.load_state_dict(unprefixed(tensors, "algo."))
         self.ledger = Ledger.from_state(meta["ledger"])
         self.synced.update({int(k): v for k, v in meta.get("synced", {}).items()})
+        self.accepted.update({int(k): v for k, v in meta.get("accepted", {}).items()})
         self.updated_rounds = meta.get("updated", 0)
 
 
@@ -343,3 +433,18 @@ def global_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> GlobalStat
         unprefixed(tensors, "dense."),
         unprefixed(tensors, "extra."),
     )
+
+
+def _numel(update: ClientUpdate) -> int:
+    """What an upload carried, as far as it can be counted (a malformed one counts what is readable)."""
+    try:
+        return update.numel()
+    except Exception:
+        return 0
+
+
+def _check_finite(state: GlobalState, merged: Adapter) -> None:
+    tensors = [t for f in [*state.factors.values(), *merged.values()] for t in (f.A, f.B)]
+    tensors += list(state.dense.values()) + [v for v in state.extras.values() if isinstance(v, Tensor)]
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise ValueError("the aggregate holds non-finite values")

@@ -99,6 +99,7 @@ def federate(algo, data, rounds, local_steps, lr, **plan_kw):
     theta = torch.zeros(data[0][0].shape[1], dtype=torch.float64)
     states = [{} for _ in data]
     server = algo.server_half()  # the algorithm's server half (SCAFFOLD: the control variate)
+    server.bind({"theta": theta.shape})
     n = sum(len(y) for _, y in data)
     for r in range(rounds):
         new, updates = [], []
@@ -116,9 +117,9 @@ def federate(algo, data, rounds, local_steps, lr, **plan_kw):
                 server.download(1),
             )
             new.append(model.theta.detach().clone())
-            updates.append(SimpleNamespace(extras=res.extras, num_examples=len(y)))
+            updates.append(SimpleNamespace(client_id=k, extras=res.extras, num_examples=len(y)))
         theta = sum(len(y) / n * t for (_, y), t in zip(data, new, strict=True))
-        server.update(updates, n)
+        server.update(updates, {k: len(y) / n for k, (_, y) in enumerate(data)})
     return theta
 
 
@@ -146,12 +147,26 @@ def test_scaffold_with_unequal_sizes_cosine_and_clip_finds_the_weighted_optimum(
 def test_scaffold_control_variate_averages_with_example_weights():
     """Server step by hand: c += sum_k (n_k / n) dc_k with n over all clients (sampled or not)."""
     server = ScaffoldServer()
+    server.bind({"w": torch.Size([2])})
     ups = [
-        SimpleNamespace(extras={"dc.w": torch.tensor([1.0, 0.0])}, num_examples=10),
-        SimpleNamespace(extras={"dc.w": torch.tensor([0.0, 4.0])}, num_examples=30),
+        SimpleNamespace(client_id=0, extras={"dc.w": torch.tensor([1.0, 0.0])}),
+        SimpleNamespace(client_id=1, extras={"dc.w": torch.tensor([0.0, 4.0])}),
     ]
-    server.update(ups, 80)  # 40 more examples sit with clients not sampled this round
+    server.update(ups, {0: 10 / 80, 1: 30 / 80, 2: 40 / 80})  # client 2 holds 40 examples, not sampled
     assert_close(server.state_dict()["w"], torch.tensor([10 / 80, 30 / 80 * 4]))
+
+
+def test_scaffold_control_variate_keeps_every_rank_whichever_clients_a_round_samples():
+    """c stays at the largest rank: a round of rank-2 clients only leaves the rank-4 rows of c intact."""
+    server = ScaffoldServer()
+    server.bind({"m.A": torch.Size([4, 3]), "m.B": torch.Size([2, 4])})
+    wide = SimpleNamespace(client_id=0, extras={"dc.m.A": torch.ones(4, 3), "dc.m.B": torch.ones(2, 4)})
+    server.update([wide], {0: 0.5, 1: 0.5})
+    narrow = SimpleNamespace(client_id=1, extras={"dc.m.A": torch.ones(2, 3), "dc.m.B": torch.ones(2, 2)})
+    server.update([narrow], {0: 0.5, 1: 0.5})
+    got = server.download(4)
+    assert_close(got["m.A"][:2], torch.ones(2, 3)) and assert_close(got["m.A"][2:], torch.full((2, 3), 0.5))
+    assert_close(got["m.B"][:, 2:], torch.full((2, 2), 0.5))  # rows 2-3 of A / columns of B kept, not cut
 
 
 def test_scaffold_download_is_fitted_to_the_client_rank():

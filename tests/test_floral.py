@@ -117,7 +117,6 @@ def test_an_adaptor_nobody_uses_is_kept_not_nan():
             n,
             {"m": LoraFactors(torch.full((2, 3), float(k)), torch.ones(4, 2), 1.0)},
             extras={"router_probs.m": pi},
-            start=before.factors,
         )
         for k, n in ((0, 3), (1, 5))
     ]

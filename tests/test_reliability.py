@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from fedllm import checkpoint as ckpt
-from fedllm.aggregation import ClientUpdate
 from fedllm.config import load_config
 from fedllm.factors import LoraFactors
-from fedllm.server import clip_updates
 from fedllm.simulation import Simulation
 from tests.conftest import tiny_overrides
 
@@ -61,7 +59,7 @@ def slow(r, k, u):
     ("hook", "extra", "client", "reason"),
     [
         (nan_update, [], "1", "non-finite values"),
-        (wrong_shape, [], "2", "wrong shape"),
+        (wrong_shape, [], "2", "has shape"),
         (raises, [], "0", "client crashed"),
         (slow, ["federation.client_timeout_s=100"], "3", "past federation.client_timeout_s"),
     ],
@@ -110,48 +108,6 @@ def test_round_below_min_clients_is_skipped_and_state_unchanged(tmp_path):
         assert torch.equal(snapshots["before"][k], snapshots["after"][k])
 
 
-def test_norm_clipping_bounds_a_hostile_update():
-    gen = torch.Generator().manual_seed(0)
-    start = {"m": LoraFactors(torch.randn(2, 5, generator=gen), torch.zeros(4, 2), 1.0)}
-
-    def update(k, scale):
-        f = start["m"]
-        return ClientUpdate(
-            k,
-            10,
-            {
-                "m": LoraFactors(
-                    f.A + scale * torch.randn(2, 5, generator=gen),
-                    f.B + scale * torch.randn(4, 2, generator=gen),
-                    1.0,
-                )
-            },
-            start=start,
-        )
-
-    ups = [update(0, 0.1), update(1, 0.1), update(2, 0.12), update(3, 100.0)]
-    norms_before = [
-        float(
-            torch.cat(
-                [(u.factors["m"].A - start["m"].A).flatten(), (u.factors["m"].B - start["m"].B).flatten()]
-            ).norm()
-        )
-        for u in ups
-    ]
-    assert clip_updates(ups, 2.0, {}) == 1
-    norms = [
-        float(
-            torch.cat(
-                [(u.factors["m"].A - start["m"].A).flatten(), (u.factors["m"].B - start["m"].B).flatten()]
-            ).norm()
-        )
-        for u in ups
-    ]
-    median = float(torch.tensor(norms_before).median())
-    assert norms[3] == pytest.approx(2.0 * median, rel=1e-5)
-    assert norms[:3] == pytest.approx(norms_before[:3])
-
-
 def test_clipping_in_a_run(tmp_path):
     def hostile(r, k, u):
         if k == 0:
@@ -160,6 +116,8 @@ def test_clipping_in_a_run(tmp_path):
 
     _, _, rows = run_with_hook(tmp_path, hostile, "aggregation.clip_norm_ratio=1.5")
     assert all(r["agg_clipped"] >= 1 for r in rows[1:])
+    _, _, rows = run_with_hook(tmp_path / "off", hostile, "aggregation.clip_norm_ratio=0")
+    assert all("agg_clipped" not in r for r in rows[1:])
 
 
 def test_checkpoint_writer_failure_keeps_previous(tmp_path, monkeypatch):

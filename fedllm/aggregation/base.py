@@ -15,6 +15,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from fedllm.factors import Adapter
@@ -68,6 +69,11 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     merges_into_base: ClassVar[bool] = False
     averages_parameters: ClassVar[bool] = True
+    supports_robust: ClassVar[bool] = (
+        False  # its aggregate is a plain average that aggregation.robust replaces
+    )
+    robust: str = "none"  # aggregation.robust: none, median or trimmed_mean (set by strategy_from_config)
+    trim_fraction: float = 0.1
     hook: ClassVar[type[ClientHook]] = ClientHook  # the client side (plain LoRA unless a strategy says else)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -92,16 +98,47 @@ class Strategy(abc.ABC):
         """The client side every client of this strategy runs (see :class:`~fedllm.protocol.ClientHook`)."""
         return self.hook()
 
-    def aggregate(self, updates: list[ClientUpdate], state: GlobalState) -> RoundResult:
+    def aggregate(
+        self, updates: list[ClientUpdate], state: GlobalState, weights: list[float] | None = None
+    ) -> RoundResult:
+        """The new global state from the round's updates; ``weights``: each update's share (the server's,
+        from the counts it knows; default here: the updates' own counts, for plain use of the math)."""
         if not updates:
             raise ValueError("aggregate() needs at least one client update")
-        weights = example_weights(updates)
+        weights = example_weights(updates) if weights is None else list(weights)
         result = self.aggregate_factors(updates, weights, state)
         names = updates[0].dense.keys()
-        result.state.dense = {k: weighted_mean([u.dense[k] for u in updates], weights) for k in names}
+        result.state.dense = {k: self.average([u.dense[k] for u in updates], weights) for k in names}
         if not result.state.dense:
             result.state.dense = dict(state.dense)
         return result
+
+    def average(self, tensors: list[Tensor], weights: list[float]) -> Tensor:
+        """The weighted mean, or with ``aggregation.robust`` the coordinate-wise median or trimmed mean.
+
+        The robust rules ignore the weights (a client's share is then 1/K):
+        each coordinate takes the median, or the mean after dropping the
+        ``trim_fraction`` largest and smallest values, so a few clients
+        sending extreme values cannot move it. Cost: a sort over the K
+        clients per coordinate (memory K x the tensor).
+        """
+        if self.robust == "none":
+            return weighted_mean(tensors, weights)
+        stacked = torch.stack(tensors)
+        if self.robust == "median":
+            return stacked.median(dim=0).values
+        k = int(self.trim_fraction * len(tensors))
+        return stacked.sort(dim=0).values[k : len(tensors) - k].mean(dim=0)
+
+    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+        """The extras this strategy expects in an update, checked against ``exp`` (``fedllm.trust.Expected``)
+        and cast; raises ``ClientFailure``. Extras nobody claims are refused by the server."""
+        return {}
+
+    def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
+        """Extras that are parameters averaged like the adapter (FLoRAL's bias adaptors): clipped with it,
+        their change measured from what the client downloaded under the same name (else from zero)."""
+        return {}
 
     @abc.abstractmethod
     def aggregate_factors(
@@ -144,4 +181,6 @@ def leading_factors(state: GlobalState, rank: int, scale: float) -> Adapter | No
 
 
 def strategy_from_config(agg) -> Strategy:
-    return STRATEGIES[agg.name].from_config(agg)
+    strategy = STRATEGIES[agg.name].from_config(agg)
+    strategy.robust, strategy.trim_fraction = agg.robust, agg.trim_fraction
+    return strategy

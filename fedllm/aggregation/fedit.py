@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
 from fedllm.factors import Adapter, LoraFactors
-from fedllm.lowrank import pad_rank, weighted_mean
+from fedllm.lowrank import pad_rank
 
 
 class FedIT(Strategy):
@@ -22,6 +22,7 @@ class FedIT(Strategy):
     """
 
     name = "fedit"
+    supports_robust = True
 
     def aggregate_factors(
         self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
@@ -32,8 +33,8 @@ class FedIT(Strategy):
             rmax = max(f.rank for f in folded)
             padded = [pad_rank(f, rmax) for f in folded]
             out[key] = LoraFactors(
-                weighted_mean([f.A for f in padded], weights),
-                weighted_mean([f.B for f in padded], weights),
+                self.average([f.A for f in padded], weights),
+                self.average([f.B for f in padded], weights),
                 1.0,
             )
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))

@@ -26,6 +26,7 @@ from fedllm.factors import Adapter, LoraFactors, unprefixed
 from fedllm.lowrank import weighted_mean
 from fedllm.mixture import MixtureOptions, MixtureSession
 from fedllm.protocol import ClientHook
+from fedllm.trust import ClientFailure, Expected, as_float32
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,22 @@ class FLoRAL(Strategy):
     def client_hook(self) -> FloralClient:
         return FloralClient(self.options)
 
+    def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
+        """Per module: the router probabilities (C values on the simplex, renormalized exactly) and, with bias
+        adaptors, the C bias adaptors (C x out)."""
+        c, out = self.num_adaptors, {}
+        for key, (out_f, _) in exp.modules.items():
+            probs = as_float32(PROBS + key, extras.get(PROBS + key), (c,))
+            if (probs < 0).any() or abs(float(probs.sum()) - 1) > 1e-3:
+                raise ClientFailure(f"{PROBS}{key} = {probs.tolist()} is not a probability vector")
+            out[PROBS + key] = probs / probs.sum()
+            if self.options.bias:
+                out[BIAS + key] = as_float32(BIAS + key, extras.get(BIAS + key), (c, out_f))
+        return out
+
+    def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
+        return {k: v for k, v in update.extras.items() if k.startswith(BIAS)}
+
     def adapter_rank(self, rank: int) -> int:
         return self.num_adaptors * rank
 
@@ -122,7 +139,7 @@ class FLoRAL(Strategy):
         for key in updates[0].factors:
             w = adaptor_weights(updates, weights, key)
             folded = [u.factors[key].folded() for u in updates]
-            before = state.factors.get(key) or updates[0].start.get(key)  # the clients' common start
+            before = state.factors.get(key)  # round 1 has none: every adaptor is then averaged
             r = folded[0].rank // c
             a_blocks, b_blocks = [], []
             for i in range(c):

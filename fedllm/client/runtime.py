@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from data_prep.prompts import TokenizedExample
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 
 ClientFault = Callable[[int, int, ClientUpdate], ClientUpdate]  # (round, client, update) -> update; tests
 ALGO, HOOK = "algo.", "hook."  # where a client's state keeps its algorithm's and its strategy's part
+PENDING, PENDING_ROUND = "pending.", "pending-round"  # algorithm state that waits for the server's acceptance
 
 
 @dataclass
@@ -191,9 +193,13 @@ class ClientRuntime:
         """Make ``client`` the active adapter, loaded with what it downloaded; the base stays.
 
         Returns its trainable parameters by name and the factors it starts
-        from (its fresh init where it downloads none; for norm clipping).
+        from (its fresh init where it downloads none). Algorithm state the
+        client kept from its last training takes effect only if the server
+        has since aggregated that update (``start.accepted``), else it is
+        dropped and the state before it stays.
         """
         t0 = time.perf_counter()
+        client.state = settle_pending(client.state, start.accepted)
         self.apply_merges(start.merges)
         name = adapter_name(client.rank)
         activate(self.model, name)
@@ -231,7 +237,7 @@ class ClientRuntime:
 
     def train(self, client: ClientData, start: ClientStart, fault: ClientFault | None = None) -> ClientUpdate:
         """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
-        params, factors = self.switch_in(client, start)
+        params, _ = self.switch_in(client, start)
         plan = self.plan_for(client, start.round)
         algo_state = unprefixed(client.state, ALGO)
         self.model.train()
@@ -247,7 +253,12 @@ class ClientRuntime:
             if session is not None:
                 result.extras.update(session.upload())
                 client.state = {**prefixed(session.state(), HOOK), **without_prefix(client.state, HOOK)}
-        client.state = {**without_prefix(client.state, ALGO), **prefixed(algo_state, ALGO)}
+        # the new algorithm state waits beside the old one until the server has taken this update
+        client.state = {
+            **{k: v for k, v in client.state.items() if not k.startswith((PENDING, PENDING_ROUND))},
+            **prefixed(algo_state, PENDING),
+            PENDING_ROUND: torch.tensor(start.round),
+        }
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         name = adapter_name(client.rank)
@@ -277,7 +288,6 @@ class ClientRuntime:
                 "train_s": train_s,
                 "steps": plan.steps,
             },
-            start=factors,
         )
         return fault(start.round, client.client_id, update) if fault is not None else update
 
@@ -339,6 +349,20 @@ class ClientRuntime:
             mine = read_factors(self.model, adapter_name(client.rank))
             mine, biases = session.bake(mine) if session is not None else (mine, {})
         return concat(mine, self.residual), read_dense(self.model, self.dense_names), biases
+
+
+def settle_pending(state: dict[str, Tensor], accepted: int) -> dict[str, Tensor]:
+    """A client's state once the server's word on its last update is in.
+
+    The pending algorithm state replaces the current one if that update's
+    round was aggregated (``accepted`` >= it); else it is dropped.
+    """
+    if PENDING_ROUND not in state:
+        return state
+    kept = {k: v for k, v in state.items() if not k.startswith((PENDING, PENDING_ROUND))}
+    if accepted >= int(state[PENDING_ROUND]):
+        kept = {**without_prefix(kept, ALGO), **prefixed(unprefixed(state, PENDING), ALGO)}
+    return kept
 
 
 def without_prefix(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

@@ -33,6 +33,16 @@ from fedllm.client.base import ClientAlgorithm, Params, accumulate
 from fedllm.protocol import AlgorithmServer
 
 
+def _at_rank(name: str, shape: torch.Size, rank: int) -> torch.Size:
+    """The shape of tensor ``name`` (``<module>.A`` / ``.B`` / dense) for an adapter of rank ``rank``."""
+    out = list(shape)
+    if name.endswith(".A"):
+        out[0] = rank
+    elif name.endswith(".B"):
+        out[1] = rank
+    return torch.Size(out)
+
+
 def _fit(t: Tensor, shape: torch.Size) -> Tensor:
     """Leading block of ``t`` in ``shape``, zero-padded where ``t`` is smaller."""
     out = torch.zeros(shape, dtype=t.dtype)
@@ -42,40 +52,60 @@ def _fit(t: Tensor, shape: torch.Size) -> Tensor:
 
 
 class ScaffoldServer(AlgorithmServer):
-    """The server control variate ``c``, kept at the largest rank, and its example-weighted update."""
+    """The server control variate ``c``, kept at the largest adapter rank, and its example-weighted update.
+
+    Every client downloads its own leading block of ``c`` (rows of A, columns
+    of B), so ``c = sum_k p_k c_k`` holds at every rank, whichever clients a
+    round samples.
+    """
 
     def __init__(self) -> None:
         self.c: dict[str, Tensor] = {}
+        self.shapes: dict[str, torch.Size] = {}
 
     @classmethod
     def from_config(cls, client_cfg) -> ScaffoldServer:
         return cls()
 
-    def download(self, rank: int) -> dict[str, Tensor]:
-        """``c`` fitted to a client of adapter rank ``rank``: the leading rows of A, columns of B (empty at
-        first).
-        """
-        out = {}
-        for k, t in self.c.items():
-            shape = list(t.shape)
-            if k.endswith(".A"):
-                shape[0] = rank
-            elif k.endswith(".B"):
-                shape[1] = rank
-            out[k] = _fit(t, torch.Size(shape))
-        return out
+    def bind(self, param_shapes: dict[str, torch.Size]) -> None:
+        self.shapes = dict(param_shapes)
 
-    def update(self, updates: list, population_examples: int) -> None:
-        """``c += sum_{k in S} (n_k / n) delta c_k``: keeps ``c = sum_k p_k c_k`` over all clients."""
-        keys = {k for u in updates for k in u.extras if k.startswith("dc.")}
-        for key in keys:
-            name = key[3:]
-            mine = [u for u in updates if key in u.extras]
-            shape = torch.Size(
-                max(u.extras[key].shape[i] for u in mine) for i in range(mine[0].extras[key].dim())
+    def download(self, rank: int) -> dict[str, Tensor]:
+        """``c`` fitted to a client of adapter rank ``rank`` (nothing before the first update: c = 0)."""
+        return {k: _fit(t, _at_rank(k, t.shape, rank)) for k, t in self.c.items()}
+
+    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+        """``dc.<name>`` for every trainable tensor of the client, at the client's rank, finite."""
+        from fedllm.trust import as_float32
+
+        return {
+            f"dc.{k}": as_float32(f"dc.{k}", extras.get(f"dc.{k}"), s) for k, s in exp.param_shapes().items()
+        }
+
+    def clip(self, updates: list, ratio: float) -> int:
+        """Scale each client's control-variate change to at most ``ratio`` x the round's median."""
+        from fedllm.trust import change_norm
+
+        if not updates:
+            return 0
+        norms = [change_norm([(t, torch.zeros_like(t)) for t in u.extras.values()]) for u in updates]
+        cap = ratio * float(torch.tensor(norms).median())
+        clipped = 0
+        for u, n in zip(updates, norms, strict=True):
+            if n > cap > 0:
+                u.extras = {k: t * (cap / n) if k.startswith("dc.") else t for k, t in u.extras.items()}
+                clipped += 1
+        return clipped
+
+    def update(self, updates: list, population_weights: dict[int, float]) -> None:
+        """``c += sum_{k in S} p_k delta c_k``: keeps ``c = sum_k p_k c_k`` over all clients."""
+        for name, shape in self.shapes.items():
+            current = self.c.get(name, torch.zeros(shape))
+            step = sum(
+                population_weights[u.client_id] * _fit(u.extras[f"dc.{name}"], shape)
+                for u in updates
+                if f"dc.{name}" in u.extras
             )
-            step = sum((u.num_examples / population_examples) * _fit(u.extras[key], shape) for u in mine)
-            current = _fit(self.c[name], shape) if name in self.c else torch.zeros(shape)
             self.c[name] = current + step
 
     def state_dict(self) -> dict[str, Tensor]:

@@ -1,0 +1,156 @@
+"""What the server may believe: every update checked against what the server knows, then bounded.
+
+A site can be buggy or hostile, and the server sees only what it sent and
+what it was told once, at registration. So it believes nothing else a
+client says:
+
+* **who and how much**: the client id must be the one the message went to,
+  the example count must be the one registered (partition or Flower
+  handshake); weights come from the server's own counts (or are uniform) and
+  may be capped per client;
+* **what**: exactly the expected modules, at the shapes of the client's rank
+  (and, for the dense modules and extras, the shapes the server knows), as
+  finite floating-point tensors (half and double precision are cast to
+  float32, integers refused); the scale must be the one the server assigned
+  to that rank; extras are checked by the strategy and the algorithm that
+  expect them; metrics are kept only when they are finite numbers;
+* **how far**: the change is measured from what the server knows the client
+  started from (its download, and a fresh initialization it derives from the
+  round's seed), never from anything the client sends, and clipped to a
+  multiple of the round's median change.
+
+A failed check is that client's failure for the round (a one-line reason);
+nothing a client sends raises out of the server. Flower's strategies check
+replies apart from their math the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedllm.factors import Adapter, LoraFactors
+
+
+class ClientFailure(RuntimeError):
+    """A client's update is unusable (raised, timed out, non-finite, mis-shaped, lying)."""
+
+
+@dataclass
+class Expected:
+    """What the server expects of one client's update this round (all of it known before the reply)."""
+
+    client_id: int
+    num_examples: int
+    rank: int  # the adapter's rank (FLoRAL: C * r)
+    scale: float
+    modules: dict[str, tuple[int, int]]  # module -> (out, in)
+    dense: dict[str, torch.Size] = field(default_factory=dict)
+    timeout_s: float = 0.0
+
+    def param_shapes(self) -> dict[str, torch.Size]:
+        """The client's trainable tensors by name (``<module>.A/.B`` and the dense modules), at its rank."""
+        out = {}
+        for key, (out_f, in_f) in self.modules.items():
+            out[f"{key}.A"] = torch.Size((self.rank, in_f))
+            out[f"{key}.B"] = torch.Size((out_f, self.rank))
+        return {**out, **self.dense}
+
+
+def as_float32(name: str, t: Any, shape: torch.Size | tuple | None = None) -> Tensor:
+    """``t`` as a finite float32 tensor of ``shape``; ClientFailure naming ``name`` otherwise."""
+    if not isinstance(t, Tensor):
+        raise ClientFailure(f"{name} is not a tensor ({type(t).__name__})")
+    if not (t.is_floating_point() and not t.is_complex()):
+        raise ClientFailure(f"{name} has dtype {t.dtype}: expected a floating-point tensor")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ClientFailure(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    out = t.detach().to("cpu", torch.float32, copy=True)  # the server's own copy (clipping scales it)
+    if not torch.isfinite(out).all():
+        raise ClientFailure(f"{name} holds non-finite values (or values beyond float32)")
+    return out
+
+
+def clean_metrics(metrics: Any) -> dict[str, float]:
+    """The metrics that are finite numbers; anything else a client sends is dropped."""
+    if not isinstance(metrics, dict):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def accept_factors(factors: Any, exp: Expected, parts: tuple[str, ...] = ("A", "B")) -> Adapter:
+    """The update's factors, checked module by module and given the server's scale for the client's rank."""
+    if not isinstance(factors, dict):
+        raise ClientFailure("its factors are not a mapping of modules")
+    missing, extra = sorted(set(exp.modules) - set(factors)), sorted(set(factors) - set(exp.modules))
+    if missing or extra:
+        raise ClientFailure(
+            f"its modules differ from the adapter's: {len(missing)} missing (e.g. {missing[:1]}), "
+            f"{len(extra)} unknown (e.g. {extra[:1]})"
+        )
+    out = {}
+    for key, (out_f, in_f) in exp.modules.items():
+        f = factors[key]
+        if not isinstance(f, LoraFactors):
+            raise ClientFailure(f"{key}: not LoRA factors")
+        try:
+            scale = float(f.scale)
+        except (TypeError, ValueError):
+            raise ClientFailure(f"{key}: scale {f.scale!r} is not a number") from None
+        if not math.isclose(scale, exp.scale, rel_tol=1e-6):
+            raise ClientFailure(
+                f"{key}: scale {scale!r}, but the server assigned {exp.scale} to rank {exp.rank}"
+            )
+        A = as_float32(f"{key}.A", f.A, (exp.rank, in_f)) if "A" in parts else None
+        B = as_float32(f"{key}.B", f.B, (out_f, exp.rank)) if "B" in parts else None
+        out[key] = LoraFactors(A, B, exp.scale)
+    return out
+
+
+def accept_dense(dense: Any, exp: Expected) -> dict[str, Tensor]:
+    """The update's fully trained modules: exactly the server's, at their shapes."""
+    if not isinstance(dense, dict) or set(dense) != set(exp.dense):
+        got = sorted(dense) if isinstance(dense, dict) else type(dense).__name__
+        raise ClientFailure(f"its dense modules {got} are not the run's {sorted(exp.dense)}")
+    return {k: as_float32(k, dense[k], shape) for k, shape in exp.dense.items()}
+
+
+def change_norm(parts: list[tuple[Tensor, Tensor]]) -> float:
+    """The L2 norm of the change over ``(value, reference)`` pairs, in float64."""
+    return math.sqrt(sum(float((v.double() - r.double()).pow(2).sum()) for v, r in parts))
+
+
+def cap_weights(weights: list[float], cap: float) -> list[float]:
+    """``weights`` (summing to 1) with none above ``cap``: the excess goes to the others in proportion.
+
+    Water-filling: clients over the cap are fixed at it and the rest are
+    renormalized, repeated until none is over. When ``cap`` is below 1/K no
+    share can satisfy it; every client then weighs 1/K.
+    """
+    k = len(weights)
+    if cap >= 1 or k == 0:
+        return list(weights)
+    if cap * k <= 1:
+        return [1 / k] * k
+    fixed: set[int] = set()
+    out = list(weights)
+    while True:
+        free = [i for i in range(k) if i not in fixed]
+        mass = 1 - cap * len(fixed)
+        total = sum(weights[i] for i in free)
+        out = [
+            cap if i in fixed else (weights[i] / total * mass if total > 0 else mass / len(free))
+            for i in range(k)
+        ]
+        over = {i for i in free if out[i] > cap * (1 + 1e-12)}
+        if not over:
+            return out
+        fixed |= over

@@ -1,0 +1,369 @@
+"""The server believes nothing a client says: every hostile or broken update is refused or made harmless at
+``finish_round``, the round goes on, later rounds are normal, and nothing a client sends raises."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from fedllm.aggregation import STRATEGIES, GlobalState
+from fedllm.client.scaffold import ScaffoldServer
+from fedllm.factors import LoraFactors
+from fedllm.protocol import ClientInfo, ClientUpdate
+from fedllm.server import Rules, Server
+from fedllm.trust import cap_weights
+
+MODULES = {"l0.q_proj": (6, 5), "l0.v_proj": (6, 5)}
+RANKS, COUNTS, SCALE = (4, 4, 8, 8), (10, 20, 30, 40), 2.0
+
+
+def make_server(strategy="fedit", algorithm=None, ranks=RANKS, **rules) -> Server:
+    rules.setdefault("clip_norm_ratio", 2.0)
+    strat = STRATEGIES[strategy]() if isinstance(strategy, str) else strategy
+    return Server(
+        strategy=strat,
+        clients=[ClientInfo(k, r, SCALE, n) for k, (r, n) in enumerate(zip(ranks, COUNTS, strict=True))],
+        modules=MODULES,
+        algorithm=algorithm,
+        dense={"model.embed_tokens.weight": torch.zeros(7, 3)},
+        rules=Rules(**rules),
+    )
+
+
+def honest(server: Server, plan, k: int, size: float = 0.01, seed: int = 0) -> ClientUpdate:
+    """What a well-behaved client sends: its reference plus a small change, the registered count."""
+    gen = torch.Generator().manual_seed(seed * 100 + k * 7 + plan.round)
+    ref = server.reference(plan.round, k, plan.starts[k])
+    factors = {
+        key: LoraFactors(
+            f.A + size * torch.randn(f.A.shape, generator=gen),
+            f.B + size * torch.randn(f.B.shape, generator=gen),
+            f.scale,
+        )
+        for key, f in ref.items()
+    }
+    dense = {n: t + size * torch.randn(t.shape, generator=gen) for n, t in plan.starts[k].dense.items()}
+    metrics = {"loss_first": 2.0, "loss_last": 1.0, "loss_mean": 1.5, "train_s": 0.1, "steps": 3}
+    return ClientUpdate(k, server.clients[k].num_examples, factors, dense, {}, metrics)
+
+
+def round_with(server: Server, r: int, bad: dict[int, object]):
+    plan = server.plan_round(r)
+    results = {k: bad[k] if k in bad else honest(server, plan, k) for k in plan.active}
+    return plan, server.finish_round(
+        plan, {k: v(server, plan, k) if callable(v) else v for k, v in results.items()}
+    )
+
+
+def edited(**change):
+    """A hostile client: an honest update with ``change`` applied (field values or functions of them)."""
+
+    def make(server, plan, k):
+        u = honest(server, plan, k)
+        for field, value in change.items():
+            setattr(u, field, value(getattr(u, field)) if callable(value) else value)
+        return u
+
+    return make
+
+
+def expect_refused(report, client: int, reason: str):
+    row = report.row
+    assert str(client) in row["failed"], row["failed"]
+    assert reason in row["failed"][str(client)], row["failed"][str(client)]
+    assert row["n_updates"] == 3 and not row["skipped"]
+
+
+@pytest.mark.parametrize("count", [10**12, -5, 0, float("nan"), 11, "10"])
+def test_a_claimed_example_count_is_refused_and_weights_come_from_the_server(count):
+    server = make_server()
+    plan, report = round_with(server, 1, {0: edited(num_examples=count)})
+    expect_refused(report, 0, "examples; 10 are registered")
+    # the global adapter is the honest three's, weighted by the server's counts 20, 30, 40
+    honest_ups = [server.accept(honest(server, plan, k), server.expected(k)) for k in (1, 2, 3)]
+    want = STRATEGIES["fedit"]().aggregate(honest_ups, GlobalState(), [20 / 90, 30 / 90, 40 / 90])
+    for key, f in want.state.factors.items():
+        assert_close(server.state.factors[key].delta(), f.delta())
+    _, later = round_with(server, 2, {})
+    assert later.row["n_updates"] == 4 and not later.row["failed"]  # the next round is normal
+
+
+@pytest.mark.parametrize("scale", [1e6, float("nan"), -2.0, "big"])
+def test_a_claimed_scale_is_refused(scale):
+    def lie(factors):
+        return {k: LoraFactors(f.A, f.B, scale) for k, f in factors.items()}
+
+    _, report = round_with(make_server(), 1, {2: edited(factors=lie)})
+    expect_refused(report, 2, "scale")
+
+
+def test_clipping_measures_the_change_from_what_the_server_sent():
+    """A 1e4x change is clipped to ratio x the median change, measured from the server's own reference."""
+    server = make_server(clip_norm_ratio=2.0)
+    plan = server.plan_round(1)
+    ups = {k: honest(server, plan, k) for k in plan.active}
+    ref = server.reference(1, 3, plan.starts[3])
+    ups[3].factors = {
+        k: LoraFactors(ref[k].A + 1e4 * (f.A - ref[k].A), ref[k].B + 1e4 * (f.B - ref[k].B), f.scale)
+        for k, f in ups[3].factors.items()
+    }
+    changes = {k: server._change(plan, server.accept(u, server.expected(k))) for k, u in ups.items()}
+    norms = {k: math.sqrt(sum(float((v - r).pow(2).sum()) for v, r in c)) for k, c in changes.items()}
+    report = server.finish_round(plan, ups)
+    assert report.row["agg_clipped"] == 1 and not report.row["failed"]
+    median = float(torch.tensor(list(norms.values())).median())
+    assert report.row["agg_update_norm_median"] == pytest.approx(median, rel=1e-6)
+    # the clipped update moved the average no more than ratio x median from the reference
+    honest_only = {k: u for k, u in ups.items() if k != 3}
+    assert norms[3] > 1e3 * median and max(norms[k] for k in honest_only) < 2 * median
+
+
+def bad_shapes(edit):
+    def change(factors):
+        key = next(iter(factors))
+        return {**factors, key: edit(factors[key])}
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (dict(factors=bad_shapes(lambda f: LoraFactors(f.A[:, :-1], f.B, f.scale))), "shape"),  # input dim
+        (dict(factors=bad_shapes(lambda f: LoraFactors(f.A, f.B[:, :-1], f.scale))), "shape"),  # B's rank
+        (dict(factors=bad_shapes(lambda f: LoraFactors(f.A[:-1], f.B[:, :-1], f.scale))), "shape"),  # both
+        (dict(factors=lambda fs: dict(list(fs.items())[:1])), "modules differ"),  # a missing module
+        (
+            dict(factors=lambda fs: {**fs, "l9.o_proj": next(iter(fs.values()))}),
+            "modules differ",
+        ),  # an extra one
+        (dict(factors={}), "modules differ"),  # no module at all (the lowest id erased the adapter before)
+        (dict(factors=None), "not a mapping"),
+        (dict(dense=lambda d: {k: torch.zeros(8, 3) for k in d}), "shape"),  # a dense module of another shape
+        (dict(dense={}), "dense modules"),
+        (dict(factors=bad_shapes(lambda f: LoraFactors(f.A.long(), f.B, f.scale))), "dtype"),  # int64
+        (dict(factors=bad_shapes(lambda f: LoraFactors(f.A, f.B * float("inf"), f.scale))), "non-finite"),
+        (dict(factors=bad_shapes(lambda f: LoraFactors(f.A.double() * 1e300, f.B, f.scale))), "non-finite"),
+        (dict(extras={"steal": torch.ones(3)}), "unexpected extra"),
+        (dict(client_id=3), "claims to be client 3"),
+    ],
+)
+def test_a_malformed_update_is_that_clients_failure_only(change, reason):
+    server = make_server()
+    _, report = round_with(server, 1, {0: edited(**change)})
+    expect_refused(report, 0, reason)
+    assert set(server.state.factors) == set(MODULES)  # the global adapter keeps every module
+    for f in server.state.factors.values():
+        assert f.A.dtype == torch.float32 and torch.isfinite(f.A).all() and torch.isfinite(f.B).all()
+    _, later = round_with(server, 2, {})
+    assert later.row["n_updates"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_other_float_precisions_are_taken_as_float32(dtype):
+    server = make_server()
+    _, report = round_with(
+        server,
+        1,
+        {
+            1: edited(
+                factors=lambda fs: {
+                    k: LoraFactors(f.A.to(dtype), f.B.to(dtype), f.scale) for k, f in fs.items()
+                }
+            )
+        },
+    )
+    assert not report.row["failed"] and report.row["n_updates"] == 4
+    assert all(
+        f.A.dtype == torch.float32 and f.B.dtype == torch.float32 for f in server.state.factors.values()
+    )
+
+
+def test_not_an_update_at_all_and_bad_metrics_never_raise():
+    server = make_server()
+    _, report = round_with(
+        server,
+        1,
+        {
+            0: {"factors": "everything"},  # not a ClientUpdate
+            1: edited(metrics={"loss_mean": "low", "loss_first": float("nan"), "train_s": [1]}),
+            2: edited(metrics=None),
+        },
+    )
+    assert "not a client update" in report.row["failed"]["0"]
+    assert report.row["n_updates"] == 3 and report.row["train_loss"] == pytest.approx(1.5)  # client 3's only
+    assert report.row["client_loss"]["1"] == [None, None]  # its NaN and its string were dropped
+
+
+def test_an_aggregate_that_fails_skips_the_round_and_keeps_the_state(monkeypatch):
+    server = make_server()
+    round_with(server, 1, {})
+    before = {k: f.delta().clone() for k, f in server.state.factors.items()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("linalg.svd: the algorithm failed to converge")
+
+    monkeypatch.setattr(server.strategy, "aggregate", broken)
+    _, report = round_with(server, 2, {})
+    assert report.row["skipped"] and "failed to converge" in report.row["agg_error"]
+    for k, d in before.items():
+        assert torch.equal(server.state.factors[k].delta(), d)
+    assert server.accepted == {0: 1, 1: 1, 2: 1, 3: 1}  # nobody's round-2 update was taken
+
+
+def test_weights_examples_uniform_and_capped():
+    server = make_server()
+    ups = [ClientUpdate(k, COUNTS[k], {}) for k in range(4)]
+    assert server.weights(ups) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    server.rules.weighting = "uniform"
+    assert server.weights(ups) == pytest.approx([0.25] * 4)
+    server.rules.weighting, server.rules.max_client_weight = "examples", 0.3
+    # 0.4 -> 0.3; then 0.3 * 0.7 / 0.6 = 0.35 -> 0.3; the last 0.4 goes to 0.1 and 0.2 in proportion
+    assert server.weights(ups) == pytest.approx([0.4 / 3, 0.8 / 3, 0.3, 0.3])
+    assert cap_weights([0.9, 0.05, 0.05], 0.5) == pytest.approx([0.5, 0.25, 0.25])
+    assert cap_weights([0.7, 0.2, 0.1], 0.2) == pytest.approx([1 / 3] * 3)  # no share can meet 0.2: uniform
+
+
+@pytest.mark.parametrize(("rule", "want"), [("median", 2.0), ("trimmed_mean", 2.5)])
+def test_robust_aggregates_hand_computed(rule, want):
+    strategy = STRATEGIES["fedit"]()
+    strategy.robust, strategy.trim_fraction = rule, 0.25
+    values = [1.0, 2.0, 3.0, 1e6]  # one client sends an extreme value
+    ups = [
+        ClientUpdate(k, 10, {"m": LoraFactors(torch.full((1, 2), v), torch.full((2, 1), v), 1.0)})
+        for k, v in enumerate(values)
+    ]
+    g = strategy.aggregate(ups, GlobalState()).state.factors["m"]
+    assert_close(g.A, torch.full((1, 2), want)) and assert_close(g.B, torch.full((2, 1), want))
+
+
+def test_scaffold_extras_are_checked_and_bounded_like_the_model_update():
+    server = make_server(algorithm=ScaffoldServer())
+    plan = server.plan_round(1)
+    shapes = server.expected(0).param_shapes()
+
+    def with_dc(k, scale=1e-3, shape_of=None):
+        u = honest(server, plan, k)
+        shapes_k = server.expected(k).param_shapes()
+        u.extras = {f"dc.{n}": scale * torch.ones(shape_of or s) for n, s in shapes_k.items()}
+        return u
+
+    ups = {0: with_dc(0, 1e30), 1: with_dc(1), 2: with_dc(2), 3: with_dc(3)}
+    bad = with_dc(1)
+    bad.extras["dc.l0.q_proj.A"] = torch.ones(3, 3)
+    report = server.finish_round(plan, {**ups, 1: bad})
+    assert "dc.l0.q_proj.A has shape" in report.row["failed"]["1"]
+    assert report.row["agg_algo_clipped"] == 1
+    assert all(torch.isfinite(t).all() and t.abs().max() < 1 for t in server.algorithm.c.values())
+    assert set(server.algorithm.c) == set(shapes) and server.algorithm.c["l0.q_proj.A"].shape == (8, 5)
+
+
+@pytest.mark.parametrize("probs", [[1e9, 1e9], [1.5, -0.5], [0.5, float("nan")], [1.0]])
+def test_floral_router_probabilities_must_be_on_the_simplex(probs):
+    server = make_server("floral", ranks=(4, 4, 4, 4))
+    plan = server.plan_round(1)
+    ups = {}
+    for k in plan.active:
+        u = honest(server, plan, k)
+        u.extras = {f"router_probs.{m}": torch.tensor([0.5, 0.5]) for m in MODULES}
+        ups[k] = u
+    ups[2].extras = {f"router_probs.{m}": torch.tensor(probs) for m in MODULES}
+    report = server.finish_round(plan, ups)
+    expect_refused(report, 2, "router_probs")
+
+
+def tiny_run(tmp_path, name, fault=None, *extra):
+    from fedllm.config import load_config
+    from fedllm.simulation import Simulation
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / name,
+            "client.local_steps=8",
+            "federation.rounds=3",
+            "eval.personalized=false",
+            "data.eval_size=40",
+            *extra,
+        ),
+    )
+    sim = Simulation(cfg, tmp_path / name, fault=fault)
+    sim.setup()
+    summary = sim.run()
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return sim, summary, rows
+
+
+def hostile_30x(r, k, u):
+    if k == 0:  # 30 x its honest change, measured from what it downloaded
+        u.factors = {key: LoraFactors(30 * f.A, 30 * f.B, f.scale) for key, f in u.factors.items()}
+        u.dense = {n: 30 * t for n, t in u.dense.items()}
+    return u
+
+
+def lying(field, value):
+    def fault(r, k, u):
+        if k == 0:
+            setattr(u, field, value) if field != "scale" else setattr(
+                u, "factors", {key: LoraFactors(f.A, f.B, value) for key, f in u.factors.items()}
+            )
+        return u
+
+    return fault
+
+
+def crashed(r, k, u):
+    if k == 0:
+        raise RuntimeError("gone")
+    return u
+
+
+def test_a_hostile_client_end_to_end_is_contained(tmp_path, builtin_base):
+    """One of four clients lies (a 1e12 count, a NaN scale) or sends 30x its honest update: the run finishes
+    normally; the liar is left out every round (the run equals one without it), and the 30x client is
+    clipped to the honest clients' size (the model stays within noise of the honest run, unlike without
+    clipping)."""
+    _, honest_summary, _ = tiny_run(tmp_path, "honest")
+    _, without, _ = tiny_run(tmp_path, "without", crashed)
+    for name, fault in [("count", lying("num_examples", 10**12)), ("scale", lying("scale", float("nan")))]:
+        _, summary, rows = tiny_run(tmp_path, name, fault)
+        assert all("0" in r["failed"] and r["n_updates"] == 3 for r in rows[1:])
+        assert summary["loss_after"] == pytest.approx(without["loss_after"], rel=1e-5)
+    _, clipped, rows = tiny_run(tmp_path, "clipped", hostile_30x)
+    assert all(r["agg_clipped"] == 1 for r in rows[1:])
+    _, unclipped, _ = tiny_run(tmp_path, "unclipped", hostile_30x, "aggregation.clip_norm_ratio=0")
+    base = honest_summary["loss_after"]  # 0.78 on one machine; clipped 0.73, unclipped about 1000
+    assert abs(clipped["loss_after"] - base) < 0.1 * base
+    assert unclipped["loss_after"] > 10 * base
+
+
+def test_scaffold_state_stays_in_step_with_the_server(tmp_path, builtin_base):
+    """A client's new c_k counts only once the server took its update: after a skipped round (and at any
+    time) the server's c equals sum_k p_k c_k over every client's committed c_k."""
+    from fedllm.client.runtime import settle_pending
+
+    def outage(r, k, u):
+        if r == 2 and k != 0:  # only client 0 reports in round 2: below min_clients, the round is skipped
+            raise RuntimeError("outage")
+        return u
+
+    sim, _, rows = tiny_run(
+        tmp_path, "scaffold", outage, "client.algorithm=scaffold", "federation.min_clients=2"
+    )
+    assert rows[2]["skipped"] and sim.server.accepted[0] == 3
+    c = sim.server.algorithm.c
+    p = sim.server.population_weights()
+    for name, c_name in c.items():
+        total = torch.zeros_like(c_name)
+        for client in sim.clients:
+            state = settle_pending(client.state, sim.server.accepted[client.client_id])
+            ck = state.get(f"algo.{name}")
+            if ck is not None:
+                region = tuple(slice(0, s) for s in ck.shape)
+                total[region] += p[client.client_id] * ck
+        assert_close(total, c_name, rtol=1e-5, atol=1e-7)
