@@ -10,8 +10,11 @@ Each choice is the continuation " A" .. " D", scored by its log-likelihood
 after the context (the tokenizer adds BOS when it does so by default); the
 prediction is the argmax. Scoring (eval/scoring.py) computes each subject's
 shared header and shots once and runs only each question's own tokens on top
-of them; letters of several tokens are scored in full. Shots that do not fit
-the model's context are dropped from the end, per question, and recorded.
+of them; letters of several tokens are scored in full. A prompt longer than
+the model's context is cut from the left as lm-evaluation-harness cuts
+log-likelihood requests (or, with ``overflow="drop_shots"``, loses whole shots
+from the end first, as the original MMLU code did); each record says how many
+shots and cut tokens it had.
 
 Run as a job: ``fedllm eval ...`` (fedllm's models and runs), or
 ``python -m eval.mmlu`` / ``accelerate launch --multi_gpu -m eval.mmlu ...`` for
@@ -55,32 +58,24 @@ def format_question(q: Question, with_answer: bool) -> str:
     return text + (f" {LETTERS[q.answer]}\n\n" if with_answer else "")
 
 
-def build_context(q: Question, shots: list[Question], tokenizer=None, max_len: int | None = None) -> str:
-    """Header + shots + question; shots are dropped from the end while the prompt is too long."""
-    return _fitted_context(q, shots, tokenizer, max_len)[0]
+def build_context(q: Question, shots: list[Question]) -> str:
+    """Header + shots + question, as the harness writes it."""
+    text = HEADER.format(format_subject(q.subject)) + "".join(format_question(s, True) for s in shots)
+    return text + format_question(q, False)
 
 
-def _fitted_context(
-    q: Question, shots: list[Question], tokenizer=None, max_len: int | None = None
-) -> tuple[str, int]:
-    """The prompt and how many shots fit in ``max_len`` tokens (with one token to spare for a letter).
-
-    Shots are dropped from the end, as the original MMLU code does; the
-    harness keeps them and cuts the oldest tokens instead, which would score
-    a question whose header and first shot are cut off.
-    """
+def _dropped_shots_context(q: Question, shots: list[Question], tokenizer, max_len: int) -> tuple[str, int]:
+    """The prompt with shots dropped from the end until it fits ``max_len`` tokens with one to spare for the
+    letter (``overflow="drop_shots"``, as the original MMLU code does); returns it and the shots kept."""
     shots = list(shots)
     while True:
-        text = HEADER.format(format_subject(q.subject)) + "".join(format_question(s, True) for s in shots)
-        text += format_question(q, False)
-        if (
-            not shots
-            or tokenizer is None
-            or max_len is None
-            or len(tokenizer(text, verbose=False)["input_ids"]) + 1 <= max_len
-        ):
+        text = build_context(q, shots)
+        if not shots or len(tokenizer(text, verbose=False)["input_ids"]) + 1 <= max_len:
             return text, len(shots)
         shots.pop()
+
+
+OVERFLOW = ("truncate", "drop_shots")
 
 
 @dataclass
@@ -90,7 +85,8 @@ class Record:
     gold: int
     predicted: int
     loglikelihoods: list[float]
-    shots: int = 0  # the shots this question's prompt really had (fewer when the model's context is short)
+    shots: int = 0  # the shots this question's prompt really had (fewer with overflow="drop_shots")
+    tokens_cut: int = 0  # prompt tokens cut from the left to fit the model's context (overflow="truncate")
 
 
 def continuation_ids(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -103,21 +99,40 @@ def continuation_ids(tokenizer, context: str, continuation: str) -> tuple[list[i
 
 
 def prompt_items(
-    tokenizer, questions: list[Question], shots: dict[str, list[Question]] | None, k: int, max_len: int | None
-) -> tuple[list[Item], list[int]]:
-    """Every question as a scoring item (grouped by subject and shots used), and the shots each really got."""
-    items, used = [], []
-    for q in questions:
-        context, n = _fitted_context(q, (shots or {}).get(q.subject, [])[:k], tokenizer, max_len)
+    tokenizer,
+    questions: list[Question],
+    shots: dict[str, list[Question]] | None,
+    k: int,
+    max_len: int | None,
+    overflow: str = "truncate",
+) -> tuple[list[Item], list[int], list[int]]:
+    """Every question as a scoring item, with the shots each really got and the tokens cut from its prompt.
+
+    A prompt longer than the model's context (``max_len`` tokens) is handled
+    as lm-evaluation-harness does for log-likelihood requests
+    (``overflow="truncate"``): the oldest tokens are cut from the left, so that
+    context + continuation minus its last token is ``max_len`` tokens; for
+    continuations of several tokens the longest one's cut is used. With
+    ``"drop_shots"`` whole shots are dropped from the end first. Items that
+    keep their whole prompt are grouped by subject and shots, so that the
+    prefix they share is computed once; a cut prompt is scored on its own.
+    """
+    if overflow not in OVERFLOW:
+        raise ValueError(f"overflow = {overflow!r}: expected one of {', '.join(OVERFLOW)}")
+    items, used, cut = [], [], []
+    for i, q in enumerate(questions):
+        mine = (shots or {}).get(q.subject, [])[:k]
+        if overflow == "drop_shots" and max_len is not None:
+            context, n = _dropped_shots_context(q, mine, tokenizer, max_len)
+        else:
+            context, n = build_context(q, mine), len(mine)
         enc = [continuation_ids(tokenizer, context, f" {letter}") for letter in LETTERS]
-        ids = enc[0][0]
-        if (
-            max_len is not None and len(ids) + max(len(c) for _, c in enc) > max_len
-        ):  # even 0 shots do not fit
-            ids = ids[-(max_len - max(len(c) for _, c in enc)) :]
-        items.append(Item(ids, [c for _, c in enc], group=(q.subject, n)))
+        ids, conts = enc[0][0], [c for _, c in enc]
+        over = max(0, len(ids) + max(map(len, conts)) - 1 - max_len) if max_len is not None else 0
+        items.append(Item(ids[over:], conts, group=(q.subject, n) if not over else ("cut", i)))
         used.append(n)
-    return items, used
+        cut.append(over)
+    return items, used, cut
 
 
 def score_questions(
@@ -129,21 +144,27 @@ def score_questions(
     batch_size: int = 16,
     reuse: bool = True,
     progress: bool = False,
+    overflow: str = "truncate",
 ) -> list[Record]:
-    """Score every question (see eval/scoring.py for the paths); warns once if shots had to be dropped."""
+    """Score every question (see eval/scoring.py for the paths); warns once if prompts did not fit."""
     max_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    items, used = prompt_items(tokenizer, questions, shots, k, max_len)
-    short = [n for n in used if n < k]
-    if short:
+    items, used, cut = prompt_items(tokenizer, questions, shots, k, max_len, overflow)
+    short, over = [n for n in used if n < k], [c for c in cut if c]
+    if short or over:
+        how = (
+            f"scored with fewer shots (as few as {min(short)})"
+            if short
+            else f"cut from the left as lm-evaluation-harness does (up to {max(over)} tokens)"
+        )
         log.warning(
-            "%d of %d questions did not fit the model's context (%s tokens) with %d shots: they were scored "
-            "with fewer (as few as %d); each record says how many",
-            len(short),
+            "%d of %d questions did not fit the model's context (%s tokens) with %d shots: %s; each record "
+            "says how many shots and cut tokens it had",
+            max(len(short), len(over)),
             len(used),
             max_len,
             k,
-            min(short),
+            how,
         )
     from tqdm.auto import tqdm
 
@@ -161,8 +182,8 @@ def score_questions(
             len(questions) / max(elapsed, 1e-9),
         )
     return [
-        Record(q.subject, q.index, q.answer, max(range(4), key=lambda c: s[c]), s, n)
-        for q, s, n in zip(questions, scores, used, strict=True)
+        Record(q.subject, q.index, q.answer, max(range(4), key=lambda c: s[c]), s, n, c)
+        for q, s, n, c in zip(questions, scores, used, cut, strict=True)
     ]
 
 
@@ -191,18 +212,36 @@ class Benchmark:
     questions: list[Question]
     dev: dict[str, list[Question]]
     shots: int = 0
+    overflow: str = "truncate"  # prompts longer than the context: see prompt_items
+
+    @property
+    def name(self) -> str:
+        """How results on it are labelled: MMLU only for MMLU itself."""
+        return benchmark_name(self.source)
+
+
+def benchmark_name(source: str) -> str:
+    if source == "builtin":
+        return "fedllm built-in MMLU-format benchmark"
+    return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
 
 
 def load_benchmark(
-    source: str = "builtin", shots: int = 0, subjects: list[str] | None = None, limit: int = 0
+    source: str = "builtin",
+    shots: int = 0,
+    subjects: list[str] | None = None,
+    limit: int = 0,
+    overflow: str = "truncate",
 ) -> Benchmark:
     """Load (and check) the questions and their shots: bad data fails here, before any model is loaded."""
+    if overflow not in OVERFLOW:
+        raise MMLUDataError(f"overflow = {overflow!r}: expected one of {', '.join(OVERFLOW)}")
     questions = load_questions(source, "test", subjects, limit)
     dev: dict[str, list[Question]] = {}
     if shots:
         for q in load_questions(source, "dev", sorted({q.subject for q in questions})):
             dev.setdefault(q.subject, []).append(q)
-    return Benchmark(source, questions, dev, shots)
+    return Benchmark(source, questions, dev, shots, overflow)
 
 
 def evaluate(
@@ -228,7 +267,9 @@ def evaluate(
     mine = bench.questions
     if accelerator is not None and accelerator.num_processes > 1:
         mine = bench.questions[accelerator.process_index :: accelerator.num_processes]
-    records = score_questions(model, tokenizer, mine, bench.dev, bench.shots, batch_size, reuse, progress)
+    records = score_questions(
+        model, tokenizer, mine, bench.dev, bench.shots, batch_size, reuse, progress, bench.overflow
+    )
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object
 
@@ -237,8 +278,8 @@ def evaluate(
     return aggregate(records, subject_category_map(bench.source)), records
 
 
-def format_table(result: dict) -> str:
-    lines = [f"{'group':<40} {'acc':>7}", "-" * 48, f"{'MMLU (micro)':<40} {result['accuracy']:>7.4f}"]
+def format_table(result: dict, name: str = "MMLU") -> str:
+    lines = [f"{'group':<40} {'acc':>7}", "-" * 48, f"{name + ' (micro)':<40} {result['accuracy']:>7.4f}"]
     for c in CATEGORIES:
         if c in result["categories"]:
             lines.append(f"  {c:<38} {result['categories'][c]:>7.4f}")
@@ -254,6 +295,7 @@ def write_results(path: Path, result: dict, records: list[Record], meta: dict) -
         **result,
         "records": [asdict(r) for r in records],
         "shots_used": dict(sorted(Counter(r.shots for r in records).items())),
+        "questions_cut": sum(1 for r in records if r.tokens_cut),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -299,6 +341,15 @@ def add_arguments(p: argparse.ArgumentParser, with_runs: bool = False) -> None:
         help="compute each subject's shared few-shot prefix once (exact; --no-prefix-reuse scores every "
         "question in full)",
     )
+    p.add_argument(
+        "--overflow",
+        default="truncate",
+        choices=OVERFLOW,
+        help="a prompt longer than the model's context: cut its oldest tokens from the left as "
+        "lm-evaluation-harness does (truncate, default), or drop whole shots from the end first (drop_shots, "
+        "as "
+        "the original MMLU code)",
+    )
     p.add_argument("--output", help="write results and per-question records to this JSON file")
 
 
@@ -314,7 +365,7 @@ def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accele
         progress=accelerator.is_main_process,
     )
     if accelerator.is_main_process:
-        print(format_table(result))
+        print(format_table(result, bench.name))
         if args.output:
             meta = {
                 "model": args.model,
@@ -322,6 +373,7 @@ def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accele
                 "run": getattr(args, "run", None),
                 "data": args.data,
                 "shots": args.shots,
+                "overflow": args.overflow,
                 "processes": accelerator.num_processes,
             }
             write_results(Path(args.output), result, records, meta)
@@ -370,9 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--model: give a Hub id or a local model folder (fedllm's built-in base and run "
                 "directories: use `fedllm eval`)"
             )
-        bench = load_benchmark(
-            args.data, args.shots, args.subjects, args.limit
-        )  # bad data fails before the model
+        bench = load_benchmark(  # bad data fails before the model
+            args.data, args.shots, args.subjects, args.limit, args.overflow
+        )
         accelerator = Accelerator(cpu=not torch.cuda.is_available())
         model, tokenizer = load_model(args.model, args.adapter, args.dtype, accelerator.device)
         run_job(args, bench, model, tokenizer, accelerator)

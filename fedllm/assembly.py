@@ -129,11 +129,11 @@ def benchmark_for(cfg: Config) -> Benchmark | None:
     if e.benchmark == "none":
         return None
     if e.benchmark != "auto":
-        return load_benchmark(e.benchmark, e.shots, e.subjects or None, e.limit)
+        return load_benchmark(e.benchmark, e.shots, e.subjects or None, e.limit, e.overflow)
     if cfg.data.dataset == "builtin":
-        return load_benchmark("builtin", e.shots, e.subjects or None, e.limit)
+        return load_benchmark("builtin", e.shots, e.subjects or None, e.limit, e.overflow)
     try:
-        return load_benchmark("cais/mmlu", e.shots, e.subjects or None, e.limit)
+        return load_benchmark("cais/mmlu", e.shots, e.subjects or None, e.limit, e.overflow)
     except MMLUDataError as err:
         log.warning(
             "eval.benchmark = auto: MMLU cannot be loaded (%s); evaluating held-out loss only. Set "

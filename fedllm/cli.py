@@ -110,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def print_summary(s: dict) -> None:
-    from fedllm.model_card import benchmark_name
+    from eval.mmlu import benchmark_name
 
     def f(x):
         return "n/a" if x is None else f"{x:.4f}"
@@ -146,9 +146,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from eval.mmlu import load_benchmark, run_job
     from fedllm.export import load_for_eval
 
-    bench = load_benchmark(
-        args.data, args.shots, args.subjects, args.limit
-    )  # bad data fails before the model loads
+    # bad data fails before the model loads
+    bench = load_benchmark(args.data, args.shots, args.subjects, args.limit, args.overflow)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model, tokenizer = load_for_eval(
         args.model, args.adapter, args.run, args.round, args.client, args.dtype, accelerator.device

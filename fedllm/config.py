@@ -213,6 +213,13 @@ def validate(cfg: Config) -> None:
             "(merged, stacked or re-factorized updates), so control variates would refer to parameters that "
             "no longer exist"
         )
+    if algorithm.needs_parameter_averaging and not strategy.same_weights:
+        raise ConfigError(
+            f"client.algorithm = {cfg.client.algorithm} keeps its control variate as sum_k p_k c_k, but "
+            f"aggregation.name = {cfg.aggregation.name} averages each parameter with weights of its own "
+            "(FLoRAL: "
+            "p(k|c) per adaptor), so the variate would correct towards another objective; use fedit"
+        )
     if strategy.hook.local_params and not algorithm.trains_local_params:
         raise ConfigError(
             f"client.algorithm = {cfg.client.algorithm} cannot run with aggregation.name = "

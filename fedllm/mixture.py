@@ -40,17 +40,27 @@ class MixtureOptions:
 
     num_adaptors: int
     temperature: float = 1.0
-    noise: float = 0.0
-    per_layer: bool = False
+    noise: float = 1.0  # added to the logits while training: noise * U[0, 1) (the reference's), or * N(0, 1)
+    noise_dist: str = "uniform"
+    granularity: str = "client"  # one router per client, per transformer block, or per target module
+    server_temperature: bool = (
+        False  # upload softmax(logits / T) instead of softmax(logits) (the reference's)
+    )
     stateful: bool = True
     router_lr: float = 1e-2
     precondition_eps: float = 0.0
     bias: bool = False
 
 
-def router_group(module_key: str, per_layer: bool) -> str:
-    if not per_layer:
+GRANULARITY = ("client", "block", "module")
+
+
+def router_group(module_key: str, granularity: str) -> str:
+    """The router a module's adaptors follow: the client's one router, its block's, or its own."""
+    if granularity == "client":
         return "all"
+    if granularity == "module":
+        return module_key
     m = re.search(r"layers\.(\d+)\.", module_key)
     return f"layer{m.group(1)}" if m else module_key
 
@@ -76,7 +86,7 @@ class MixtureSession(HookSession):
         self.local_lr = spec.router_lr
         first = next(iter(self.modules.values())).lora_A[adapter].weight
         self.rank = first.shape[0] // spec.num_adaptors  # each adaptor's rank r (the adapter has C * r)
-        groups = sorted({router_group(k, spec.per_layer) for k in self.modules})
+        groups = sorted({router_group(k, spec.granularity) for k in self.modules})
         device = next(iter(self.modules.values())).lora_A[adapter].weight.device
         self.logits = {
             g: torch.nn.Parameter(
@@ -99,7 +109,7 @@ class MixtureSession(HookSession):
                 self.biases[key] = torch.nn.Parameter(value.to(device, torch.float32))
         self._handles = []
         for key, module in self.modules.items():
-            group = router_group(key, spec.per_layer)
+            group = router_group(key, spec.granularity)
             self._handles.append(module.lora_A[adapter].register_forward_hook(self._scale_hook(group)))
             if spec.bias:
                 self._handles.append(
@@ -111,7 +121,8 @@ class MixtureSession(HookSession):
     def weights(self, group: str, training: bool) -> Tensor:
         logits = self.logits[group]
         if training and self.spec.noise > 0:
-            logits = logits + self.spec.noise * torch.randn_like(logits)
+            draw = torch.rand_like if self.spec.noise_dist == "uniform" else torch.randn_like
+            logits = logits + self.spec.noise * draw(logits)
         return router_probs(logits, self.spec.temperature)
 
     def _scale_hook(self, group: str):
@@ -162,11 +173,12 @@ class MixtureSession(HookSession):
         """The bias adaptors: shared like the LoRA adaptors (uploaded and averaged per adaptor)."""
         return {f"bias.{k}": p for k, p in self.biases.items()}
 
-    def module_probs(self) -> dict[str, Tensor]:
-        """Each target module's router probabilities (noise-free): what the server weights its adaptors by."""
+    def module_probs(self, temperature: float | None = None) -> dict[str, Tensor]:
+        """Each target module's noise-free router probabilities at ``temperature`` (default: the router's)."""
+        temperature = self.spec.temperature if temperature is None else temperature
         with torch.no_grad():
             return {
-                key: router_probs(self.logits[router_group(key, self.spec.per_layer)], self.spec.temperature)
+                key: router_probs(self.logits[router_group(key, self.spec.granularity)], temperature)
                 .detach()
                 .cpu()
                 for key in self.modules
@@ -176,7 +188,10 @@ class MixtureSession(HookSession):
         """What the server receives besides the factors: per-module router probabilities, and the bias
         adaptors.
         """
-        out = {f"router_probs.{k}": p for k, p in self.module_probs().items()}
+        # what the server weights adaptors by: softmax(logits), as the reference's server computes it, or
+        # with the router's temperature (server_temperature)
+        probs = self.module_probs(None if self.spec.server_temperature else 1.0)
+        out = {f"router_probs.{k}": p for k, p in probs.items()}
         out.update({f"bias.{k}": self._scales[k] * b.detach().cpu() for k, b in self.biases.items()})
         return out
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from eval.mmlu import benchmark_name
 from fedllm.checkpoint import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,6 @@ def card_facts(run_dir: Path, cfg, round_idx: int | None) -> dict:
         "up_bytes": comm.get("total_up_bytes"),
         "down_bytes": comm.get("total_down_bytes"),
     }
-
-
-def benchmark_name(source: str) -> str:
-    if source == "builtin":
-        return "fedllm built-in MMLU-format benchmark"
-    return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
 
 
 def write_model_card(

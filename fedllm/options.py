@@ -237,6 +237,11 @@ class ClientConfig:
     perfedavg_fd_delta: float = opt(
         1e-3, "Per-FedAvg HF: the finite-difference step of the Hessian-vector product", _positive, "> 0"
     )
+    perfedavg_clip_meta: bool = opt(
+        False,
+        "Per-FedAvg: clip the meta-gradient to client.max_grad_norm (the paper clips nothing; its inner and "
+        "personalization steps are never clipped)",
+    )
     personalize_steps: int = opt(
         1,
         "plain-SGD steps (client.sgd_lr; Per-FedAvg: alpha) on a client's own data "
@@ -262,9 +267,31 @@ class AggregationConfig:
     router_temperature: float = opt(1.0, "FLoRAL: softmax temperature of the router", _positive, "> 0")
     router_lr: float = opt(1e-2, "FLoRAL: learning rate of the router logits", _positive, "> 0")
     router_noise: float = opt(
-        0.0, "FLoRAL: std of Gaussian noise on router logits while training", _nonneg, ">= 0"
+        1.0,
+        "FLoRAL: scale of the noise added to the router logits while training (the reference's: 1.0)",
+        _nonneg,
+        ">= 0",
     )
-    router_per_layer: bool = opt(False, "FLoRAL: one router per layer instead of one per client")
+    router_noise_dist: str = opt(
+        "uniform",
+        "FLoRAL: the router noise's distribution: uniform (U[0, 1), the reference's) or gaussian (N(0, 1))",
+        lambda x: x in ("uniform", "gaussian"),
+        "one of uniform, gaussian",
+    )
+    router_granularity: str = opt(
+        "client",
+        "FLoRAL: one router per client (the reference's default), per transformer block, or per target "
+        "module "
+        "(the reference's per-layer routers)",
+        lambda x: x in ("client", "block", "module"),
+        "one of client, block, module",
+    )
+    router_server_temperature: bool = opt(
+        False,
+        "FLoRAL: the server weights adaptors by softmax(logits / router_temperature) instead of "
+        "softmax(logits) "
+        "(the reference's server ignores the temperature)",
+    )
     stateful_routers: bool = opt(True, "FLoRAL: keep routers across rounds (else re-learn each round)")
     precondition_eps: float = opt(0.0, "FLoRAL: LoRA preconditioning epsilon (0: off)", _nonneg, ">= 0")
     bias_adaptors: bool = opt(False, "FLoRAL: also C bias adaptors per target module, mixed by the router")
@@ -314,6 +341,13 @@ class EvalConfig:
     )
     shots: int = opt(0, "few-shot examples from the dev split", _nonneg, ">= 0")
     limit: int = opt(0, "questions per subject (0: all)", _nonneg, ">= 0")
+    overflow: str = opt(
+        "truncate",
+        "a benchmark prompt longer than the model's context: cut its oldest tokens from the left, as "
+        "lm-evaluation-harness does (truncate), or drop whole shots from the end first (drop_shots)",
+        lambda x: x in ("truncate", "drop_shots"),
+        "one of truncate, drop_shots",
+    )
     batch_size: int = opt(16, "questions per forward pass", _positive, "an integer >= 1")
     subjects: list[str] = opt([], "subject subset (empty: all)")
     personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")

@@ -217,6 +217,39 @@ def test_perfedavg_update_hand_computed(variant):
     assert_close(model.theta.detach(), theta0 - beta * g, rtol=1e-7, atol=1e-8)
 
 
+def test_perfedavg_clips_nothing_by_default_and_personalizes_with_the_trained_step():
+    """Gradients far above client.max_grad_norm = 1: Per-FedAvg's meta step and its personalization step
+    are the paper's unclipped ones (the meta-gradient is clipped only with clip_meta); SFT clips both."""
+    d1, d2, d3 = quadratic_batches()
+    theta0 = torch.tensor([50.0, -40.0, 30.0], dtype=torch.float64)  # far from the optimum: big gradients
+    alpha, beta = 0.01, 0.02
+    inner = theta0 - alpha * (d1["H"] @ theta0 - d1["b"])
+    meta = d2["H"] @ inner - d2["b"]
+    assert meta.norm() > 10
+    for clip_meta, want in ((False, theta0 - beta * meta), (True, theta0 - beta * meta / meta.norm())):
+        model = LeastSquares(3)
+        with torch.no_grad():
+            model.theta.copy_(theta0)
+        PerFedAvg(alpha=alpha, clip_meta=clip_meta).train(
+            model, {"theta": model.theta}, iter([d1, d2, d3]), plan(1, beta, clip=1.0), None, {}
+        )
+        assert_close(model.theta.detach(), want, rtol=1e-7, atol=1e-8)
+    for algo, want in (
+        (PerFedAvg(alpha=alpha), theta0 - alpha * (d1["H"] @ theta0 - d1["b"])),
+        (SFT(), None),
+    ):
+        model = LeastSquares(3)
+        with torch.no_grad():
+            model.theta.copy_(theta0)
+        p = plan(1, alpha, clip=1.0)
+        algo.personalize(model, {"theta": model.theta}, itertools.repeat(d1), 1, p, None)
+        step = model.theta.detach() - theta0
+        if want is not None:  # the alpha step, unclipped
+            assert_close(model.theta.detach(), want, rtol=1e-7, atol=1e-8)
+        else:  # clipped to norm 1 before the step of size alpha
+            assert float(step.norm()) == pytest.approx(alpha, rel=1e-6)
+
+
 class DropoutSquares(nn.Module):
     """1/(2n) ||dropout(X) theta - y||^2: a quadratic whose Hessian depends on the dropout mask."""
 
@@ -305,11 +338,21 @@ def test_algorithms_needing_averaged_parameters_refuse_other_strategies(algorith
     assert {"sft", "fedprox", "scaffold", "perfedavg"} <= set(ALGORITHMS)
     for name, strategy in STRATEGIES.items():
         overrides = [f"client.algorithm={algorithm}", f"aggregation.name={name}", "lora.ranks=[4]"]
-        if ALGORITHMS[algorithm].needs_parameter_averaging and not strategy.averages_parameters:
+        needs = ALGORITHMS[algorithm].needs_parameter_averaging
+        if needs and not strategy.averages_parameters:
             with pytest.raises(ConfigError, match=f"aggregation.name = {name} changes the parameter space"):
+                load_config(None, overrides)
+        elif needs and not strategy.same_weights:
+            with pytest.raises(ConfigError, match=f"aggregation.name = {name} averages each parameter"):
                 load_config(None, overrides)
         elif not (strategy.hook.local_params and not ALGORITHMS[algorithm].trains_local_params):
             load_config(None, overrides)
+
+
+def test_scaffold_refuses_rslora_with_mixed_ranks():
+    load_config(None, ["client.algorithm=scaffold", "lora.use_rslora=true", "lora.ranks=[8]"])
+    with pytest.raises(ConfigError, match="scaffold with lora.use_rslora and mixed ranks"):
+        load_config(None, ["client.algorithm=scaffold", "lora.use_rslora=true", "lora.ranks=[4,8]"])
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))

@@ -61,6 +61,28 @@ def plain(tmp_path_factory, builtin_base):
     return runs
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["client.algorithm=scaffold"],
+        ["client.algorithm=perfedavg", "client.perfedavg_variant=hf"],
+        [
+            "aggregation.name=floral",
+            "lora.ranks=[4]",
+            "aggregation.bias_adaptors=true",
+            "eval.personalized=true",
+        ],
+    ],
+    ids=["scaffold", "perfedavg-hf", "floral"],
+)
+def test_stateful_algorithms_and_floral_train_every_client_on_cuda(tmp_path, extra, builtin_base):
+    """Client state (c_k, routers) and downloads cross between the CPU and the GPU: no client may fail."""
+    summary = launch(tmp_path / "run", ["--num_processes", "1", "--mixed_precision", "no"], *extra)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["failed_client_calls"] == 0 and all(r["n_updates"] == 4 for r in rows[1:])
+    assert summary["loss_after"] < summary["loss_before"]
+
+
 @pytest.mark.parametrize("mode", ["4bit", "8bit"])
 def test_qlora_on_cuda_keeps_residual_and_learns(tmp_path, mode, builtin_base):
     cfg = load_config(

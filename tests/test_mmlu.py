@@ -35,15 +35,28 @@ def test_prompt_five_shot_exact():
     assert ctx == expected
 
 
-def test_shots_dropped_when_too_long():
-    class CharTok:
-        def __call__(self, text, **kw):
-            return {"input_ids": list(range(len(text)))}
+class CharTok:
+    """One token per character (no BOS): lengths are readable."""
 
-    shots = [q("anatomy", i, "S" * 50) for i in range(5)]
-    full = build_context(q("anatomy", 9, "T?"), shots)
-    ctx = build_context(q("anatomy", 9, "T?"), shots, CharTok(), max_len=len(full) - 10)
-    assert ctx.count("Answer:") < 6 and ctx.endswith("T?\nA. w\nB. x\nC. y\nD. z\nAnswer:")
+    def __call__(self, text, add_special_tokens=True, **kw):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_overflow_cuts_from_the_left_as_the_harness_or_drops_shots():
+    from eval.mmlu import prompt_items
+
+    shots = {"anatomy": [q("anatomy", i, "S" * 50) for i in range(5)]}
+    question = q("anatomy", 9, "T?")
+    full = build_context(question, shots["anatomy"])
+    L = len(full) - 10
+    (item,), used, cut = prompt_items(CharTok(), [question], shots, 5, L)  # truncate, the default
+    # lm-evaluation-harness feeds (context + " A")[-(L + 1):][:-1] (here " A" is 2 tokens, so the space too)
+    harness = [ord(c) for c in (full + " A")][-(L + 1) :][:-1]
+    assert item.ids + item.continuations[0][:-1] == harness and len(harness) == L
+    assert used == [5] and cut == [11]
+    (item,), used, cut = prompt_items(CharTok(), [question], shots, 5, L, overflow="drop_shots")
+    assert used[0] < 5 and cut == [0] and len(item.ids) + 1 <= L
+    assert "".join(map(chr, item.ids)).endswith("T?\nA. w\nB. x\nC. y\nD. z\nAnswer:")
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +340,7 @@ def test_prefix_reuse_with_a_bpe_tokenizer_and_a_question_crossing_the_boundary(
 
     dev = {"zoology": [q(100 + i, f"Which animal number {i} is striped?") for i in range(3)]}
     questions = [q(i, f"Which animal {i} is striped?") for i in range(6)] + [q(6, "Zebra stripes: how many?")]
-    items, _ = prompt_items(tok, questions, dev, 3, 512)
+    items, _, _ = prompt_items(tok, questions, dev, 3, 512)
     assert items[0].ids[0] == tok.bos_token_id and all(it.single_token for it in items)
     n, sharing = shared_prefix([it.ids for it in items])
     assert n > 50 and 6 not in sharing and sharing == list(range(6))  # the crossing question falls back
@@ -348,12 +361,36 @@ def test_prefix_reuse_that_disagrees_with_a_plain_forward_is_turned_off(tiny, mo
     assert "prefix reuse is off for this model" in caplog.text
 
 
-def test_shots_that_do_not_fit_are_dropped_per_question_and_recorded(tiny, caplog, tmp_path):
-    """The built-in base has a 128-token context: 5 shots cannot fit; each record says how many did."""
-    from eval.mmlu import evaluate, load_benchmark, write_results
+def test_prompts_that_do_not_fit_are_cut_as_the_harness_and_reuse_matches_plain_scoring(tiny, caplog):
+    """The built-in base has a 128-token context: 5-shot prompts overflow and are cut from the left; the
+    prefix-reuse path gives the plain path's log-likelihoods, which are a brute force's on the cut tokens."""
+    from eval.mmlu import evaluate, load_benchmark
 
     model, tok = tiny
     bench = load_benchmark("builtin", shots=5, limit=2)
+    _, records = evaluate(model, tok, bench, batch_size=4)
+    _, plain = evaluate(model, tok, bench, batch_size=4, reuse=False)
+    assert all(r.tokens_cut > 0 and r.shots == 5 for r in records)
+    assert "cut from the left as lm-evaluation-harness does" in caplog.text
+    for a, b in zip(records, plain, strict=True):
+        diff = max(abs(x - y) for x, y in zip(a.loglikelihoods, b.loglikelihoods, strict=True))
+        assert a.predicted == b.predicted and diff < 1e-4
+    r = records[0]
+    question = next(x for x in bench.questions if (x.subject, x.index) == (r.subject, r.index))
+    whole = tok(build_context(question, bench.dev[question.subject][:5]) + " A")["input_ids"]
+    kept = whole[-(128 + 1) :][:-1]  # the harness's left truncation
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([kept])).logits[0, -1], -1)
+    assert r.loglikelihoods[0] == pytest.approx(logp[whole[-1]].item(), abs=1e-4)
+    assert len(whole) - 1 - len(kept) == r.tokens_cut
+
+
+def test_with_drop_shots_prompts_that_do_not_fit_lose_shots_and_say_so(tiny, caplog, tmp_path):
+    """overflow=drop_shots: 5 shots cannot fit 128 tokens; each record says how many did."""
+    from eval.mmlu import evaluate, load_benchmark, write_results
+
+    model, tok = tiny
+    bench = load_benchmark("builtin", shots=5, limit=2, overflow="drop_shots")
     result, records = evaluate(model, tok, bench, batch_size=4)
     used = {r.shots for r in records}
     assert max(used) < 5 and min(used) >= 0

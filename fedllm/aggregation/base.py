@@ -69,9 +69,8 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     merges_into_base: ClassVar[bool] = False
     averages_parameters: ClassVar[bool] = True
-    supports_robust: ClassVar[bool] = (
-        False  # its aggregate is a plain average that aggregation.robust replaces
-    )
+    supports_robust: ClassVar[bool] = False  # a plain average, which aggregation.robust can replace
+    same_weights: ClassVar[bool] = True  # every parameter of an update is averaged with the same p_k
     robust: str = "none"  # aggregation.robust: none, median or trimmed_mean (set by strategy_from_config)
     trim_fraction: float = 0.1
     hook: ClassVar[type[ClientHook]] = ClientHook  # the client side (plain LoRA unless a strategy says else)

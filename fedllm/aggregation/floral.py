@@ -76,6 +76,7 @@ class FLoRAL(Strategy):
 
     name = "floral"
     hook = FloralClient
+    same_weights = False  # adaptor c of client k weighs p(k|c), its router's share of c
 
     def __init__(self, num_adaptors: int = 2, **router: Any) -> None:
         """``router``: the clients' :class:`~fedllm.mixture.MixtureOptions` besides ``num_adaptors``."""
@@ -90,7 +91,9 @@ class FLoRAL(Strategy):
             num_adaptors=agg.num_adaptors,
             temperature=agg.router_temperature,
             noise=agg.router_noise,
-            per_layer=agg.router_per_layer,
+            noise_dist=agg.router_noise_dist,
+            granularity=agg.router_granularity,
+            server_temperature=agg.router_server_temperature,
             stateful=agg.stateful_routers,
             router_lr=agg.router_lr,
             precondition_eps=agg.precondition_eps,

@@ -169,11 +169,19 @@ class ClientAlgorithm(abc.ABC):
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
             accumulate(model, batches, plan, accelerator)
-            if plan.max_grad_norm > 0:  # the same step rule as local training
-                torch.nn.utils.clip_grad_norm_(list(params.values()), plan.max_grad_norm)
+            if self.personal_clip(plan) > 0:  # the step rule the local training used
+                torch.nn.utils.clip_grad_norm_(list(params.values()), self.personal_clip(plan))
             opt.step()
         opt.zero_grad(set_to_none=True)
         model.eval()
+
+    def step_clip(self, plan: LocalPlan) -> float:
+        """The gradient-norm clip of each local step (``client.max_grad_norm``; 0: none)."""
+        return plan.max_grad_norm
+
+    def personal_clip(self, plan: LocalPlan) -> float:
+        """The gradient-norm clip of each personalization step: the local steps' rule."""
+        return self.step_clip(plan)
 
     def personal_lr(self, plan: LocalPlan) -> float:
         """Personalization takes plain SGD steps: ``client.sgd_lr``."""
@@ -214,7 +222,7 @@ class ClientAlgorithm(abc.ABC):
         self.begin(params, state, download or {})
         losses, step_sizes = [], []
         with wrapped_for_training(
-            accelerator, layout, model, optimizer, plan.max_grad_norm, plan.batch_size
+            accelerator, layout, model, optimizer, self.step_clip(plan), plan.batch_size
         ) as (wrapped, optimizer):
             wrapped.train()
             bar = tqdm(
@@ -226,8 +234,8 @@ class ClientAlgorithm(abc.ABC):
             for _ in range(plan.steps):
                 optimizer.zero_grad(set_to_none=True)
                 loss = self.local_step(wrapped, params, batches, plan, accelerator)
-                if plan.max_grad_norm > 0 and not clips_gradients_itself(layout):
-                    torch.nn.utils.clip_grad_norm_(list(params.values()), plan.max_grad_norm)
+                if self.step_clip(plan) > 0 and not clips_gradients_itself(layout):
+                    torch.nn.utils.clip_grad_norm_(list(params.values()), self.step_clip(plan))
                 step_sizes.append(optimizer.param_groups[0]["lr"])
                 optimizer.step()
                 scheduler.step()

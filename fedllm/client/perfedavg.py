@@ -16,7 +16,10 @@ Steps are plain SGD: ``beta`` is ``client.sgd_lr`` and ``alpha`` is
 ``client.perfedavg_alpha`` (default: ``beta``). Every gradient averages
 ``client.grad_accum`` micro-batches. Personalization = the global model plus
 one (or k) steps of size alpha on the client's own data, which is what the
-objective trains it to be good for.
+objective trains it to be good for. As in the paper nothing is clipped: not
+the inner step, not the personalization step (the same alpha step the
+meta-objective trained for), and not the meta-gradient unless
+``client.perfedavg_clip_meta`` asks for it.
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ class PerFedAvg(ClientAlgorithm):
     name = "perfedavg"
     trains_local_params = False  # the meta-objective is over the shared parameters only (no FLoRAL routers)
 
-    def __init__(self, alpha: float = 0.0, variant: str = "fo", fd_delta: float = 1e-3) -> None:
+    def __init__(
+        self, alpha: float = 0.0, variant: str = "fo", fd_delta: float = 1e-3, clip_meta: bool = False
+    ) -> None:
         if variant not in ("fo", "hf"):
             raise ValueError(f"client.perfedavg_variant = {variant!r}: expected fo or hf")
         super().__init__("sgd")
-        self.alpha, self.variant, self.fd_delta = alpha, variant, fd_delta
+        self.alpha, self.variant, self.fd_delta, self.clip_meta = alpha, variant, fd_delta, clip_meta
 
     @classmethod
     def from_config(cls, client_cfg) -> PerFedAvg:
@@ -60,6 +65,7 @@ class PerFedAvg(ClientAlgorithm):
             alpha=client_cfg.perfedavg_alpha,
             variant=client_cfg.perfedavg_variant,
             fd_delta=client_cfg.perfedavg_fd_delta,
+            clip_meta=client_cfg.perfedavg_clip_meta,
         )
 
     def inner_lr(self, plan) -> float:
@@ -67,6 +73,14 @@ class PerFedAvg(ClientAlgorithm):
 
     def personal_lr(self, plan) -> float:
         return self.inner_lr(plan)  # the inner step the meta-objective trained for
+
+    def step_clip(self, plan) -> float:
+        """The meta-gradient is clipped only with ``client.perfedavg_clip_meta`` (the paper clips nothing)."""
+        return plan.max_grad_norm if self.clip_meta else 0.0
+
+    def personal_clip(self, plan) -> float:
+        """Personalization is the unclipped inner step alpha, the one the meta-objective trained for."""
+        return 0.0
 
     def _grads(
         self,

@@ -13,6 +13,16 @@ weights cannot absorb them.
 
 The strategy's client side is a :class:`~fedllm.protocol.ClientHook` handed in
 by the assembly; the runtime calls it and never asks which strategy it serves.
+
+Where tensors live: the server, every message and every client's state are on
+the CPU; the model (and what is computed from it) is on the launch's device.
+Tensors cross at two places only: when a client is switched in
+(``write_factors``/``write_dense`` copy its download onto the device; an
+algorithm's ``begin`` moves its downloaded and kept state there) and when its
+update is read out (``read_factors``/``read_dense``, the algorithm's
+``finish`` and the hook session's ``upload``/``state`` return CPU tensors).
+``tests/test_devices.py`` runs every algorithm and strategy with the model on
+a pretend device, where any other mix raises as it would on a GPU.
 """
 
 from __future__ import annotations

@@ -136,30 +136,43 @@ class Scaffold(ClientAlgorithm):
     def from_config(cls, client_cfg) -> Scaffold:
         return cls(optimizer=client_cfg.scaffold_optimizer)
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        ranks = sorted(set(cfg.lora.ranks) | set(cfg.lora.rank_distribution))
+        if cfg.lora.use_rslora and len(ranks) > 1:
+            raise ValueError(
+                f"client.algorithm = scaffold with lora.use_rslora and mixed ranks {ranks}: each rank's B "
+                "then "
+                "has another scale (alpha / sqrt(r)), so the control variates of different ranks mix units "
+                "while the model is averaged with the scale folded in; use one rank, or lora.use_rslora=false"
+            )
+
     def begin(self, params: Params, state: dict[str, Any], download: dict[str, Tensor]) -> None:
+        """The start, c and c_k on the model's device (the download and the client state are on the CPU)."""
         self._start = {k: p.detach().clone() for k, p in params.items()}
         self._c = {
-            k: _fit(download[k], p.shape) if k in download else torch.zeros_like(p) for k, p in params.items()
+            k: (_fit(download[k], p.shape) if k in download else torch.zeros(p.shape)).to(p.device, p.dtype)
+            for k, p in params.items()
         }
-        self._ck = {k: state.get(k, torch.zeros_like(p)) for k, p in params.items()}
+        self._ck = {k: state.get(k, torch.zeros(p.shape)).to(p.device, p.dtype) for k, p in params.items()}
 
     def local_step(self, model, params, batches, plan, accelerator) -> float:
         loss = accumulate(model, batches, plan, accelerator)
         with torch.no_grad():
             for k, p in params.items():
-                correction = self._c[k].to(p.device) - self._ck[k].to(p.device)
+                correction = self._c[k] - self._ck[k]
                 p.grad = correction if p.grad is None else p.grad.add_(correction)
         return loss
 
     def finish(
         self, params: Params, plan, state: dict[str, Any], step_sizes: list[float]
     ) -> dict[str, Tensor]:
+        """The new c_k and its change, computed on the model's device and read out to the CPU."""
         travelled = sum(step_sizes)  # sum_t eta_t: the schedule's real steps, not K * peak lr
         new_ck = {
-            k: self._ck[k] - self._c[k] + (self._start[k] - p.detach().cpu()) / travelled
-            for k, p in params.items()
+            k: self._ck[k] - self._c[k] + (self._start[k] - p.detach()) / travelled for k, p in params.items()
         }
-        deltas = {f"dc.{k}": new_ck[k] - self._ck[k] for k in params}
+        deltas = {f"dc.{k}": (new_ck[k] - self._ck[k]).float().cpu() for k in params}
         state.clear()
-        state.update(new_ck)  # c_k stays with the client
+        state.update({k: v.float().cpu() for k, v in new_ck.items()})  # c_k stays with the client
         return deltas

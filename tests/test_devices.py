@@ -1,0 +1,112 @@
+"""Device discipline without a GPU: every client algorithm and strategy runs rounds, merges, evaluation,
+personalization and a personalized export with the model on a pretend device (tests/pretend_device.py), and
+every tensor that crosses to the server or stays in a client's state is on the CPU.
+
+The rule (``fedllm/client/runtime.py``): the server, messages and client state live on the CPU; the runtime
+moves tensors onto the model's device when it switches a client in and back when it reads an update out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedllm.aggregation import STRATEGIES
+from fedllm.client import ALGORITHMS
+from fedllm.config import load_config
+from tests.conftest import tiny_overrides
+from tests.pretend_device import DeviceMix, PretendDevice, on_cpu, pretend_accelerator, to_pretend_device
+
+CASES = (
+    [(a, "fedit", []) for a in sorted(ALGORITHMS)]
+    + [("perfedavg", "fedit", ["client.perfedavg_variant=hf"])]
+    + [("sft", s, []) for s in sorted(STRATEGIES) if s != "fedit"]
+    + [("fedprox", "floral", ["aggregation.bias_adaptors=true", "aggregation.precondition_eps=1e-5"])]
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every op goes through Python here and the tensors are tiny: more threads only wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_pretend_device_trains_and_catches_a_mix():
+    with PretendDevice():
+        model = to_pretend_device(
+            torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        )
+        p = next(model.parameters())
+        assert p.device.type == "lazy"
+        x = torch.randn(5, 4).to(p.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+            opt.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+        assert on_cpu(p.detach().cpu()) and not on_cpu(torch.zeros(2, device=p.device))
+        assert float(p.detach().sum() * torch.tensor(2.0)) == pytest.approx(
+            2 * float(p.detach().cpu().sum())
+        )  # a scalar
+        with pytest.raises(DeviceMix, match="meet tensors on the CPU"):
+            p.detach() - p.detach().cpu()  # what SCAFFOLD's finish did before: it raises on a real GPU too
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "strategy", "extra"), CASES, ids=[f"{a}-{s}{'+' if e else ''}" for a, s, e in CASES]
+)
+def test_a_round_on_an_accelerator_mixes_no_devices(tmp_path, builtin_base, algorithm, strategy, extra):
+    from fedllm import assembly
+    from fedllm.simulation import Simulation
+
+    floral = STRATEGIES[strategy].hook.local_params
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"client.algorithm={algorithm}",
+            f"aggregation.name={strategy}",
+            "eval.limit=1",
+            "client.local_steps=1",
+            "data.client_test_fraction=0.3",
+            *(["lora.ranks=[4]"] if floral else []),
+            *extra,
+        ),
+    )
+    parts = assembly.load_partitions(cfg)
+    model, tokenizer = assembly.load_model(cfg, _cpu())  # loaded on the CPU, then moved in the mode
+    data, eval_data = assembly.tokenize_partitions(cfg, parts, model, tokenizer)
+    with PretendDevice():
+        to_pretend_device(model)
+        acc = pretend_accelerator()
+        fed = assembly.federation_on(
+            cfg, acc, model, tokenizer, data, eval_data=eval_data, benchmark=assembly.benchmark_for(cfg)
+        )
+        sim = Simulation(cfg, tmp_path, accelerator=acc, federation=fed)
+        for r in (1, 2):
+            row = sim.run_round(r).row
+            assert row["n_updates"] == 4, row["failed"]  # a device mix fails a client (the run goes on)
+        scores = sim.evaluate()
+        personal = sim.personalized(2)
+        start = sim.server.client_start(3, 0)
+        adapter, dense, biases = sim.runtime.personalized_adapter(sim.clients[0], start)
+    assert scores["eval_loss"] is not None and personal["personal"]
+    tensors, _ = sim.server.state_dict()
+    crossing = [*tensors.values(), *dense.values(), *biases.values()]
+    crossing += [t for f in adapter.values() for t in (f.A, f.B)]
+    crossing += [t for c in sim.clients for t in c.state.values()]
+    assert all(on_cpu(t) for t in crossing), [type(t).__name__ for t in crossing if not on_cpu(t)][:3]
+
+
+def _cpu():
+    import contextlib
+    import types
+
+    return types.SimpleNamespace(device=torch.device("cpu"), main_process_first=contextlib.nullcontext)
