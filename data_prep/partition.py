@@ -5,12 +5,16 @@ Dirichlet(alpha): for each category the share of each client is drawn from
 approaches IID. Data without categories (Alpaca, Wizard) falls back to a
 task-type proxy: the lower-cased first word of the instruction ("write",
 "explain", ...), with the 8 most frequent words as categories and the rest as
-"other". Every client gets at least ``min_size`` examples: draws are repeated
-(seeded) and, if that fails, examples move from the largest clients.
+"other". Every client gets at least ``min_size`` examples: one seeded draw,
+then examples move (at random, seeded) from the currently largest client to
+each client below the minimum. Time is linear in examples + clients (a heap
+finds the largest client), so 1,000 clients over 200k examples take well
+under a second; a configuration that cannot be met is refused before any draw.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import Counter, defaultdict
 
@@ -42,10 +46,19 @@ def _check_feasible(n: int, num_clients: int, min_size: int) -> None:
 
 
 def _enforce_min(parts: list[list[int]], min_size: int, rng: random.Random) -> list[list[int]]:
+    """Top every part up to ``min_size`` from the currently largest one. Feasibility (examples >= clients *
+    min_size) guarantees the largest part is above the minimum whenever some part is below it."""
+    heap = [(-len(p), k) for k, p in enumerate(parts)]
+    heapq.heapify(heap)
     for small in parts:
         while len(small) < min_size:
-            donor = max(parts, key=len)
-            small.append(donor.pop(rng.randrange(len(donor))))
+            _, k = heapq.heappop(heap)
+            donor = parts[k]
+            j = rng.randrange(len(donor))
+            donor[j], donor[-1] = donor[-1], donor[j]  # O(1) removal; parts are sorted at the end
+            small.append(donor.pop())
+            heapq.heappush(heap, (-len(donor), k))
+        # ``small``'s own heap entry is stale (too small): harmless, it is never the largest while short
     return parts
 
 
@@ -57,27 +70,23 @@ def iid(n: int, num_clients: int, seed: int, min_size: int = 1) -> list[list[int
 
 
 def dirichlet(
-    categories: list[str], num_clients: int, alpha: float, seed: int, min_size: int = 1, max_tries: int = 100
+    categories: list[str], num_clients: int, alpha: float, seed: int, min_size: int = 1
 ) -> list[list[int]]:
-    """Indices per client, category shares drawn from Dir(alpha)."""
+    """Indices per client, category shares drawn from Dir(alpha), one draw, then topped up to ``min_size``."""
     _check_feasible(len(categories), num_clients, min_size)
     by_cat: dict[str, list[int]] = defaultdict(list)
     for i, c in enumerate(categories):
         by_cat[c].append(i)
     rng_np = np.random.default_rng(seed)
     rng = random.Random(seed)
-    parts: list[list[int]] = []
-    for _ in range(max_tries):
-        parts = [[] for _ in range(num_clients)]
-        for cat in sorted(by_cat):
-            idx = list(by_cat[cat])
-            rng.shuffle(idx)
-            shares = rng_np.dirichlet([alpha] * num_clients)
-            cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(int)
-            for k, chunk in enumerate(np.split(np.array(idx), cuts)):
-                parts[k].extend(chunk.tolist())
-        if min(len(p) for p in parts) >= min_size:
-            break
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for cat in sorted(by_cat):
+        idx = list(by_cat[cat])
+        rng.shuffle(idx)
+        shares = rng_np.dirichlet([alpha] * num_clients)
+        cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(int)
+        for k, chunk in enumerate(np.split(np.array(idx), cuts)):
+            parts[k].extend(chunk.tolist())
     parts = _enforce_min(parts, min_size, rng)
     return [sorted(p) for p in parts]
 

@@ -9,6 +9,7 @@ by more than the boundary token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,35 +49,41 @@ class TokenizedExample:
     labels: list[int]
 
 
-def tokenize_example(example: Example, tokenizer, template: str, max_seq_len: int) -> TokenizedExample | None:
-    """Token ids and masked labels, truncated to ``max_seq_len``.
+def tokenize_batch(
+    examples: Sequence[Example], tokenizer, template: str, max_seq_len: int
+) -> list[TokenizedExample | None]:
+    """Token ids and masked labels of each example, truncated to ``max_seq_len``; the prompts and the full
+    texts each go through the tokenizer as one batch (the fast tokenizer's parallel path).
 
-    Returns ``None`` when truncation leaves no response token, because such an
-    example would contribute nothing but padding to a batch.
+    An entry is ``None`` when truncation leaves no response token, because such an example would contribute
+    nothing but padding to a batch.
     """
-    prompt = build_prompt(example, template)
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    full_ids = tokenizer(prompt + example.response.strip())["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        full_ids = [*full_ids, tokenizer.eos_token_id]
-    n_prompt = min(len(prompt_ids), len(full_ids))
-    labels = [IGNORE_INDEX] * n_prompt + full_ids[n_prompt:]
-    full_ids, labels = full_ids[:max_seq_len], labels[:max_seq_len]
-    if all(label == IGNORE_INDEX for label in labels):
-        return None
-    return TokenizedExample(full_ids, labels)
+    prompts = [build_prompt(e, template) for e in examples]
+    fulls = [p + e.response.strip() for p, e in zip(prompts, examples, strict=True)]
+    prompt_ids = tokenizer(prompts)["input_ids"] if prompts else []
+    full_ids = tokenizer(fulls)["input_ids"] if fulls else []
+    eos = tokenizer.eos_token_id
+    out: list[TokenizedExample | None] = []
+    for p_ids, f_ids in zip(prompt_ids, full_ids, strict=True):
+        ids = [*f_ids, eos] if eos is not None else list(f_ids)
+        n_prompt = min(len(p_ids), len(ids))
+        labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
+        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+        out.append(None if all(x == IGNORE_INDEX for x in labels) else TokenizedExample(ids, labels))
+    return out
+
+
+def tokenize_example(example: Example, tokenizer, template: str, max_seq_len: int) -> TokenizedExample | None:
+    """One example (see :func:`tokenize_batch`)."""
+    return tokenize_batch([example], tokenizer, template, max_seq_len)[0]
 
 
 def tokenize_examples(
-    examples: list[Example], tokenizer, template: str, max_seq_len: int
+    examples: Sequence[Example], tokenizer, template: str, max_seq_len: int
 ) -> list[TokenizedExample]:
-    """Tokenize a list, dropping examples that truncation left without a response."""
-    out = []
-    for ex in examples:
-        tok = tokenize_example(ex, tokenizer, template, max_seq_len)
-        if tok is not None:
-            out.append(tok)
-    return out
+    """Tokenize a list in memory, dropping examples that truncation left without a response (the federation's
+    data goes through the on-disk cache of ``data_prep.tokenized`` instead)."""
+    return [t for t in tokenize_batch(examples, tokenizer, template, max_seq_len) if t is not None]
 
 
 def collate(batch: list[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:

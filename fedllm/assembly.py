@@ -14,14 +14,16 @@ Order: :func:`layout_for` -> :func:`load_partitions` -> :func:`benchmark_for`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_prep.prompts import TokenizedExample, tokenize_examples
+from data_prep.prompts import TokenizedExample
 from eval.data import MMLUDataError
 from eval.mmlu import Benchmark, load_benchmark
 from fedllm.aggregation import Strategy, strategy_from_config
@@ -31,7 +33,7 @@ from fedllm.config import Config, ConfigError
 from fedllm.factors import lora_scale
 from fedllm.modeling import context_length, is_quantized, load_base
 from fedllm.parallel import Layout, uses_deepspeed, zero_stage
-from fedllm.partitions import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_client
+from fedllm.partitions import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
 from fedllm.protocol import ClientInfo, derive_seed
 from fedllm.server import Rules, Sampling, Server
 
@@ -185,17 +187,20 @@ def token_budget(cfg: Config, model) -> tuple[str, int]:
     return prompt_template(cfg), max_seq_len(cfg, context_length(model))
 
 
-ClientTokens = tuple[list[TokenizedExample], list[TokenizedExample]]  # a client's (train, test)
+ClientTokens = tuple[Sequence[TokenizedExample], Sequence[TokenizedExample]]  # a client's (train, test)
 
 
-def tokenize_partitions(cfg: Config, parts: Partitions, model, tokenizer) -> tuple[list[ClientTokens], list]:
-    """Every client's (train, test) token sequences and the held-out evaluation split, for this base."""
+def tokenize_partitions(
+    cfg: Config, parts: Partitions, model, tokenizer, accelerator=None, clients: bool = True
+) -> tuple[list[ClientTokens], Sequence[TokenizedExample]]:
+    """Every client's (train, test) token rows and the held-out evaluation split, for this base: one batched
+    tokenization cached on disk, written by the main process while the others wait, then read by all
+    (``clients=False``: only the held-out split, for a server)."""
     template, max_len = token_budget(cfg, model)
-    data = [
-        tokenize_client(examples, n_test, tokenizer, template, max_len, k)
-        for k, (examples, n_test) in enumerate(zip(parts.clients, parts.test_sizes, strict=True))
-    ]
-    return data, tokenize_examples(parts.eval_examples, tokenizer, template, max_len)
+    groups = (parts.clients, parts.test_sizes) if clients else ([], [])
+    with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
+        data, held_out = tokenize_clients(*groups, tokenizer, template, max_len, extra=parts.eval_examples)
+    return list(data), held_out
 
 
 def check_client_batches(cfg: Config, layout: Layout, data: list[ClientTokens]) -> None:
@@ -233,6 +238,7 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
             min_clients=fed.min_clients,
             clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
             client_timeout_s=fed.client_timeout_s,
+            catchup_window=fed.catchup_window,
             weighting=fed.weighting,
             max_client_weight=fed.max_client_weight,
         ),
@@ -249,7 +255,7 @@ class Federation:
     runtime: ClientRuntime
     server: Server
     clients: list[ClientData]
-    eval_data: list[TokenizedExample]
+    eval_data: Sequence[TokenizedExample]
     benchmark: Benchmark | None
     partition_stats: list[dict]
 
@@ -260,7 +266,7 @@ def assemble(cfg: Config, accelerator, progress: bool = False) -> Federation:
     parts = load_partitions(cfg)
     benchmark = benchmark_for(cfg)
     model, tokenizer = load_model(cfg, accelerator)
-    data, eval_data = tokenize_partitions(cfg, parts, model, tokenizer)
+    data, eval_data = tokenize_partitions(cfg, parts, model, tokenizer, accelerator)
     return federation_on(
         cfg,
         accelerator,
@@ -281,7 +287,7 @@ def federation_on(
     tokenizer,
     data: list[ClientTokens],
     *,
-    eval_data: list[TokenizedExample] | None = None,
+    eval_data: Sequence[TokenizedExample] | None = None,
     benchmark: Benchmark | None = None,
     stats: list[dict] | None = None,
     progress: bool = False,
@@ -330,13 +336,17 @@ def assemble_site(
     rank = strategy.adapter_rank(info.rank)
     runtime = build_runtime(cfg, strategy, layout, accelerator, model, tokenizer, [rank])
     template, max_len = token_budget(cfg, runtime.model)
-    train, test = tokenize_client(examples, n_test, tokenizer, template, max_len, client_id)
+    with accelerator.main_process_first():
+        [(train, test)], _ = tokenize_clients([examples], [n_test], tokenizer, template, max_len, [client_id])
     return runtime, ClientData(client_id, rank, info.scale, train, test)
 
 
-def restore(server: Server, runtime: ClientRuntime, clients: list[ClientData], run_dir: Path) -> dict | None:
+def restore(
+    server: Server, runtime: ClientRuntime, clients: list[ClientData], run_dir: Path, store=None
+) -> dict | None:
     """Bring a federation to the newest intact checkpoint of ``run_dir``: the server, the state of ``clients``
-    (the ones this process holds), and the merged base.
+    (the ones this process holds: into ``store``, a :class:`~fedllm.client_store.ClientStore`, when the
+    driver keeps client state on disk), and the merged base.
 
     Returns the checkpoint's metadata (None when the run has none yet); a
     damaged newer checkpoint is passed over, and a checkpoint of another
@@ -353,7 +363,13 @@ def restore(server: Server, runtime: ClientRuntime, clients: list[ClientData], r
             f"{path}: written by strategy {meta['strategy']!r}, config says {server.strategy.name!r}"
         )
     server.load_state_dict(tensors, meta)
-    for client in clients:
-        client.state = ckpt.client_state(tensors, client.client_id)
+    if store is not None and "client_state" in meta:
+        store.restore(meta)
+    else:  # the state in the checkpoint itself (a checkpoint written before the client store)
+        for client in clients:
+            client.state = ckpt.client_state(tensors, client.client_id)
+            if store is not None:
+                store.trained(client.client_id, meta["round"], store.save(client, meta["round"]))
+                store.release(client)
     runtime.restore_base(server.state.residual, meta["round"])
     return meta

@@ -288,12 +288,8 @@ def clean_temporaries(folder: Path) -> list[Path]:
     return removed
 
 
-def client_state_tensors(clients) -> dict[str, torch.Tensor]:
-    """The state of simulated clients as checkpoint tensors (``client.<id>.<name>``)."""
-    return {f"client.{c.client_id}.{k}": v for c in clients for k, v in c.state.items()}
-
-
 def client_state(tensors: dict[str, torch.Tensor], client_id: int) -> dict[str, torch.Tensor]:
-    """One client's state from checkpoint tensors (the inverse of :func:`client_state_tensors`)."""
+    """One client's state from the tensors of a checkpoint written before client state moved to its own files
+    (``client.<id>.<name>``; see ``fedllm/client_store.py``)."""
     prefix = f"client.{client_id}."
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

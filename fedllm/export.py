@@ -161,9 +161,13 @@ def personalized_adapter(
     cfg = run_config(run_dir)
     if not 0 <= client < cfg.federation.num_clients:
         raise ExportError(f"--client {client}: the run has clients 0..{cfg.federation.num_clients - 1}")
+    from fedllm.client_store import ClientStore
+
     fed = assembly.assemble(cfg, Accelerator(cpu=not torch.cuda.is_available()))
-    meta = assembly.restore(fed.server, fed.runtime, fed.clients, Path(run_dir))
+    store = ClientStore(Path(run_dir) / "clients", writes=False)
+    meta = assembly.restore(fed.server, fed.runtime, fed.clients, Path(run_dir), store)
     start = fed.server.client_start((meta["round"] if meta else 0) + 1, client)
+    store.load(fed.clients[client])
     return fed.runtime.personalized_adapter(fed.clients[client], start)
 
 

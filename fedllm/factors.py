@@ -55,7 +55,36 @@ class LoraFactors:
         )
 
 
-Adapter = dict[str, LoraFactors]
+@dataclass
+class DenseDelta:
+    """A module's update kept as its dense ``out x in`` matrix (scale folded).
+
+    Used for a merged residual once its factors would be larger than the
+    matrix (rank >= out * in / (out + in)); it offers the part of the
+    :class:`LoraFactors` interface that residuals and downloads use.
+    """
+
+    D: Tensor
+    scale: float = 1.0
+
+    @property
+    def rank(self) -> int:
+        return min(self.D.shape)
+
+    def delta(self) -> Tensor:
+        return self.D
+
+    def folded(self) -> DenseDelta:
+        return self
+
+    def numel(self) -> int:
+        return self.D.numel()
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> DenseDelta:
+        return DenseDelta(self.D.to(device=device, dtype=dtype))
+
+
+Adapter = dict[str, LoraFactors]  # a merged residual may also hold DenseDelta modules
 
 
 def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
@@ -183,17 +212,18 @@ def dense_param_names(model, modules: list[str]) -> list[str]:
 
 
 def concat(*adapters: Adapter) -> Adapter:
-    """The exact sum of several adapters as one adapter (scales folded, ranks added)."""
+    """The exact sum of several adapters as one adapter (scales folded, ranks added; a dense module stays
+    dense)."""
     out: Adapter = {}
     for adapter in adapters:
         for name, f in adapter.items():
-            g = f.folded()
-            if name in out:
-                out[name] = LoraFactors(
-                    torch.cat([out[name].A, g.A]), torch.cat([out[name].B, g.B], dim=1), 1.0
-                )
-            else:
+            g, have = f.folded(), out.get(name)
+            if have is None:
                 out[name] = g
+            elif isinstance(g, DenseDelta) or isinstance(have, DenseDelta):
+                out[name] = DenseDelta(have.delta() + g.delta())
+            else:
+                out[name] = LoraFactors(torch.cat([have.A, g.A]), torch.cat([have.B, g.B], dim=1), 1.0)
     return out
 
 
@@ -205,8 +235,11 @@ def adapter_tensors(adapter: Adapter, prefix: str) -> tuple[dict[str, Tensor], d
     """Flat tensors ``{prefix}{module}.A/.B`` and scales of an adapter (for checkpoints and messages)."""
     tensors, scales = {}, {}
     for key, f in adapter.items():
-        tensors[f"{prefix}{key}.A"] = f.A.contiguous()
-        tensors[f"{prefix}{key}.B"] = f.B.contiguous()
+        if isinstance(f, DenseDelta):
+            tensors[f"{prefix}{key}.D"] = f.D.contiguous()
+        else:
+            tensors[f"{prefix}{key}.A"] = f.A.contiguous()
+            tensors[f"{prefix}{key}.B"] = f.B.contiguous()
         scales[f"{prefix}{key}"] = f.scale
     return tensors, scales
 
@@ -229,5 +262,8 @@ def adapter_from_tensors(tensors: dict[str, Tensor], scales: dict[str, float], p
     for name, scale in scales.items():
         if name.startswith(prefix):
             key = name[len(prefix) :]
-            out[key] = LoraFactors(tensors[f"{name}.A"], tensors[f"{name}.B"], float(scale))
+            if f"{name}.D" in tensors:
+                out[key] = DenseDelta(tensors[f"{name}.D"])
+            else:
+                out[key] = LoraFactors(tensors[f"{name}.A"], tensors[f"{name}.B"], float(scale))
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fedllm.factors import Adapter, LoraFactors, concat
+from fedllm.factors import Adapter, DenseDelta, LoraFactors, concat
 
 
 def pad_rank(f: LoraFactors, rank: int) -> LoraFactors:
@@ -95,21 +95,48 @@ def weighted_mean(tensors: list[Tensor], weights: list[float]) -> Tensor:
 
 
 def compact(adapter: Adapter) -> Adapter:
-    """Same update, rank at most min(out, in) per module (exact SVD when larger)."""
+    """Same update as LoRA factors of rank at most min(out, in) per module (an exact SVD when larger, or of a
+    dense module): what a peft adapter folder or a residual adapter can hold."""
     out = {}
     for key, f in adapter.items():
-        limit = min(f.B.shape[0], f.A.shape[1])
-        if f.rank > limit:
+        if isinstance(f, DenseDelta):
+            u, s, vh = torch.linalg.svd(f.D.double(), full_matrices=False)
+            f = svd_factors(u.to(f.D.dtype), s.to(f.D.dtype), vh.to(f.D.dtype), s.numel(), "sqrt")
+        elif f.rank > min(f.B.shape[0], f.A.shape[1]):
             u, s, vh = low_rank_svd(f)
-            f = svd_factors(u, s, vh, limit)
+            f = svd_factors(u, s, vh, min(f.B.shape[0], f.A.shape[1]))
         out[key] = f.folded()
     return out
 
 
-def add_to_residual(residual: Adapter, merged: Adapter) -> Adapter:
-    """The cumulative update merged into the base after also merging ``merged`` (scales folded).
+def numerical_rank(s: Tensor, shape: tuple[int, int]) -> int:
+    """How many singular values exceed ``s_max * max(out, in) * eps(float32)`` (numpy's matrix_rank rule)."""
+    if s.numel() == 0 or float(s[0]) <= 0:
+        return 0
+    tol = float(s[0]) * max(shape) * torch.finfo(torch.float32).eps
+    return int((s > tol).sum())
 
-    The server's checkpointed residual and every client's merged base are
-    built by this one function, so they cannot drift apart.
+
+def smallest_exact(f: LoraFactors | DenseDelta) -> LoraFactors | DenseDelta:
+    """The same update in its smallest exact form: factors of its numerical rank (QR of the factors and an
+    SVD of the small core, never the dense matrix), or the dense matrix once that is smaller."""
+    if isinstance(f, DenseDelta):
+        return f
+    out_f, in_f = f.B.shape[0], f.A.shape[1]
+    if f.rank * (out_f + in_f) >= out_f * in_f:
+        return DenseDelta(f.delta())
+    u, s, vh = low_rank_svd(f)
+    p = max(1, numerical_rank(s, (out_f, in_f)))
+    return svd_factors(u, s, vh, p, "sqrt") if p < f.rank else f.folded()
+
+
+def add_to_residual(residual: Adapter, merged: Adapter) -> Adapter:
+    """The cumulative update merged into the base after also merging ``merged``, in its smallest exact form.
+
+    Its size is bounded by ``min(rank so far, out, in)`` per module, never by
+    the number of rounds. The server's checkpointed residual, a client's
+    catch-up download and every client's merged base are built by this one
+    function, so they cannot drift apart.
     """
-    return concat(residual, merged)
+    grown = concat(residual, merged)
+    return {k: smallest_exact(f) if k in merged else f for k, f in grown.items()}

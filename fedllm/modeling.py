@@ -361,13 +361,14 @@ def install_residual(peft_model, residual: Adapter, lora_cfg) -> int:
     return max(f.rank for f in factors.values())
 
 
-def merge_into_base(peft_model, merged: Adapter) -> None:
-    """Add ``scale * B @ A`` of ``merged`` to the frozen base weights (non-quantized bases)."""
+def merge_into_base(peft_model, merged: Adapter, sign: float = 1.0) -> None:
+    """Add ``sign`` x each module's update (``scale * B @ A``, or a dense delta) to the frozen base weights
+    (non-quantized bases)."""
     if is_quantized(peft_model):
         raise ModelError("cannot merge into a 4/8-bit quantized base: keep the update as a residual adapter")
     modules = lora_modules(peft_model, next(iter(peft_model.peft_config)))
     with torch.no_grad():
         for key, f in merged.items():
             weight = modules[key].get_base_layer().weight
-            delta = (f.B.to(torch.float32) * f.scale) @ f.A.to(torch.float32)
-            weight.add_(delta.to(weight.device, weight.dtype))
+            delta = f.to(torch.float32).delta()
+            weight.add_(delta.to(weight.device, weight.dtype), alpha=sign)

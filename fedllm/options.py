@@ -166,6 +166,14 @@ class FederationConfig:
         lambda x: x in ("auto", "clients", "data"),
         "one of auto, clients, data",
     )
+    catchup_window: int = opt(
+        8,
+        "merged updates (FLoRA, FLoRIST) the server keeps for clients that missed some: a client further "
+        "behind "
+        "downloads the whole merged residual instead of one catch-up of what it missed",
+        _positive,
+        "an integer >= 1",
+    )
     weighting: str = opt(
         "examples",
         "each update's share of a round's average: examples (n_k over the round's clients, from the counts "
@@ -216,6 +224,11 @@ class ClientConfig:
         "one of adamw, sgd",
     )
     batch_size: int = opt(8, "micro-batch size", _positive, "an integer >= 1")
+    group_by_length: bool = opt(
+        False,
+        "batch examples of similar length together (HF Trainer's group_by_length: less padding, batch order "
+        "still shuffled and seeded); off by default, see the README's measurement",
+    )
     grad_accum: int = opt(1, "micro-batches per optimizer step", _positive, "an integer >= 1")
     local_steps: int = opt(150, "optimizer steps per round (0: use local_epochs)", _nonneg, ">= 0")
     local_steps_per_client: list[int] = opt([], "per-client local steps, cycled (system heterogeneity)")
@@ -257,6 +270,13 @@ class AggregationConfig:
         "fedit", "server strategy (one file each in fedllm/aggregation/; 'local' is the local-only baseline)"
     )
     tau: float = opt(0.9, "FLoRIST: energy fraction of singular values kept", _fraction, "in (0, 1]")
+    fedsa_share_b_every: int = opt(
+        0,
+        "FedSA-LoRA: clients also upload their B every N-th round, and the global model is the global A with "
+        "their mean B (0: B never leaves a client, the paper's protocol; the global model is then the base)",
+        lambda x: x >= 0,
+        "an integer >= 0",
+    )
     fixed_rank: int = opt(
         0,
         "FLoRIST: keep exactly this rank instead of using tau (0: use tau)",
@@ -351,6 +371,13 @@ class EvalConfig:
     batch_size: int = opt(16, "questions per forward pass", _positive, "an integer >= 1")
     subjects: list[str] = opt([], "subject subset (empty: all)")
     personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")
+    personalized_clients: int = opt(
+        0,
+        "which clients personalized evaluation visits: 0 = each evaluation round's sampled clients, N = the "
+        "same seeded subset of N clients every time",
+        lambda x: x >= 0,
+        "an integer >= 0",
+    )
 
 
 @dataclass

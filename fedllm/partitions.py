@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 from data_prep.loaders import load_examples
 from data_prep.partition import client_stats, partition
-from data_prep.prompts import TokenizedExample, tokenize_examples
 from data_prep.schema import Example
+from data_prep.tokenized import TokenRows, tokenize_cached
 from fedllm.protocol import derive_seed
 
 
@@ -79,12 +80,43 @@ def max_seq_len(cfg, context: int | None) -> int:
     return max_len
 
 
-def tokenize_client(
-    examples: list[Example], n_test: int, tokenizer, template: str, max_len: int, client_id: int
-) -> tuple[list[TokenizedExample], list[TokenizedExample]]:
-    """A client's (train, test) token sequences; refuses a client left with no training example."""
-    train = tokenize_examples(examples[n_test:], tokenizer, template, max_len)
-    test = tokenize_examples(examples[:n_test], tokenizer, template, max_len)
+def token_cache_dir() -> Path:
+    """Where tokenized data is cached: ``$FEDLLM_CACHE/tokens`` (default ``~/.cache/fedllm/tokens``)."""
+    from fedllm.builtin_model import default_cache_dir
+
+    return default_cache_dir() / "tokens"
+
+
+def split_client(
+    rows: TokenRows, row_of: list[int], first: int, n_examples: int, n_test: int, client_id: int, max_len: int
+) -> tuple[TokenRows, TokenRows]:
+    """A client's (train, test) rows: its examples are ``first .. first + n_examples`` of the tokenized list,
+    its test share first; refuses a client left with no training example."""
+    test = [row_of[i] for i in range(first, first + n_test) if row_of[i] >= 0]
+    train = [row_of[i] for i in range(first + n_test, first + n_examples) if row_of[i] >= 0]
     if not train:
         raise ValueError(f"client {client_id}: no training example survives data.max_seq_len = {max_len}")
-    return train, test
+    return rows.select_table_rows(train), rows.select_table_rows(test)
+
+
+def tokenize_clients(
+    clients: list[list[Example]],
+    test_sizes: list[int],
+    tokenizer,
+    template: str,
+    max_len: int,
+    ids: list[int] | None = None,
+    extra: list[Example] | None = None,
+) -> tuple[list[tuple[TokenRows, TokenRows]], TokenRows]:
+    """Every client's (train, test) rows and the rows of ``extra`` (the held-out set), from one cached,
+    batched tokenization of all of them (``data_prep.tokenized``); ``ids``: the clients' ids for messages."""
+    extra = extra or []
+    everything = [e for examples in clients for e in examples] + extra
+    rows, row_of = tokenize_cached(everything, tokenizer, template, max_len, token_cache_dir())
+    out, first = [], 0
+    for k, (examples, n_test) in enumerate(zip(clients, test_sizes, strict=True)):
+        cid = ids[k] if ids else k
+        out.append(split_client(rows, row_of, first, len(examples), n_test, cid, max_len))
+        first += len(examples)
+    held_out = rows.select_table_rows([row_of[i] for i in range(first, len(everything)) if row_of[i] >= 0])
+    return out, held_out

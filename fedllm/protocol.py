@@ -47,13 +47,24 @@ def _numel(tensors: dict[str, Tensor]) -> int:
 
 
 @dataclass
+class Catchup:
+    """One exact update that brings a client's base from ``from_round`` (0: the original base) to
+    ``to_round``: the merges it missed (FLoRA, FLoRIST), re-factorized into their smallest exact form, or the
+    whole residual when the server no longer keeps the merges it missed."""
+
+    from_round: int
+    to_round: int
+    update: Adapter
+
+
+@dataclass
 class ClientStart:
     """What a client downloads for a round.
 
-    ``factors``: the adapter to load (None: a fresh LoRA); ``merges``: updates
-    to merge into its base that it has not applied yet, oldest first (FLoRA,
-    FLoRIST); ``dense``: the fully trained modules; ``extras``: strategy state
-    a client trains from (FLoRAL's bias adaptors); ``algo``: the client
+    ``factors``: the adapter to load (None: a fresh LoRA); ``catchup``: what
+    its base misses of the updates merged into it (FLoRA, FLoRIST);
+    ``dense``: the fully trained modules; ``extras``: strategy state a client
+    trains from (FLoRAL's bias adaptors); ``algo``: the client
     algorithm's server state (SCAFFOLD's control variate); ``accepted``: the
     last round whose aggregate used this client's update (0: none yet), so
     that state a client keeps in step with the server (SCAFFOLD's c_k) takes
@@ -62,7 +73,7 @@ class ClientStart:
 
     round: int
     factors: Adapter | None = None
-    merges: list[tuple[int, Adapter]] = field(default_factory=list)  # (round, update), oldest first
+    catchup: Catchup | None = None
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Tensor] = field(default_factory=dict)
     algo: dict[str, Tensor] = field(default_factory=dict)
@@ -70,7 +81,7 @@ class ClientStart:
 
     def numel(self) -> int:
         """Parameters this download carries (the communication ledger counts these)."""
-        merged = sum(adapter_numel(m) for _, m in self.merges)
+        merged = adapter_numel(self.catchup.update) if self.catchup else 0
         return (
             (adapter_numel(self.factors) if self.factors else 0)
             + merged
@@ -209,12 +220,15 @@ class ClientHook:
 
     ``personalizes``: the hook's own view of a client *is* its personalized
     model (FLoRAL: its router), instead of the algorithm's personalization
-    steps. ``local_params``: its sessions train parameters outside the model
-    (checked against the client algorithm and the process layout).
+    steps. ``uploads``: which factors leave the client (a factor left out
+    travels as an empty ``out x 0`` B, counted as nothing). ``local_params``:
+    its sessions train parameters outside the model (checked against the
+    client algorithm and the process layout).
     """
 
     personalizes: ClassVar[bool] = False
     local_params: ClassVar[bool] = False
+    uploads: ClassVar[tuple[str, ...]] = ("A", "B")  # the factors that travel (FedSA-LoRA: A alone)
 
     def start_factors(self, download: Adapter | None, fresh: Adapter) -> Adapter:
         """The factors a client trains from: its download with dead directions revived, or ``fresh``."""
@@ -235,8 +249,8 @@ class ClientHook:
 
 def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
     tensors, scales = adapter_tensors(start.factors or {}, "factors.")
-    for r, m in start.merges:
-        t, s = adapter_tensors(m, f"merge.{r}.")
+    if start.catchup is not None:
+        t, s = adapter_tensors(start.catchup.update, "catchup.")
         tensors.update(t)
         scales.update(s)
     for prefix, part in (("dense.", start.dense), ("extras.", start.extras), ("algo.", start.algo)):
@@ -245,7 +259,7 @@ def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
         "round": start.round,
         "scales": scales,
         "has_factors": start.factors is not None,
-        "merge_rounds": [r for r, _ in start.merges],
+        "catchup": [start.catchup.from_round, start.catchup.to_round] if start.catchup else None,
         "accepted": start.accepted,
     }
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
@@ -256,7 +270,9 @@ def decode_start(tensors: dict[str, Tensor], meta: dict) -> ClientStart:
     return ClientStart(
         round=meta["round"],
         factors=adapter_from_tensors(tensors, scales, "factors.") if meta["has_factors"] else None,
-        merges=[(r, adapter_from_tensors(tensors, scales, f"merge.{r}.")) for r in meta["merge_rounds"]],
+        catchup=Catchup(*meta["catchup"], adapter_from_tensors(tensors, scales, "catchup."))
+        if meta.get("catchup")
+        else None,
         dense=unprefixed(tensors, "dense."),
         extras=unprefixed(tensors, "extras."),
         algo=unprefixed(tensors, "algo."),

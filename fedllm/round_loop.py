@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,11 @@ from tqdm.auto import tqdm
 from eval.mmlu import Benchmark
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientRuntime
+from fedllm.client_store import ClientStore
 from fedllm.config import Config, flat_config
 from fedllm.evaluation import evaluate_global
 from fedllm.export import save_global_adapter
+from fedllm.protocol import derive_seed
 from fedllm.rundir import RunWriter
 from fedllm.server import RoundPlan, RoundReport, Server
 
@@ -65,6 +68,8 @@ class RoundLoop(abc.ABC):
         # the launch decides the device, the process group, DeepSpeed and mixed precision
         self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
         self.start_round, self.wall_before = 1, 0.0
+        self.store: ClientStore | None = None  # simulated clients' state on disk (a site keeps its own)
+        self.checkpoint_times: list[float] = []  # seconds per checkpoint written (scripts/bench_scale.py)
         self.t_start = time.perf_counter()
         self.writer = RunWriter(
             self.run_dir,
@@ -92,8 +97,28 @@ class RoundLoop(abc.ABC):
         """Each active client's update (or why it failed), trained from ``plan.starts``."""
 
     @abc.abstractmethod
-    def personalized(self, round_idx: int) -> dict[str, Any]:
-        """The metrics row's personalized part after ``round_idx`` (see :func:`personal_summary`)."""
+    def personalized(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
+        """The metrics row's personalized part after ``round_idx``, on ``clients`` (see
+        :func:`personal_summary`)."""
+
+    def personal_clients(self, sampled: list[int]) -> list[int]:
+        """Whom personalized evaluation visits: the round's sampled clients (``eval.personalized_clients =
+        0``), or the same seeded subset of N clients every time; visiting all 1,000 clients every evaluation
+        round would cost far more than the round's training."""
+        n = self.cfg.eval.personalized_clients
+        if n <= 0:
+            return sorted(sampled)
+        everyone = sorted(self.server.clients)
+        if n >= len(everyone):
+            return everyone
+        return sorted(random.Random(derive_seed(self.cfg.federation.seed, 13)).sample(everyone, n))
+
+    def personal_scope(self) -> str:
+        """What the summary says personalized evaluation covered."""
+        n = self.cfg.eval.personalized_clients
+        if n <= 0:
+            return "each evaluation round's sampled clients"
+        return f"a fixed seeded subset of {min(n, len(self.server.clients))} clients"
 
     def local_clients(self) -> list[ClientData]:
         """The clients whose state this driver holds and checkpoints (the simulation's; a site keeps
@@ -120,8 +145,13 @@ class RoundLoop(abc.ABC):
         report = self.server.finish_round(plan, results)
         t3 = time.perf_counter()
         if report.merged:
-            self.runtime.apply_merges([(round_idx, report.merged)])
-        times = {"time_plan_s": t1 - t0, "time_train_s": t2 - t1, "time_merge_s": time.perf_counter() - t3}
+            self.runtime.merge(round_idx, report.merged)
+        times = {
+            "time_plan_s": t1 - t0,
+            "time_train_s": t2 - t1,
+            "time_server_s": t3 - t2,  # acceptance, clipping and aggregation (time_aggregate_s: the last)
+            "time_merge_s": time.perf_counter() - t3,
+        }
         return Round({**report.row, **times}, report)
 
     def evaluate(self) -> dict[str, Any]:
@@ -135,10 +165,10 @@ class RoundLoop(abc.ABC):
 
     # -------------------------------------------------------- checkpointing
     def checkpoint(self, round_idx: int) -> None:
-        from fedllm.checkpoint import client_state_tensors
-
+        t0 = time.perf_counter()
         tensors, meta = self.server.state_dict()
-        tensors.update(client_state_tensors(self.local_clients()))
+        if self.store is not None:  # the index of each client's state file, not the states themselves
+            meta.update(self.store.meta())
         meta.update(
             {
                 "seed": self.cfg.federation.seed,
@@ -147,11 +177,14 @@ class RoundLoop(abc.ABC):
             }
         )
         self.writer.checkpoint(round_idx, tensors, meta)
+        if self.store is not None and self.acc.is_main_process:
+            self.store.prune(self.run_dir)
+        self.checkpoint_times.append(time.perf_counter() - t0)
 
     def restore(self) -> None:
         """Continue after the newest intact checkpoint of the run directory (a damaged newer one is passed
         over)."""
-        meta = assembly.restore(self.server, self.runtime, self.local_clients(), self.run_dir)
+        meta = assembly.restore(self.server, self.runtime, self.local_clients(), self.run_dir, self.store)
         if meta is None:
             log.info("no checkpoint in %s: starting from round 1", self.run_dir)
             return
@@ -186,7 +219,7 @@ class RoundLoop(abc.ABC):
             if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
                 row.update(self.evaluate())
                 if cfg.eval.personalized:
-                    row.update(self.personalized(r))
+                    row.update(self.personalized(r, self.personal_clients(row["sampled"])))
             row["cumulative"] = {k: v for k, v in self.server.ledger.totals().items() if k != "per_client"}
             self.writer.log(row)
             self.checkpoint(r)
@@ -220,6 +253,8 @@ class RoundLoop(abc.ABC):
             "communication": self.server.ledger.totals(),
             "global_adapter": str(self.run_dir / "global_adapter") if self.server.updated_rounds else None,
         }
+        if cfg.eval.personalized:
+            summary["personalized_on"] = self.personal_scope()
         if layout.deepspeed:
             summary["deepspeed_zero_stage"] = layout.zero_stage
         if cfg.model.quantization != "none":

@@ -3,7 +3,7 @@
 It holds no model (no peft, transformers or accelerate): its surface is
 messages. ``plan_round`` samples the round's clients and hands out one
 :class:`~fedllm.protocol.ClientStart` per client (what it downloads: its
-factors, the merges it has not applied yet, the dense modules, strategy and
+factors, one exact catch-up for the merges its base missed, the dense modules, strategy and
 algorithm state); ``finish_round`` takes back the round's
 :class:`~fedllm.protocol.ClientUpdate` s (or why a client failed), accepts
 them against what it knows (``fedllm/trust.py``: it believes no count, scale,
@@ -27,8 +27,17 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation import GlobalState, Strategy
+from fedllm.catchup import MergeLog
 from fedllm.comm import Ledger
-from fedllm.factors import Adapter, adapter_from_tensors, adapter_tensors, init_factors, prefixed, unprefixed
+from fedllm.factors import (
+    Adapter,
+    DenseDelta,
+    adapter_from_tensors,
+    adapter_tensors,
+    init_factors,
+    prefixed,
+    unprefixed,
+)
 from fedllm.protocol import AlgorithmServer, ClientInfo, ClientStart, ClientUpdate, derive_seed
 from fedllm.trust import (
     ClientFailure,
@@ -86,6 +95,7 @@ class Rules:
     min_clients: int = 1
     clip_norm_ratio: float = 0.0  # 0: no clipping
     client_timeout_s: float = 0.0
+    catchup_window: int = 8  # merges kept for catch-ups; a client further behind downloads the whole residual
     weighting: str = "examples"  # or "uniform"
     max_client_weight: float = 1.0  # the largest share of one client in a round's average
 
@@ -119,8 +129,7 @@ class Server:
         self.rules = rules or Rules()
         self.state = GlobalState(dense=dict(dense or {}))
         self.ledger = Ledger()
-        self.merges: list[tuple[int, Adapter]] = []  # merged updates some client has not downloaded yet
-        self.synced = {k: 0 for k in self.clients}  # the last round whose merges each client has
+        self.merges = MergeLog(list(self.clients), self.rules.catchup_window)
         self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
         max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
@@ -143,11 +152,10 @@ class Server:
         c = self.clients[client_id]
         rank = self.strategy.adapter_rank(c.rank)
         factors = self.strategy.client_factors(self.state, c.rank, c.scale, client_id)
-        merges = [(r, m) for r, m in self.merges if r > self.synced[client_id]]
         return ClientStart(
             round=round_idx,
             factors=factors,
-            merges=merges,
+            catchup=self.merges.catchup(client_id, self.state.residual),
             dense=dict(self.state.dense),
             extras=self.strategy.client_extras(self.state, client_id),
             algo=self.algorithm.download(rank),
@@ -164,7 +172,6 @@ class Server:
                 continue
             plan.starts[k] = self.client_start(round_idx, k)
             self.ledger.download(k, plan.starts[k].numel())
-            self.synced[k] = round_idx - 1
         return plan
 
     def finish_round(self, plan: RoundPlan, results: dict[int, ClientUpdate | str]) -> RoundReport:
@@ -187,7 +194,12 @@ class Server:
             )
         else:
             merged, skipped = self._aggregate(plan.round, updates, info)
-        self._keep_merge(plan.round, merged)
+        self.merges.add(plan.round, merged)
+        for k in plan.active:  # a client that replied applied its catch-up first
+            if isinstance(results.get(k, "no reply"), str):
+                self.merges.failed(k)
+            else:
+                self.merges.replied(k, plan.starts[k].catchup)
         row = {
             "round": plan.round,
             "sampled": plan.sampled,
@@ -265,7 +277,7 @@ class Server:
         return ClientUpdate(
             client_id=exp.client_id,
             num_examples=exp.num_examples,
-            factors=accept_factors(update.factors, exp),
+            factors=accept_factors(update.factors, exp, self.hook.uploads),
             dense=accept_dense(update.dense, exp),
             extras=accepted,
             metrics=metrics,
@@ -309,7 +321,7 @@ class Server:
         pairs = []
         for key, f in u.factors.items():
             r = ref[key].with_scale(f.scale)
-            pairs += [(t, r_t) for t, r_t in ((f.A, r.A), (f.B, r.B)) if t is not None]
+            pairs += [(t, r_t) for t, r_t in ((f.A, r.A), (f.B, r.B)) if t is not None and t.numel()]
         pairs += [(t, self.state.dense[k]) for k, t in u.dense.items()]
         pairs += [
             (t, start.extras.get(k, torch.zeros_like(t))) for k, t in self.strategy.shared_extras(u).items()
@@ -356,12 +368,6 @@ class Server:
             self.accepted[u.client_id] = round_idx
         return result.merged, False
 
-    def _keep_merge(self, round_idx: int, merged: Adapter) -> None:
-        """Keep merged updates until every client has downloaded them."""
-        if merged:
-            self.merges.append((round_idx, merged))
-        self.merges = [(r, m) for r, m in self.merges if r > min(self.synced.values())]
-
     @staticmethod
     def _client_metrics(updates: list[ClientUpdate]) -> dict[str, Any]:
         losses = [u.metrics["loss_mean"] for u in updates if "loss_mean" in u.metrics]
@@ -386,10 +392,8 @@ class Server:
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Tensors and JSON metadata that restore this server exactly (see :meth:`load_state_dict`)."""
-        tensors, scales = {}, {}
-        for prefix, adapter in [("global.", self.state.factors), ("residual.", self.state.residual)] + [
-            (f"merge.{r}.", m) for r, m in self.merges
-        ]:
+        tensors, scales, merges = self.merges.state_dict()
+        for prefix, adapter in (("global.", self.state.factors), ("residual.", self.state.residual)):
             t, s = adapter_tensors(adapter, prefix)
             tensors.update(t)
             scales.update(s)
@@ -403,22 +407,17 @@ class Server:
             "scales": scales,
             "ledger": self.ledger.state(),
             "strategy": self.strategy.name,
-            "merge_rounds": [r for r, _ in self.merges],
-            "synced": {str(k): v for k, v in self.synced.items()},
             "updated": self.updated_rounds,
+            **merges,
         }
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
         state = global_state(tensors, meta)
         self.state = GlobalState(state.factors, state.residual, state.dense or self.state.dense, state.extras)
-        self.merges = [
-            (r, adapter_from_tensors(tensors, meta["scales"], f"merge.{r}."))
-            for r in meta.get("merge_rounds", [])
-        ]
+        self.merges.load_state_dict(tensors, meta)
         self.algorithm.load_state_dict(unprefixed(tensors, "algo."))
         self.ledger = Ledger.from_state(meta["ledger"])
-        self.synced.update({int(k): v for k, v in meta.get("synced", {}).items()})
         self.accepted.update({int(k): v for k, v in meta.get("accepted", {}).items()})
         self.updated_rounds = meta.get("updated", 0)
 
@@ -444,7 +443,8 @@ def _numel(update: ClientUpdate) -> int:
 
 
 def _check_finite(state: GlobalState, merged: Adapter) -> None:
-    tensors = [t for f in [*state.factors.values(), *merged.values()] for t in (f.A, f.B)]
+    factors = [*state.factors.values(), *merged.values()]
+    tensors = [t for f in factors for t in ((f.D,) if isinstance(f, DenseDelta) else (f.A, f.B))]
     tensors += list(state.dense.values()) + [v for v in state.extras.values() if isinstance(v, Tensor)]
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
         raise ValueError("the aggregate holds non-finite values")

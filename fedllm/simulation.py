@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientFault
+from fedllm.client_store import ClientStore
 from fedllm.config import Config
 from fedllm.round_loop import RoundLoop, personal_summary
 from fedllm.server import RoundPlan
@@ -51,6 +52,9 @@ class Simulation(RoundLoop):
 
     def _use(self, fed: assembly.Federation) -> None:
         self.server, self.runtime, self.clients = fed.server, fed.runtime, fed.clients
+        # in the data layout every process trains every client: the main process writes its state
+        writes = not fed.runtime.layout.data_parallel or self.acc.is_main_process
+        self.store = ClientStore(self.run_dir / "clients", writes=writes)
         self.eval_data, self.benchmark, self.partition_stats = (
             fed.eval_data,
             fed.benchmark,
@@ -61,8 +65,10 @@ class Simulation(RoundLoop):
         return self.clients
 
     def train_clients(self, plan: RoundPlan) -> dict[int, Any]:
+        """Train this process's share of the round; each client's state is read from its file first and
+        written back (a new version) after, so only the round's clients are ever in memory."""
         layout = self.runtime.layout
-        results: list[tuple[int, Any, dict]] = []
+        results: list[tuple[int, Any, bool]] = []
         for k in tqdm(
             layout.my_clients(plan.active),
             desc=f"round {plan.round} clients",
@@ -70,15 +76,20 @@ class Simulation(RoundLoop):
             disable=self.quiet(),
         ):
             client = self.clients[k]
+            self.store.load(client)
             try:
-                results.append((k, self.runtime.train(client, plan.starts[k], self.fault), client.state))
+                got: Any = self.runtime.train(client, plan.starts[k], self.fault)
             except Exception as e:  # a faulty client must not take the round down
                 log.warning("round %d: client %d left out: %s", plan.round, k, e)
                 log.debug("client %d traceback", k, exc_info=True)
-                results.append((k, f"{type(e).__name__}: {e}", client.state))
+                got = f"{type(e).__name__}: {e}"
+            results.append((k, got, self.store.save(client, plan.round)))
+            self.store.release(client)
+        if layout.data_parallel and self.acc.num_processes > 1:
+            self.acc.wait_for_everyone()  # the main process's state files exist before anyone reads them
         results = self._gather(results)
-        for k, _, state in results:  # every process keeps every client's state (it may train it next round)
-            self.clients[k].state = state
+        for k, _, has_state in results:  # every process indexes every client (it may train it next round)
+            self.store.trained(k, plan.round, has_state)
         return {k: got for k, got, _ in results}
 
     def _gather(self, results: list) -> list:
@@ -88,18 +99,19 @@ class Simulation(RoundLoop):
 
         return sorted((r for part in gather_object([results]) for r in part), key=lambda r: r[0])
 
-    def personalized(self, round_idx: int) -> dict[str, Any]:
-        """Each client's test data: the global model, then its personalization
-        (ClientRuntime.personalized).
-        """
+    def personalized(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
+        """Each of ``clients``' test data: the global model, then its personalization
+        (ClientRuntime.personalized)."""
         layout = self.runtime.layout
         rows = {}
-        for client in layout.my_clients(self.clients):
+        for client in layout.my_clients([self.clients[k] for k in clients]):
             if client.test:
+                self.store.load(client)
                 start = self.server.client_start(round_idx + 1, client.client_id)
                 rows[str(client.client_id)] = self.runtime.personalized(
                     client, start, self.cfg.eval.batch_size
                 )
+                self.store.release(client)
         if layout.gathers:
             from accelerate.utils import gather_object
 

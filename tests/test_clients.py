@@ -379,7 +379,8 @@ def test_federated_run_with_each_algorithm(tmp_path, algorithm):
         # its state travels (SCAFFOLD's control variate): round 2 downloads it, uploads carry the deltas
         assert rows[2]["down_params"] > rows[1]["down_params"]
         assert fed.server.algorithm.state_dict()
-        assert all(c.state for c in fed.clients)
+        assert set(fed.store.index) == {c.client_id for c in fed.clients}  # every client's c_k, on disk
+        assert not any(c.state for c in fed.clients)  # and not in memory between rounds
 
 
 def test_client_dropout_and_heterogeneous_steps(tmp_path):

@@ -13,6 +13,7 @@ import torch
 from fedllm.aggregation import STRATEGIES
 from fedllm.client import ALGORITHMS
 from fedllm.config import load_config
+from fedllm.factors import DenseDelta
 from tests.conftest import tiny_overrides
 from tests.pretend_device import DeviceMix, PretendDevice, on_cpu, pretend_accelerator, to_pretend_device
 
@@ -94,14 +95,16 @@ def test_a_round_on_an_accelerator_mixes_no_devices(tmp_path, builtin_base, algo
             row = sim.run_round(r).row
             assert row["n_updates"] == 4, row["failed"]  # a device mix fails a client (the run goes on)
         scores = sim.evaluate()
-        personal = sim.personalized(2)
+        personal = sim.personalized(2, [0, 1, 2, 3])
         start = sim.server.client_start(3, 0)
         adapter, dense, biases = sim.runtime.personalized_adapter(sim.clients[0], start)
     assert scores["eval_loss"] is not None and personal["personal"]
     tensors, _ = sim.server.state_dict()
     crossing = [*tensors.values(), *dense.values(), *biases.values()]
-    crossing += [t for f in adapter.values() for t in (f.A, f.B)]
-    crossing += [t for c in sim.clients for t in c.state.values()]
+    crossing += [t for f in adapter.values() for t in ((f.D,) if isinstance(f, DenseDelta) else (f.A, f.B))]
+    for c in sim.clients:  # the client state as it is read back from its file
+        sim.store.load(c)
+        crossing += list(c.state.values())
     assert all(on_cpu(t) for t in crossing), [type(t).__name__ for t in crossing if not on_cpu(t)][:3]
 
 

@@ -231,7 +231,9 @@ def test_routers_stay_local_and_follow_statefulness(tmp_path, monkeypatch, state
         assert all(s is not None and not torch.equal(s["all"], torch.zeros(2)) for s in starts[4:8])
     else:
         assert starts[4:8] == [None] * 4
-    assert all("hook.all" in c.state for c in fed.clients)  # kept by the client (and the checkpoint)
+    for c in fed.clients:  # kept by the client, in its state file between rounds
+        fed.store.load(c)
+        assert "hook.all" in c.state
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert "personal_acc" in rows[-1] and "agg_router_mass" in rows[-1]
 
@@ -264,6 +266,7 @@ def test_nothing_router_shaped_is_uploaded_or_corrected_by_any_algorithm(tmp_pat
         )
         assert not any("router" in k for k in u.factors)
     for c in fed.clients:
+        fed.store.load(c)
         router = c.state["hook.all"]
         assert router.shape == (2,) and not torch.equal(
             router, torch.zeros(2)
@@ -278,6 +281,7 @@ def assert_export_matches_mixture(fed, out, client_id: int) -> None:
 
     exported = AutoPeftModelForCausalLM.from_pretrained(out).eval()
     c = fed.clients[client_id]
+    fed.store.load(c)  # its router, from its state file
     switch_in(fed, c, fed.start_round)
     fed.runtime.model.eval()
     ids = torch.tensor([[1, 11, 22, 33, 44]])

@@ -361,6 +361,7 @@ def test_scaffold_state_stays_in_step_with_the_server(tmp_path, builtin_base):
     for name, c_name in c.items():
         total = torch.zeros_like(c_name)
         for client in sim.clients:
+            sim.store.load(client)
             state = settle_pending(client.state, sim.server.accepted[client.client_id])
             ck = state.get(f"algo.{name}")
             if ck is not None:

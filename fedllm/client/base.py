@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -60,6 +60,7 @@ class LocalPlan:
         None  # time.monotonic() after which the client stops (federation.client_timeout_s)
     )
     progress: bool = False  # a progress bar over the local steps (on a terminal)
+    group_by_length: bool = False  # batches of similar-length examples (client.group_by_length)
 
 
 @dataclass
@@ -74,18 +75,53 @@ class LocalResult:
         return sum(self.losses) / max(1, len(self.losses))
 
 
+def token_lengths(data: Sequence[TokenizedExample]) -> list[int]:
+    """Each example's token count (read from the cached table's length column when the data is rows of it)."""
+    lengths = getattr(data, "lengths", None)
+    return [int(n) for n in lengths()] if callable(lengths) else [len(x.input_ids) for x in data]
+
+
+def epoch_batches(
+    lengths: list[int], batch_size: int, rng: random.Random, group_by_length: bool = False
+) -> list[list[int]]:
+    """One epoch of batches (indices), seeded by ``rng``; the last one is topped up from the epoch's start.
+
+    ``group_by_length``: HF Trainer's convention (its ``LengthGroupedSampler``): shuffle, cut into
+    mega-batches of 50 batches, sort each by length so a batch holds examples of similar length (less
+    padding), then shuffle the order of the batches so training still sees them in random order.
+    """
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    if group_by_length:
+        mega = 50 * batch_size
+        order = [
+            i
+            for start in range(0, len(order), mega)
+            for i in sorted(order[start : start + mega], key=lambda j: -lengths[j])
+        ]
+    batches = []
+    for i in range(0, len(order), batch_size):
+        chunk = order[i : i + batch_size]
+        if len(chunk) < batch_size and len(order) >= batch_size:
+            chunk = chunk + order[: batch_size - len(chunk)]
+        batches.append(chunk)
+    if group_by_length:
+        rng.shuffle(batches)
+    return batches
+
+
 def batch_stream(
-    data: list[TokenizedExample], batch_size: int, pad_id: int, seed: int
+    data: Sequence[TokenizedExample],
+    batch_size: int,
+    pad_id: int,
+    seed: int,
+    group_by_length: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
-    """Endless seeded shuffled batches (reshuffled every epoch)."""
+    """Endless seeded shuffled batches (reshuffled every epoch); see :func:`epoch_batches`."""
     rng = random.Random(seed)
+    lengths = token_lengths(data) if group_by_length else [0] * len(data)
     while True:
-        order = list(range(len(data)))
-        rng.shuffle(order)
-        for i in range(0, len(order), batch_size):
-            chunk = order[i : i + batch_size]
-            if len(chunk) < batch_size and len(order) >= batch_size:
-                chunk = chunk + order[: batch_size - len(chunk)]
+        for chunk in epoch_batches(lengths, batch_size, rng, group_by_length):
             yield collate([data[j] for j in chunk], pad_id)
 
 

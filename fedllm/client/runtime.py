@@ -42,6 +42,7 @@ from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_str
 from fedllm.evaluation import heldout
 from fedllm.factors import (
     Adapter,
+    LoraFactors,
     concat,
     dense_param_names,
     fresh_factors,
@@ -68,7 +69,7 @@ from fedllm.modeling import (
     set_trainable_modules,
 )
 from fedllm.parallel import Layout, full_tensors
-from fedllm.protocol import ClientHook, ClientStart, ClientUpdate, HookSession, derive_seed
+from fedllm.protocol import Catchup, ClientHook, ClientStart, ClientUpdate, HookSession, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -142,28 +143,52 @@ class ClientRuntime:
         """``{module: (out, in)}`` of the LoRA target modules, in model order (what the server must know)."""
         return module_shapes(self.model, next(iter(self.model.peft_config)))
 
-    def apply_merges(self, merges: list[tuple[int, Adapter]]) -> None:
-        """Make each merge of a round this base has not seen part of every later forward pass.
+    def merge(self, round_idx: int, update: Adapter) -> None:
+        """Make ``update`` (merged by round ``round_idx``) part of every later forward pass.
 
         A full-precision base takes it into its weights; a quantized (or
         ZeRO-3-sharded) one keeps the whole cumulative residual as a frozen
         adapter that stays active under every client's adapter.
         """
-        new = [(r, m) for r, m in merges if r > self.applied_round and m]
-        for r, merged in new:
-            self.residual = add_to_residual(self.residual, merged)
-            if not self.residual_merges:
-                merge_into_base(self.model, merged)
-            self.applied_round = r
-        if new and self.residual_merges:
+        self.residual = add_to_residual(self.residual, update)
+        if not self.residual_merges:
+            merge_into_base(self.model, update)
+        self._merged(round_idx)
+
+    def reset_to(self, round_idx: int, residual: Adapter) -> None:
+        """Bring the base to ``residual``, everything merged by round ``round_idx``, whatever it held."""
+        if not self.residual_merges:
+            if self.residual:
+                merge_into_base(self.model, self.residual, sign=-1.0)
+            merge_into_base(self.model, residual)
+        self.residual = dict(residual)
+        self._merged(round_idx)
+
+    def _merged(self, round_idx: int) -> None:
+        self.applied_round = round_idx
+        if self.residual_merges and self.residual:
             with self.whole_adapters(modify=True):
                 self.residual_rank = install_residual(self.model, self.residual, self.lora_cfg)
 
+    def catch_up(self, catchup: Catchup | None) -> None:
+        """Apply a download's catch-up: on top of this base when it starts where the base is, from the
+        original base when it is the whole residual; nothing when the base already has it."""
+        if catchup is None or catchup.to_round <= self.applied_round or not catchup.update:
+            return
+        if catchup.from_round == self.applied_round:
+            self.merge(catchup.to_round, catchup.update)
+        elif catchup.from_round == 0:
+            self.reset_to(catchup.to_round, catchup.update)
+        else:
+            raise RuntimeError(
+                f"the catch-up starts at round {catchup.from_round}, but this base has the merges up to "
+                "round "
+                f"{self.applied_round}: the next download will bring the whole residual"
+            )
+
     def restore_base(self, residual: Adapter, round_idx: int) -> None:
         """A fresh base brought to a checkpoint's round: everything merged so far, at once."""
-        if residual:
-            self.apply_merges([(round_idx, residual)])
-        self.applied_round = round_idx
+        self.reset_to(round_idx, residual)
 
     # ---------------------------------------------------------- one client
     def local_steps(self, client: ClientData) -> int:
@@ -197,6 +222,7 @@ class ClientRuntime:
                 else None
             ),
             progress=self.progress,
+            group_by_length=c.group_by_length,
         )
 
     def switch_in(self, client: ClientData, start: ClientStart):
@@ -210,7 +236,7 @@ class ClientRuntime:
         """
         t0 = time.perf_counter()
         client.state = settle_pending(client.state, start.accepted)
-        self.apply_merges(start.merges)
+        self.catch_up(start.catchup)
         name = adapter_name(client.rank)
         activate(self.model, name)
         set_trainable_modules(self.model, self.lora_cfg.trainable_modules)
@@ -256,7 +282,9 @@ class ClientRuntime:
             if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
                 plan.local_params, plan.local_lr = session.local_params(), session.local_lr
                 params.update(session.shared_params())
-            batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed)
+            batches = batch_stream(
+                client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed, plan.group_by_length
+            )
             if self.layout.data_parallel:
                 batches = self.layout.split_batches(batches)
             result = self.algorithm.train(self.model, params, batches, plan, self.acc, algo_state, start.algo)
@@ -264,16 +292,19 @@ class ClientRuntime:
                 result.extras.update(session.upload())
                 client.state = {**prefixed(session.state(), HOOK), **without_prefix(client.state, HOOK)}
         # the new algorithm state waits beside the old one until the server has taken this update
-        client.state = {
-            **{k: v for k, v in client.state.items() if not k.startswith((PENDING, PENDING_ROUND))},
-            **prefixed(algo_state, PENDING),
-            PENDING_ROUND: torch.tensor(start.round),
-        }
+        if algo_state:  # (a stateless algorithm leaves the client without state: no file to keep)
+            client.state = {
+                **{k: v for k, v in client.state.items() if not k.startswith((PENDING, PENDING_ROUND))},
+                **prefixed(algo_state, PENDING),
+                PENDING_ROUND: torch.tensor(start.round),
+            }
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         name = adapter_name(client.rank)
         with self.whole_adapters():
             trained, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
+        if "B" not in self.hook.uploads:  # B stays on the client (FedSA-LoRA): an empty out x 0 travels
+            trained = {k: LoraFactors(f.A, f.B[:, :0], f.scale) for k, f in trained.items()}
         self.timings["read_out_s"] = time.perf_counter() - t1
         log.info(
             "round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s",
@@ -340,7 +371,9 @@ class ClientRuntime:
 
     def personalize(self, client: ClientData, start: ClientStart, params) -> None:
         plan = self.plan_for(client, start.round)
-        batches = batch_stream(client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1)
+        batches = batch_stream(
+            client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1, plan.group_by_length
+        )
         self.algorithm.personalize(
             self.model, params, batches, self.client_cfg.personalize_steps, plan, self.acc
         )

@@ -64,7 +64,9 @@ class FlowerDriver(RoundLoop):
         # the evaluation base: no client trains here
         self.runtime = assembly.build_runtime(cfg, strategy, layout, self.acc, model, tokenizer, ranks)
         try:  # the server's held-out split, when it can read the data (the built-in data, a public file)
-            _, self.eval_data = assembly.tokenize_partitions(cfg, load_partitions(cfg), model, tokenizer)
+            _, self.eval_data = assembly.tokenize_partitions(
+                cfg, load_partitions(cfg), model, tokenizer, self.acc, clients=False
+            )
         except DataError as e:
             log.warning("the server cannot read data.dataset (%s): no held-out loss, the benchmark only", e)
             self.eval_data = []
@@ -176,8 +178,8 @@ class FlowerDriver(RoundLoop):
                 results[k] = f"unreadable reply: {e}"
         return results
 
-    def personalized(self, round_idx: int) -> dict[str, Any]:
-        starts = {k: self.server.client_start(round_idx + 1, k) for k in self.server.clients}
+    def personalized(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
+        starts = {k: self.server.client_start(round_idx + 1, k) for k in clients}
         replies, _ = self._exchange(starts, MessageType.EVALUATE, round_idx)
         return personal_summary(
             {str(k): dict(c["metrics"]) for k, c in sorted(replies.items()) if len(c["metrics"])}

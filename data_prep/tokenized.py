@@ -1,0 +1,141 @@
+"""Tokenized instruction data at the scale of real instruction sets: batched, cached on disk, memory-mapped.
+
+Tokenizing 200k records one at a time took about a minute before the first
+step, in every launched process, on every start. Here the examples go
+through the fast tokenizer in batches with ``datasets.Dataset.map``, whose
+result is written to an Arrow file in the cache folder and memory-mapped on
+later starts (and by the other processes of a launch, once the main process
+has written it). The file's name is a digest of everything the tokens depend
+on: the examples' text, the tokenizer (its full serialization), the prompt
+template, the maximum length and this module's version; any change gives a
+new file, so a stale cache cannot be read.
+
+Rows are read on demand (:class:`TokenRows`): a client's data is a list of
+row numbers into the shared table, not a copy of its tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from data_prep.prompts import TokenizedExample, tokenize_batch
+from data_prep.schema import Example
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # bump when what a row holds changes
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """What a tokenizer's output depends on: its full serialization (fast tokenizers) or its files' names."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = (
+        backend.to_str()
+        if backend is not None
+        else repr(
+            (type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer), tokenizer.all_special_tokens)
+        )
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def examples_digest(examples: Sequence[Example]) -> str:
+    h = hashlib.sha256()
+    for e in examples:
+        for part in (e.instruction, e.input, e.response):
+            h.update(part.encode())
+            h.update(b"\x00")
+        h.update(b"\x01")
+    return h.hexdigest()
+
+
+class TokenRows(Sequence):
+    """Rows of a tokenized table, read on demand; indexing gives :class:`TokenizedExample` s."""
+
+    def __init__(self, table, rows: Sequence[int] | None = None) -> None:
+        self.table = table  # a datasets.Dataset in numpy format with input_ids, labels, length
+        self.rows = np.arange(len(table)) if rows is None else np.asarray(rows, dtype=np.int64)
+        self._lengths: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.select(range(*i.indices(len(self))))
+        if i < 0:
+            i += len(self)
+        row = self.table[int(self.rows[i])]
+        return TokenizedExample(row["input_ids"].tolist(), row["labels"].tolist())
+
+    def select(self, rows: Sequence[int]) -> TokenRows:
+        """The rows at positions ``rows`` of this selection (sharing the table)."""
+        out = TokenRows(self.table, self.rows[np.asarray(list(rows), dtype=np.int64)])
+        out._lengths = self._lengths
+        return out
+
+    def select_table_rows(self, table_rows: Sequence[int]) -> TokenRows:
+        """The given rows of the underlying table (e.g. from ``tokenize_cached``'s row numbers)."""
+        out = TokenRows(self.table, table_rows)
+        out._lengths = self._lengths
+        return out
+
+    def __repr__(self) -> str:
+        return f"TokenRows({len(self)} rows)"
+
+    def lengths(self) -> np.ndarray:
+        """Each row's token count (for length-grouped batches)."""
+        if self._lengths is None:
+            self._lengths = np.asarray(self.table["length"])
+        return self._lengths[self.rows]
+
+
+def tokenize_cached(
+    examples: Sequence[Example], tokenizer, template: str, max_seq_len: int, cache_dir: Path
+) -> tuple[TokenRows, list[int]]:
+    """All ``examples`` tokenized (cached, see module docstring); returns the rows and, for each example,
+    its row (-1 where truncation left no response token)."""
+    import datasets
+
+    key = hashlib.sha256(
+        repr(
+            (VERSION, examples_digest(examples), tokenizer_digest(tokenizer), template, max_seq_len)
+        ).encode()
+    ).hexdigest()[:24]
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"tokens-{key}.arrow"
+
+    def encode(batch: dict, indices: list[int]) -> dict:
+        toks = tokenize_batch([examples[i] for i in indices], tokenizer, template, max_seq_len)
+        kept = [(i, t) for i, t in zip(indices, toks, strict=True) if t is not None]
+        return {
+            "example": [i for i, _ in kept],
+            "input_ids": [t.input_ids for _, t in kept],
+            "labels": [t.labels for _, t in kept],
+            "length": [len(t.input_ids) for _, t in kept],
+        }
+
+    index = datasets.Dataset.from_dict({"example": list(range(len(examples)))})
+    reused = path.exists()
+    table = index.map(
+        encode,
+        with_indices=True,
+        batched=True,
+        batch_size=2000,
+        remove_columns=["example"],
+        cache_file_name=str(path),
+        load_from_cache_file=True,
+        new_fingerprint=key,
+        desc="tokenizing",
+    ).with_format("numpy")
+    log.info("%s %d examples (%s)", "read the tokens of" if reused else "tokenized", len(examples), path)
+    row_of = [-1] * len(examples)
+    for row, i in enumerate(np.asarray(table["example"])):
+        row_of[int(i)] = row
+    return TokenRows(table), row_of
