@@ -110,7 +110,7 @@ def accept_factors(factors: Any, exp: Expected, parts: tuple[str, ...] = ("A", "
                 f"{key}: scale {scale!r}, but the server assigned {exp.scale} to rank {exp.rank}"
             )
         A = as_float32(f"{key}.A", f.A, (exp.rank, in_f)) if "A" in parts else None
-        B = as_float32(f"{key}.B", f.B, (out_f, exp.rank)) if "B" in parts else None
+        B = as_float32(f"{key}.B", f.B, (out_f, exp.rank)) if "B" in parts else torch.zeros(out_f, 0)
         out[key] = LoraFactors(A, B, exp.scale)
     return out
 

@@ -1,7 +1,7 @@
 """Built-in comparisons over seeds: mean +/- std and paired 95% intervals; last line: one JSON object.
 
     python scripts/compare.py default  [--seeds 3] [--jobs 2]  # the default run: gain over the base
-    python scripts/compare.py strategies                          # fedit, flora, flexlora, florist
+    python scripts/compare.py strategies     # fedit, flora, flexlora, florist, fedex, hetlora, fedsa
     python scripts/compare.py floral                              # FLoRAL vs FedIT vs local-only, clustered
     python scripts/compare.py clients                             # sft, fedprox, scaffold, perfedavg, non-IID
 
@@ -20,7 +20,10 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
     "default": (None, ["default"]),
     "strategies": (
         "configs/builtin_fedit.yaml",
-        [f"{s}:aggregation.name={s}" for s in ("fedit", "flora", "flexlora", "florist")],
+        [
+            f"{s}:aggregation.name={s}"
+            for s in ("fedit", "flora", "flexlora", "florist", "fedex", "hetlora", "fedsa")
+        ],
     ),
     "floral": (
         "configs/builtin_clustered.yaml",

@@ -220,7 +220,10 @@ def test_shared_invariants(name, gen):
     for perm in itertools.permutations(base):
         b = effective_update(name, strategy.aggregate(list(perm), GlobalState()), GlobalState())[key].delta()
         assert_close(a, b, rtol=1e-6, atol=1e-9)
-    # 3. weights follow example counts: doubling a client's count equals listing it twice
+    # 3. weights follow example counts: doubling a client's count equals listing it twice (HetLoRA weighs
+    # by update norms instead: tested in test_baselines.py)
+    if name == "hetlora":
+        return
     doubled = [ClientUpdate(0, 20, base[0].factors), base[1], base[2]]
     twice = [base[0], ClientUpdate(3, 10, base[0].factors), base[1], base[2]]
     x = effective_update(name, strategy.aggregate(doubled, GlobalState()), GlobalState())[key].delta()

@@ -45,6 +45,8 @@ SLOW = pytest.mark.slow
         pytest.param("florist", [], id="florist"),
         pytest.param("flora", [], marks=SLOW, id="flora"),
         pytest.param("floral", ["lora.ranks=[4]"], marks=SLOW, id="floral"),
+        pytest.param("fedex", [], marks=SLOW, id="fedex"),
+        pytest.param("hetlora", [], marks=SLOW, id="hetlora"),
         pytest.param("fedit", ["client.algorithm=scaffold"], marks=SLOW, id="fedit-scaffold"),
         pytest.param("fedit", ["client.algorithm=perfedavg"], marks=SLOW, id="fedit-perfedavg"),
     ],

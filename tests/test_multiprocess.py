@@ -74,6 +74,8 @@ LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.fixed_ran
         pytest.param("flexlora", marks=pytest.mark.slow),
         "florist",
         pytest.param("floral", marks=pytest.mark.slow),
+        "fedex",
+        pytest.param("hetlora", marks=pytest.mark.slow),
     ],
 )
 def test_two_processes_equal_one(tmp_path, strategy):

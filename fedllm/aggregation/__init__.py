@@ -1,6 +1,16 @@
 """Server aggregation strategies, one per file, registered by name."""
 
-from fedllm.aggregation import fedit, flexlora, flora, floral, florist, local  # noqa: F401  (registers the strategies)
+from fedllm.aggregation import (  # noqa: F401  (registers the strategies)
+    fedex,
+    fedit,
+    fedsa,
+    flexlora,
+    flora,
+    floral,
+    florist,
+    hetlora,
+    local,
+)
 from fedllm.aggregation.base import (
     STRATEGIES,
     GlobalState,
