@@ -54,6 +54,12 @@ def examples_digest(examples: Sequence[Example]) -> str:
     return h.hexdigest()
 
 
+def column(table, name: str) -> np.ndarray:
+    """A whole column as one array, straight from Arrow (``table[name]`` iterates row by row: seconds for
+    200k rows)."""
+    return table.data.column(name).to_numpy()
+
+
 class TokenRows(Sequence):
     """Rows of a tokenized table, read on demand; indexing gives :class:`TokenizedExample` s."""
 
@@ -91,13 +97,13 @@ class TokenRows(Sequence):
     def lengths(self) -> np.ndarray:
         """Each row's token count (for length-grouped batches)."""
         if self._lengths is None:
-            self._lengths = np.asarray(self.table["length"])
+            self._lengths = column(self.table, "length")
         return self._lengths[self.rows]
 
 
 def tokenize_cached(
     examples: Sequence[Example], tokenizer, template: str, max_seq_len: int, cache_dir: Path
-) -> tuple[TokenRows, list[int]]:
+) -> tuple[TokenRows, np.ndarray]:
     """All ``examples`` tokenized (cached, see module docstring); returns the rows and, for each example,
     its row (-1 where truncation left no response token)."""
     import datasets
@@ -135,7 +141,6 @@ def tokenize_cached(
         desc="tokenizing",
     ).with_format("numpy")
     log.info("%s %d examples (%s)", "read the tokens of" if reused else "tokenized", len(examples), path)
-    row_of = [-1] * len(examples)
-    for row, i in enumerate(np.asarray(table["example"])):
-        row_of[int(i)] = row
+    row_of = np.full(len(examples), -1, dtype=np.int64)
+    row_of[column(table, "example")] = np.arange(len(table))
     return TokenRows(table), row_of

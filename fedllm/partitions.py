@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from data_prep.loaders import load_examples
 from data_prep.partition import client_stats, partition
 from data_prep.schema import Example
@@ -88,13 +90,19 @@ def token_cache_dir() -> Path:
 
 
 def split_client(
-    rows: TokenRows, row_of: list[int], first: int, n_examples: int, n_test: int, client_id: int, max_len: int
+    rows: TokenRows,
+    row_of: np.ndarray,
+    first: int,
+    n_examples: int,
+    n_test: int,
+    client_id: int,
+    max_len: int,
 ) -> tuple[TokenRows, TokenRows]:
     """A client's (train, test) rows: its examples are ``first .. first + n_examples`` of the tokenized list,
     its test share first; refuses a client left with no training example."""
-    test = [row_of[i] for i in range(first, first + n_test) if row_of[i] >= 0]
-    train = [row_of[i] for i in range(first + n_test, first + n_examples) if row_of[i] >= 0]
-    if not train:
+    test, train = row_of[first : first + n_test], row_of[first + n_test : first + n_examples]
+    test, train = test[test >= 0], train[train >= 0]  # -1: truncation left no response token
+    if not len(train):
         raise ValueError(f"client {client_id}: no training example survives data.max_seq_len = {max_len}")
     return rows.select_table_rows(train), rows.select_table_rows(test)
 
@@ -118,5 +126,6 @@ def tokenize_clients(
         cid = ids[k] if ids else k
         out.append(split_client(rows, row_of, first, len(examples), n_test, cid, max_len))
         first += len(examples)
-    held_out = rows.select_table_rows([row_of[i] for i in range(first, len(everything)) if row_of[i] >= 0])
+    rest = row_of[first:]
+    held_out = rows.select_table_rows(rest[rest >= 0])
     return out, held_out
