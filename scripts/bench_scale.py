@@ -140,28 +140,30 @@ def main() -> None:
     lengths = [4, 12] if args.quick else [int(x) for x in args.rounds.split(",")]
     strategies = args.strategies.split(",")
     points, ratios = [], {}
+
+    def sweep(s: str, grid: list[tuple[int, int]], what: str, measures: dict[str, str]) -> None:
+        """Run ``grid`` (clients, rounds) for strategy ``s``; ratio last / first of each measure."""
+        got = [run_point(s, n, r) for n, r in grid]
+        points.extend(got)
+        for p in got:
+            print(
+                f"{s:9s} {p['clients']:5d} clients {p['rounds']:4d} rounds: RSS {p['peak_rss_mb']:.0f} MB, "
+                f"round {p['round_s']:.3f} s, checkpoint {p['checkpoint_mb']:.2f} MB, run folder "
+                f"{p['run_folder_mb']:.1f} MB, down {p['down_params_last']}",
+                flush=True,
+            )
+        for name, key in measures.items():
+            ratios[f"{s}_{what}_{name}"] = got[-1][key] / got[0][key]
+
     for s in strategies:
-        sweep = [run_point(s, n, lengths[0]) for n in sizes]
-        points += sweep
-        for p in sweep:
-            print(
-                f"{s:9s} {p['clients']:5d} clients {p['rounds']:4d} rounds: RSS {p['peak_rss_mb']:.0f} MB, "
-                f"round {p['round_s']:.3f} s, checkpoint {p['checkpoint_mb']:.2f} MB",
-                flush=True,
-            )
-        ratios[f"{s}_clients_rss"] = sweep[-1]["peak_rss_mb"] / sweep[0]["peak_rss_mb"]
-        ratios[f"{s}_clients_round_time"] = sweep[-1]["round_s"] / sweep[0]["round_s"]
+        sweep(s, [(n, lengths[0]) for n in sizes], "clients", {"rss": "peak_rss_mb", "round_time": "round_s"})
     for s in [s for s in strategies if s in ("flora", "florist")]:
-        sweep = [run_point(s, sizes[0], r) for r in lengths]
-        points += sweep
-        for p in sweep:
-            print(
-                f"{s:9s} {p['clients']:5d} clients {p['rounds']:4d} rounds: RSS {p['peak_rss_mb']:.0f} MB, "
-                f"checkpoint {p['checkpoint_mb']:.2f} MB, down {p['down_params_last']}",
-                flush=True,
-            )
-        ratios[f"{s}_rounds_rss"] = sweep[-1]["peak_rss_mb"] / sweep[0]["peak_rss_mb"]
-        ratios[f"{s}_rounds_checkpoint"] = sweep[-1]["checkpoint_mb"] / sweep[0]["checkpoint_mb"]
+        sweep(
+            s,
+            [(sizes[0], r) for r in lengths],
+            "rounds",
+            {"rss": "peak_rss_mb", "checkpoint": "checkpoint_mb"},
+        )
     print(json.dumps({"clients": sizes, "rounds": lengths, "ratios": ratios, "points": points}))
 
 

@@ -74,7 +74,7 @@ LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.fixed_ran
         pytest.param("flexlora", marks=pytest.mark.slow),
         "florist",
         pytest.param("floral", marks=pytest.mark.slow),
-        "fedex",
+        pytest.param("fedex", marks=pytest.mark.slow),
         pytest.param("hetlora", marks=pytest.mark.slow),
     ],
 )
