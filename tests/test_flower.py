@@ -27,8 +27,11 @@ def quiet_flower(monkeypatch):
 
 
 def files(run_dir) -> list[str]:
+    """The run folder's files, less the simulated clients' state (``clients/``): real sites keep their own."""
     return sorted(
-        str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name
+        str(p.relative_to(run_dir))
+        for p in run_dir.rglob("*")
+        if p.is_file() and ".lock" not in p.name and p.relative_to(run_dir).parts[0] != "clients"
     )
 
 
