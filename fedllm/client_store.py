@@ -52,7 +52,7 @@ class ClientStore:
         path = self.path(client.client_id, r)
         try:
             client.state = load_file(str(path))
-        except (OSError, Exception) as e:  # safetensors raises its own error type for a damaged file
+        except Exception as e:  # OSError, or safetensors' own error type for a damaged file
             raise RuntimeError(
                 f"the state of client {client.client_id} ({path}) cannot be read: {e}; resume from an "
                 "earlier checkpoint or start a new run"

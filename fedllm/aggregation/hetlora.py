@@ -60,8 +60,7 @@ class HetLoRA(Strategy):
                 self.average([f.A for f in padded], p), self.average([f.B for f in padded], p), 1.0
             )
             shares[key] = p
-        first = next(iter(shares.values()), [])
-        info = {"norm_share_max": max(max(p) for p in shares.values())} if first else {}
+        info = {"norm_share_max": max(max(p) for p in shares.values())} if shares else {}
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)), info=info)
 
     def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
