@@ -277,6 +277,16 @@ class AggregationConfig:
         lambda x: x >= 0,
         "an integer >= 0",
     )
+    hetlora_prune_gamma: float = opt(
+        0.0,
+        "HetLoRA: local rank self-pruning's decay factor gamma (a client whose last components' norm fell "
+        "keeps floor(gamma r) of them; 0: off, every client keeps its rank)",
+        lambda x: x == 0 or 0 < x < 1,
+        "0 (off) or in (0, 1)",
+    )
+    hetlora_prune_lambda: float = opt(
+        0.01, "HetLoRA: weight of the norm penalty on the components self-pruning may drop", _nonneg, ">= 0"
+    )
     fixed_rank: int = opt(
         0,
         "FLoRIST: keep exactly this rank instead of using tau (0: use tau)",

@@ -198,3 +198,99 @@ def test_fedsa_run_keeps_b_on_the_clients_and_uploads_half(tmp_path, builtin_bas
         assert {k for k in c.state if k.startswith("hook.B.")} == {f"hook.B.{m}" for m in shapes}
     assert "personal_acc" in rows[-1] and rows[-1]["personal_acc"] is not None
     assert rows[-1]["eval_loss"] == pytest.approx(rows[0]["eval_loss"], rel=1e-5)  # global model = base
+
+
+def _lora_model(rank: int, seed: int = 0):
+    """One 12 -> 10 linear layer with a peft LoRA of ``rank`` whose A and B are both random."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = torch.nn.Sequential(torch.nn.Linear(12, 10))
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["0"]))
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_()
+    return model, layer
+
+
+def test_hetlora_self_pruning_penalty_gradient_and_rank_rule():
+    """The penalty's gradient (added by hooks) is autograd's of lambda ||s B_t A_t||_F on the tail; a tail
+    whose norm fell is pruned to floor(gamma r) at once (zero in what is sent), and a later session masks
+    the pruned components out of the forward pass."""
+    from fedllm.aggregation.hetlora import RANK, TAIL, HetLoRAClient, tail_start
+
+    gamma, lam, r = 0.5, 0.3, 8
+    model, layer = _lora_model(r)
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, float(layer.scaling["default"])
+    x = torch.randn(5, 12)
+    lo = tail_start(r, gamma)
+    assert lo == 4
+    # reference: autograd of loss + penalty without hooks
+    penalty = lam * torch.linalg.matrix_norm(s * b[:, lo:] @ a[lo:])
+    ga, gb = torch.autograd.grad(model(x).sum() + penalty, [a, b])
+    hook = HetLoRAClient(gamma, lam)
+    session = hook.session(model, "default", {}, {}, "train")
+    ha, hb = torch.autograd.grad(model(x).sum(), [a, b])
+    assert_close(ha, ga)
+    assert_close(hb, gb)
+    state = session.state()  # first round: no earlier tail, so nothing is pruned
+    assert int(state[RANK]) == r
+    session.close()
+    # next round: a tail smaller than last round's is pruned
+    shrunk = {RANK: torch.tensor(r), TAIL: torch.tensor(float(state[TAIL]) * 10)}
+    session = hook.session(model, "default", shrunk, {}, "train")
+    state = session.state()
+    assert int(state[RANK]) == 4
+    session.close()
+    assert torch.count_nonzero(a[4:]) == 0 and torch.count_nonzero(b[:, 4:]) == 0
+    assert torch.count_nonzero(a[:4]) > 0
+    # a tail that grew is kept
+    session = hook.session(model, "default", {RANK: torch.tensor(4), TAIL: torch.tensor(0.0)}, {}, "train")
+    assert int(session.state()[RANK]) == 4
+    session.close()
+    # the pruned client's own view masks components beyond its rank even if the weights hold them
+    with torch.no_grad():
+        a[4:].normal_()
+        b[:, 4:].normal_()
+    with torch.no_grad():
+        masked = hook.session(model, "default", {RANK: torch.tensor(4)}, {}, "own")
+        y = model(x)
+        masked.close()
+        a[4:].zero_()
+        assert_close(y, model(x))
+    assert hook.session(model, "default", {}, {}, "own") is None  # never pruned: nothing to hook
+
+
+def test_hetlora_self_pruning_run_shrinks_ranks(tmp_path, builtin_base):
+    """End to end: with a strong penalty the clients prune (their state holds the smaller rank, the server
+    counts fewer components in use) while the run still trains and aggregates every round."""
+    import json
+
+    from fedllm.config import load_config
+    from fedllm.simulation import Simulation
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "r",
+            "aggregation.name=hetlora",
+            "aggregation.hetlora_prune_gamma=0.5",
+            "aggregation.hetlora_prune_lambda=1.0",
+            "federation.rounds=4",
+            "lora.trainable_modules=[]",
+        ),
+    )
+    sim = Simulation(cfg, tmp_path / "r")
+    sim.setup()
+    sim.run()
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(not r.get("failed") for r in rows)
+    ranks = [r["agg_effective_rank_mean"] for r in rows]
+    configured = sum(c.rank for c in sim.clients) / len(sim.clients)
+    assert ranks[0] == pytest.approx(configured)  # round 1 has nothing to compare against
+    assert ranks[-1] < configured
+    for c in sim.clients:
+        sim.store.load(c)
+        assert int(c.state["hook.rank"]) <= c.rank
+    assert any(int(c.state["hook.rank"]) < c.rank for c in sim.clients)
