@@ -247,3 +247,12 @@ def save_config(cfg: Config, path: Path) -> None:
     from fedllm.checkpoint import atomic_write_text
 
     atomic_write_text(path, config_to_text(cfg))
+
+
+TOKEN_INDEXED = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_out")
+
+
+def token_modules(cfg: Config) -> list[str]:
+    """The shared dense modules whose rows are indexed by token ids: the rows a client changes are the
+    tokens of its data, so sharing them across organizations reveals those tokens."""
+    return [m for m in cfg.lora.trainable_modules if m.split(".")[-1] in TOKEN_INDEXED]

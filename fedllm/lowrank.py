@@ -119,7 +119,11 @@ def numerical_rank(s: Tensor, shape: tuple[int, int]) -> int:
 
 def smallest_exact(f: LoraFactors | DenseDelta) -> LoraFactors | DenseDelta:
     """The same update in its smallest exact form: factors of its numerical rank (QR of the factors and an
-    SVD of the small core, never the dense matrix), or the dense matrix once that is smaller."""
+    SVD of the small core, never the dense matrix), or the dense matrix once that is smaller.
+
+    Always the SVD's factors, even at full rank: a merge is downloaded in this form (a site's catch-up),
+    and FLoRA's stacked merge as it was built holds each sampled client's own B_k and p_k A_k; the SVD of
+    the sum reveals the sum only."""
     if isinstance(f, DenseDelta):
         return f
     out_f, in_f = f.B.shape[0], f.A.shape[1]
@@ -127,7 +131,7 @@ def smallest_exact(f: LoraFactors | DenseDelta) -> LoraFactors | DenseDelta:
         return DenseDelta(f.delta())
     u, s, vh = low_rank_svd(f)
     p = max(1, numerical_rank(s, (out_f, in_f)))
-    return svd_factors(u, s, vh, p, "sqrt") if p < f.rank else f.folded()
+    return svd_factors(u, s, vh, p, "sqrt")
 
 
 def add_to_residual(residual: Adapter, merged: Adapter) -> Adapter:

@@ -405,6 +405,30 @@ class OutputConfig:
 
 
 @dataclass
+class FlowerConfig:
+    registry: str = opt(
+        "",
+        "Flower: the operator's file of 'client-id: public key' lines (a SuperNode's OpenSSH .pub key, "
+        "inline or as a path); a node answers for an id only with that id's registered key (empty: "
+        "identities are claims, refused only while another live node holds the id)",
+    )
+    share_data_stats: bool = opt(
+        False,
+        "Flower: sites also send their category histogram and test-split size in the handshake (off: the "
+        "example count only, which weighting needs)",
+    )
+    share_losses: bool = opt(
+        True, "Flower: sites send their per-round training losses (logged by the server as train_loss)"
+    )
+    share_token_modules: bool = opt(
+        False,
+        "Flower: acknowledge that sharing token-indexed dense modules (embed_tokens, lm_head in "
+        "lora.trainable_modules) reveals which tokens each site's data holds; without it such a config is "
+        "refused on Flower",
+    )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -414,6 +438,7 @@ class Config:
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    flower: FlowerConfig = field(default_factory=FlowerConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -44,6 +44,7 @@ RESUMABLE_CHANGES = (
     "federation.parallel",
     "eval.",
     "output.",
+    "flower.",
 )
 
 
@@ -345,14 +346,14 @@ class RunWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         atomic_write_text(self.run_dir / "partition.json", json.dumps(partition_stats, indent=1))
-        for s in partition_stats:
+        for s in partition_stats:  # a Flower site shares its test size and categories only if asked to
             log.info(
-                "client %d: rank %d, %d train / %d test examples, categories %s",
+                "client %d: rank %d, %d train / %s test examples, categories %s",
                 s["client"],
                 s["rank"],
                 s["train"],
-                s["test"],
-                s["categories"],
+                s.get("test", "(not shared)"),
+                s.get("categories", "(not shared)"),
             )
 
     def rows(self) -> list[dict]:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientFault
 from fedllm.client_store import ClientStore
-from fedllm.config import Config
+from fedllm.config import Config, token_modules
 from fedllm.round_loop import RoundLoop, personal_summary
 from fedllm.server import RoundPlan
 
@@ -48,6 +48,14 @@ class Simulation(RoundLoop):
             self._use(federation)
 
     def setup(self) -> None:
+        shared = token_modules(self.cfg)
+        if shared and self.acc.is_main_process:
+            log.warning(
+                "lora.trainable_modules shares %s: the rows a client changes are the tokens of its data, "
+                "which a federation across organizations would reveal (the Flower driver refuses this unless "
+                "flower.share_token_modules=true)",
+                shared,
+            )
         self._use(assembly.assemble(self.cfg, self.acc, progress=self.quiet() is None))
 
     def _use(self, fed: assembly.Federation) -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedllm.checkpoint import atomic_write_text
-from fedllm.config import Config, load_config, save_config
+from fedllm.config import Config, ConfigError, load_config, save_config
+from fedllm.flower.identity import refuse_token_modules
 from fedllm.partitions import load_partitions
 
 
@@ -39,7 +40,12 @@ def write_site_partitions(cfg: Config, out: Path) -> list[Path]:
 
 def main(argv: list[str]) -> int:
     out, config, overrides = Path(argv[0]), (argv[1] if len(argv) > 1 else "default"), argv[2:]
-    cfg = load_config(None if config == "default" else config, overrides)
+    try:
+        cfg = load_config(None if config == "default" else config, overrides)
+        refuse_token_modules(cfg)  # before any site starts: the ServerApp would refuse it too
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     write_site_partitions(cfg, out)
     print(cfg.federation.num_clients)
     return 0

@@ -1,5 +1,7 @@
-"""Flower's Deployment Engine on localhost: scripts/run_flower_local.sh plain and with TLS, a refused node, a
-site killed mid-run that rejoins from its state on disk. Each takes minutes (a SuperLink, SuperNodes and a
+"""Flower's Deployment Engine on localhost: scripts/run_flower_local.sh in its secure default (TLS, nginx
+exposing only the Fleet API, SuperNode authentication, a key registry) and with --insecure; an outsider's
+`flwr` refused at the proxy, an unregistered node and an impostor site refused, a site killed mid-run
+that rejoins from its state on disk. Each takes minutes (a SuperLink, SuperNodes and a
 fresh ClientApp process per message), hence ``slow``."""
 
 from __future__ import annotations
@@ -81,13 +83,55 @@ def finish(proc: subprocess.Popen, work: Path, timeout: float = 900) -> str:
     return out
 
 
-def test_local_deployment_runs_end_to_end(tmp_path):
-    work, run_dir = tmp_path / "work", tmp_path / "run"
-    proc = start(
-        ["default", "2", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env_for(work)
+def flwr_as(home: Path, address: str, ca: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
+    """``flwr`` with its own FLWR_HOME pointing at ``address`` (an operator's or an outsider's view)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "there"\n\n[superlink.there]\naddress = "{address}"\n'
+        f'root-certificates = "{ca}"\n'
     )
+    return subprocess.run(
+        ["flwr", *args],
+        cwd=ROOT,
+        env={**env, "FLWR_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_local_deployment_runs_end_to_end(tmp_path):
+    """The secure default: sites train through the proxy while an outsider holding the CA certificate
+    cannot list runs or start another app (403 at the proxy); the operator's flwr, on the SuperLink's host,
+    can. The handshake shared only the sites' counts."""
+    work, run_dir = tmp_path / "work", tmp_path / "run"
+    env = env_for(work)
+    proc = start(["default", "2", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env)
+    wait_rows(proc, run_dir, 1)  # the sites are connected and the run trains
+    public = f"127.0.0.1:{env['SUPERLINK_PORT']}"
+    outsider_ls = flwr_as(tmp_path / "outsider", public, work / "ca.crt", "ls", "there", env=env)
+    outsider_run = flwr_as(
+        tmp_path / "outsider",
+        public,
+        work / "ca.crt",
+        "run",
+        ".",
+        "there",
+        "--run-config",
+        "config='configs/builtin_fedit.yaml'",
+        env=env,
+    )
+    local = (work / "flwr-home" / "config.toml").read_text().split('address = "')[1].split('"')[0]
+    operator_ls = flwr_as(tmp_path / "operator", local, work / "ca.crt", "ls", "there", env=env)
     out = finish(proc, work)
-    assert "held-out loss" in out
+    assert "Successfully started run" not in outsider_run.stdout + outsider_run.stderr
+    access = (work / "nginx" / "access.log").read_text().splitlines()
+    refused = [x for x in access if "/v1/control/" in x]
+    assert refused and all('" 403 ' in x for x in refused), access[-20:]
+    assert outsider_ls.returncode != 0 and outsider_run.returncode != 0
+    assert operator_ls.returncode == 0, operator_ls.stdout + operator_ls.stderr
+    assert any('"POST /v1/fleet/' in x and '" 200 ' in x for x in access)  # the sites went through it
+    assert "accuracy" in out and "logs:" in out
     names = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and ".lock" not in p.name}
     assert {
         "metrics.jsonl",
@@ -102,14 +146,15 @@ def test_local_deployment_runs_end_to_end(tmp_path):
     assert r[1]["up_params"] > 0 and r[-1]["eval_loss"] < r[0]["eval_loss"]
     for k in (0, 1):  # each site kept its client state on its own disk
         assert list((work / f"site-{k}" / "state").glob("client-*/site.json"))
+    partition = json.loads((run_dir / "partition.json").read_text())
+    assert all("categories" not in p and p["train"] > 0 for p in partition)  # counts only
+    assert "refused" not in (work / "run.log").read_text()
 
 
 def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path):
     work, run_dir = tmp_path / "work", tmp_path / "run"
     env = env_for(work)
-    proc = start(
-        ["default", "2", "--tls", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env
-    )
+    proc = start(["default", "2", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env)
     wait_rows(proc, run_dir, 1)  # the sites are connected
     rogue = tmp_path / "rogue"
     rogue.mkdir()
@@ -147,13 +192,36 @@ def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path):
     assert rows(run_dir)[-1]["n_updates"] == 2  # the registered sites trained over TLS
 
 
+def supernode(env: dict, work: Path, client_id: int, state: Path, log: Path) -> subprocess.Popen:
+    """A plain SuperNode claiming ``client_id`` with site ``client_id``'s data."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{env['SUPERLINK_PORT']}",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                f"client-id={client_id} data-path='{work}/site-{client_id}/data.jsonl' state-dir='{state}'",
+            ],
+            env={**env, "FLWR_HOME": str(work / "flwr-home"), "OMP_NUM_THREADS": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def test_a_killed_site_is_left_out_and_rejoins_from_its_state(tmp_path):
+    """--insecure (no keys): a site killed after round 1 is left out, restarts and resumes from its state;
+    an impostor claiming a live site's id is refused every round and never contributes."""
     work, run_dir = tmp_path / "work", tmp_path / "run"
     env = env_for(work)
     proc = start(
         [
             "default",
             "3",
+            "--insecure",
             "--run-dir",
             str(run_dir),
             "federation.rounds=4",
@@ -166,29 +234,21 @@ def test_a_killed_site_is_left_out_and_rejoins_from_its_state(tmp_path):
     wait_rows(proc, run_dir, 2)  # round 1 done
     os.kill(int((work / "site-1" / "supernode.pid").read_text()), signal.SIGTERM)
     wait_rows(proc, run_dir, 3)  # round 2 finishes with the other two
-    with open(tmp_path / "restarted.log", "w") as log:
-        node = subprocess.Popen(
-            [
-                "flower-supernode",
-                "--insecure",
-                "--superlink",
-                f"127.0.0.1:{env['SUPERLINK_PORT']}",
-                "--port",
-                str(free_port()),
-                "--node-config",
-                f"client-id=1 data-path='{work}/site-1/data.jsonl' state-dir='{work}/site-1/state'",
-            ],
-            env={**env, "FLWR_HOME": str(work / "flwr-home"), "OMP_NUM_THREADS": "1"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    node = supernode(env, work, 1, work / "site-1" / "state", tmp_path / "restarted.log")
+    impostor = supernode(env, work, 0, tmp_path / "impostor-state", tmp_path / "impostor.log")
     try:
-        finish(proc, work)
+        out = finish(proc, work)
     finally:
-        node.terminate()
-        node.wait(timeout=60)
+        for p in (node, impostor):
+            p.terminate()
+            p.wait(timeout=60)
+    assert "WARNING: --insecure" in out
     r = rows(run_dir)
     assert "1" in r[2]["failed"] and r[2]["n_updates"] == 2  # left out of round 2, the round finished
     assert r[4]["n_updates"] == 3 and not r[4]["failed"]  # back in by round 4
     log = (tmp_path / "restarted.log").read_text()
     assert "state of round 1 from" in log  # the restarted site resumed its client state from disk
+    run_log = (work / "run.log").read_text()
+    assert "claims client 0: refused (live node" in run_log  # the impostor, while site 0 lives
+    assert all(x["n_updates"] <= 3 for x in r[1:])  # never a fourth contributor
+    assert "site 0 trained" not in (tmp_path / "impostor.log").read_text()

@@ -289,3 +289,30 @@ def test_length_grouped_batches_pad_less_cover_every_example_and_stay_shuffled()
     order = list(range(400))
     random.Random(0).shuffle(order)
     assert plain == [order[i : i + 8] for i in range(0, 400, 8)]
+
+
+def test_a_flora_catchup_reveals_the_sum_not_each_clients_factors(gen):
+    """FLoRA's stacked merge holds every sampled client's own B_k; what a site downloads (its catch-up) is
+    the same update as the SVD of the sum, in which no client's B_k columns appear."""
+    from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, example_weights
+    from fedllm.catchup import MergeLog
+    from tests.conftest import random_factors
+
+    key = "m.q_proj"
+    ups = [ClientUpdate(k, 10 + 5 * k, {key: random_factors(2, 40, 24, 1.0, gen)}) for k in range(3)]
+    res = STRATEGIES["flora"]().aggregate(ups, GlobalState())
+    log = MergeLog([0, 1, 2])
+    log.add(1, res.merged)
+    down = log.catchup(0, res.state.residual).update[key]
+    p = example_weights(ups)
+    dense = sum(w * u.factors[key].delta() for w, u in zip(p, ups, strict=True))
+    assert torch.allclose(down.delta(), dense, rtol=1e-5, atol=1e-6)
+
+    def nearest(cols: torch.Tensor, b: torch.Tensor) -> float:  # closest column, relative, up to sign
+        d = torch.minimum((cols - b[:, None]).norm(dim=0), (cols + b[:, None]).norm(dim=0))
+        return float(d.min() / b.norm())
+
+    own = [u.factors[key].folded().B for u in ups]
+    stacked = res.merged[key].folded().B
+    assert max(nearest(stacked, b[:, j]) for b in own for j in range(2)) < 1e-6  # the stack holds each B_k
+    assert min(nearest(down.folded().B, b[:, j]) for b in own for j in range(2)) > 1e-2  # the download not

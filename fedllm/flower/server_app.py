@@ -8,7 +8,10 @@ back as ClientUpdates. A site that does not answer within
 ``federation.client_timeout_s``, fails, or sends a bad update is left out of
 the round as in the simulation (``federation.min_clients`` applies); a site
 that comes back (a new node id after a restart) is found again by the
-handshake (a ``query`` message) and rejoins. The global model is evaluated on
+handshake (a ``query`` message) and rejoins, under the identity rules of
+:mod:`fedllm.flower.identity` (a node answers for a client id only with that
+id's registered key, or, without a registry, while no other live node holds
+it). The global model is evaluated on
 the server's own copy of the base (the benchmark and, when the server can
 read the data, the held-out split); personalized evaluation runs on the sites.
 
@@ -32,6 +35,7 @@ from data_prep.schema import DataError
 from fedllm import assembly
 from fedllm.aggregation import strategy_from_config
 from fedllm.config import Config, config_to_text, load_config
+from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
 from fedllm.flower.records import info_record, read_info, read_update, start_record
 from fedllm.logs import setup_logging
 from fedllm.partitions import load_partitions
@@ -49,8 +53,21 @@ class FlowerDriver(RoundLoop):
         super().__init__(cfg, run_dir, accelerator)
         self.grid, self.startup_timeout_s = grid, startup_timeout_s
         self.config_text = config_to_text(cfg)
-        self.nodes: dict[int, int] = {}  # client id -> node id
+        registry = (
+            load_registry(cfg.flower.registry, cfg.federation.num_clients) if cfg.flower.registry else None
+        )
+        self.bindings = Bindings(registry)
+        if registry is None:
+            log.warning(
+                "flower.registry is not set: a site is whoever claims its client id first (refused while "
+                "another live node holds it); identities are unauthenticated"
+            )
         self.timeout = cfg.federation.client_timeout_s or None
+
+    @property
+    def nodes(self) -> dict[int, int]:
+        """client id -> node id, as bound (see :mod:`fedllm.flower.identity`)."""
+        return self.bindings.nodes
 
     # ---------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -74,11 +91,11 @@ class FlowerDriver(RoundLoop):
         self.partition_stats = [
             {
                 "client": k,
-                "size": i["num-examples"] + i["num-test"],
+                "size": i["num-examples"] + i.get("num-test", 0),
                 "rank": lora_ranks[k],
                 "train": i["num-examples"],
-                "test": i["num-test"],
-                "categories": json.loads(i["categories"]),
+                **({"test": i["num-test"]} if "num-test" in i else {}),
+                **({"categories": json.loads(i["categories"])} if "categories" in i else {}),
             }
             for k, i in sorted(infos.items())
         ]
@@ -88,10 +105,11 @@ class FlowerDriver(RoundLoop):
         )
 
     def handshake(self) -> dict[int, dict]:
-        """Ask every node not yet known which client it is; forget nodes that are gone."""
-        live = set(self.grid.get_node_ids())
-        self.nodes = {k: n for k, n in self.nodes.items() if n in live}
-        unknown = sorted(live - set(self.nodes.values()))
+        """Ask every node not yet bound which client it is and bind it if it may be that client; forget
+        nodes that are gone."""
+        keys = {n.node_id: bytes(getattr(n, "public_key", b"")) or None for n in self.grid.get_nodes()}
+        self.bindings.forget_gone(set(keys))
+        unknown = sorted(set(keys) - set(self.nodes.values()))
         messages = [
             Message(info_record({}, self.config_text), dst_node_id=n, message_type=MessageType.QUERY)
             for n in unknown
@@ -104,8 +122,19 @@ class FlowerDriver(RoundLoop):
                 )
                 continue
             info, _ = read_info(reply.content)
-            self.nodes[int(info["client-id"])] = reply.metadata.src_node_id
-            infos[int(info["client-id"])] = info
+            try:
+                k, n = int(info["client-id"]), int(info["num-examples"])
+            except (KeyError, TypeError, ValueError):
+                log.warning("node %s sent an unreadable handshake: %s", reply.metadata.src_node_id, info)
+                continue
+            if not 0 <= k < self.cfg.federation.num_clients or n < 0:
+                log.warning(
+                    "node %s claims client %s with %s examples: refused", reply.metadata.src_node_id, k, n
+                )
+                continue
+            node = reply.metadata.src_node_id
+            if self.bindings.claim(node, k, keys.get(node)) is None:
+                infos[k] = info
         return infos
 
     def wait_for_sites(self) -> dict[int, dict]:
@@ -192,6 +221,7 @@ def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float 
     from fedllm import rundir
 
     setup_logging(os.environ.get("FEDLLM_LOG_LEVEL", "INFO"))
+    refuse_token_modules(cfg)
     cfg.output.dir = str(run_dir)
     action, lock = rundir.open_run(run_dir, cfg)
     if action == "done":

@@ -185,16 +185,18 @@ class Site:
 
     # ----------------------------------------------------------- the work
     def info(self) -> dict:
-        return {
-            "client-id": self.client_id,
-            "num-examples": self.client.num_examples,
-            "num-test": len(self.client.test),
-            "categories": json.dumps(self.categories),
-        }
+        """The handshake: the client id and the example count weighting needs; the category histogram and
+        the test size only with ``flower.share_data_stats``."""
+        out = {"client-id": self.client_id, "num-examples": self.client.num_examples}
+        if self.cfg.flower.share_data_stats:
+            out.update({"num-test": len(self.client.test), "categories": json.dumps(self.categories)})
+        return out
 
     def train(self, start: ClientStart) -> ClientUpdate:
         t0 = time.perf_counter()
         update = self.runtime.train(self.client, start)
+        if not self.cfg.flower.share_losses:  # the server then logs no train_loss for this site
+            update.metrics = {k: v for k, v in update.metrics.items() if not k.startswith("loss_")}
         self.save_state(start.round)
         log.info("site %d trained round %d in %.1f s", self.client_id, start.round, time.perf_counter() - t0)
         return update
