@@ -178,7 +178,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for v in variants:  # every variant's config is checked before the first run starts
         load_config(args.config, [*args.overrides, *v.overrides])
     seeds = args.seed_list or list(range(args.seeds))
-    summary = compare(args.config, variants, seeds, Path(args.output_dir), args.jobs, args.overrides)
+    summary = compare(
+        args.config, variants, seeds, Path(args.output_dir), args.jobs, args.overrides, rerun=args.rerun
+    )
     print(format_summary(summary))
     print(json.dumps(summary))
     return 0
@@ -250,7 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", type=int, default=3, help="run federation.seed = 0..N-1 (default 3)")
     c.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of 0..N-1")
     c.add_argument(
-        "--output-dir", default="runs/compare", help="runs go to DIR/<variant>/seed-<s> (reused if done)"
+        "--output-dir",
+        default="runs/compare",
+        help="runs go to DIR/<variant>/seed-<s>, logs to DIR/<variant>/seed-<s>.log (a run is reused or "
+        "continued only with the same settings and fedllm version)",
+    )
+    c.add_argument(
+        "--rerun",
+        action="store_true",
+        help="run again, in a fresh folder, the variants whose folders hold runs of other settings",
     )
     c.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides common to every variant")

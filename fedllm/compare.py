@@ -9,22 +9,40 @@ over seeds and, against the first variant, the mean of the per-seed
 differences with a 95% Student-t interval. A difference whose interval holds
 zero is reported as such, not as a win.
 
-Runs land in ``OUT/<variant>/seed-<s>`` (complete runs are reused, so an
-interrupted comparison continues); ``fedllm report OUT/*/seed-*`` plots each
-variant's mean with a band.
+Runs land in ``OUT/<variant>/seed-<s>``, each with its log beside it
+(``OUT/<variant>/seed-<s>.log``). A finished run is reused, and an interrupted
+one continued, only if its resolved config (every key but ``output.*`` and
+``flower.*``: evaluation included) and the fedllm version equal the requested
+ones; otherwise the comparison stops before any run starts and names the keys
+that differ (``--rerun`` runs such variants again in a fresh folder). The
+table and the JSON carry each variant's overrides and config digest.
+``fedllm report OUT/*/seed-*`` plots each variant's mean with a band.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from fedllm import __version__
+
+NOT_NUMBERS = ("output.", "flower.")  # config keys that change neither the trajectory nor the numbers
+
+
+class StaleRun(ValueError):
+    """A run folder holds a run of other settings than the comparison asks for."""
+
 
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
 _T975 = (
@@ -109,6 +127,41 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, overrides)
 
 
+def numbers_config(cfg) -> dict[str, Any]:
+    """The config keys that decide a run's numbers (all but :data:`NOT_NUMBERS`)."""
+    from fedllm.config import flat_config
+
+    return {k: v for k, v in flat_config(cfg).items() if not k.startswith(NOT_NUMBERS)}
+
+
+def config_digest(cfg) -> str:
+    """A short digest of :func:`numbers_config` and the fedllm version."""
+    text = json.dumps({"config": numbers_config(cfg), "version": __version__}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def stale_reason(run_dir: Path, wanted) -> str | None:
+    """Why the run in ``run_dir`` is not the one ``wanted`` describes (None: it is, or there is none)."""
+    from fedllm.config import ConfigError, load_config
+
+    if not (run_dir / "config.yaml").exists():
+        return None
+    try:
+        have = numbers_config(load_config(str(run_dir / "config.yaml"), []))
+    except ConfigError as e:
+        return f"its config.yaml no longer loads ({e})"
+    want = numbers_config(wanted)
+    differ = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {have.get(k)!r} there, {want.get(k)!r} asked" for k in differ[:4])
+        return f"other settings ({shown}{', ...' if len(differ) > 4 else ''})"
+    info = run_dir / "run_info.json"
+    version = json.loads(info.read_text()).get("fedllm_version") if info.exists() else None
+    if version != __version__:
+        return f"another fedllm version ({version or 'unknown'} there, {__version__} here)"
+    return None
+
+
 def run_metrics(run_dir: Path) -> dict[str, float | None]:
     """The comparison metrics of one finished run (None where the run does not have them)."""
     from fedllm.checkpoint import read_jsonl
@@ -186,6 +239,13 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
     lines = [
         f"seeds {summary['seeds']}; differences are paired per seed against '{base}', with 95% t intervals"
     ]
+    if "variants" in summary:
+        lines.append(
+            f"config {summary.get('config') or 'built-in default'} + {' '.join(summary['common_overrides'])}"
+        )
+    for name, overrides in summary.get("variants", {}).items():
+        digest = summary.get("config_digests", {}).get(name, "")
+        lines.append(f"  {name:<14} {' '.join(overrides) or '(no overrides)'}  [config {digest}]")
     for metric, per in summary["metrics"].items():
         if metrics and metric not in metrics:
             continue
@@ -208,26 +268,30 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
 
 def _run_one(
     config: str | None, variant: Variant, seed: int, run_dir: Path, threads: int, extra: list[str]
-) -> Path:
-    if (
-        run_dir / "summary.json"
-    ).exists():  # finished earlier: reuse (the run is deterministic on this machine)
-        return run_dir
-    cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run", "--output-dir", str(run_dir)]
+) -> tuple[Path, float]:
+    """One run (continued if interrupted, skipped if finished: checked equal beforehand); its output goes
+    to ``<run_dir>.log``. Returns the folder and the seconds it took here."""
+    t0 = time.perf_counter()
+    if (run_dir / "summary.json").exists():  # finished earlier with these settings: reuse
+        return run_dir, 0.0
+    cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "INFO", "run", "--output-dir", str(run_dir)]
     if config:
         cmd += ["--config", config]
-    if (run_dir / "config.yaml").exists():  # interrupted earlier: continue it
-        cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", "run", "--resume", str(run_dir)]
+    if (run_dir / "config.yaml").exists():  # interrupted earlier with these settings: continue it
+        cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "INFO", "run", "--resume", str(run_dir)]
     else:
         cmd += [*extra, *variant.overrides, f"federation.seed={seed}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # float results depend on the thread count
-    out = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log_path = run_dir.with_name(run_dir.name + ".log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        out = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     if out.returncode != 0:
+        tail = log_path.read_text().strip().splitlines()[-1:] or [""]
         raise RuntimeError(
-            f"variant {variant.name} seed {seed} failed (exit {out.returncode}): "
-            f"{out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ''}"
+            f"variant {variant.name} seed {seed} failed (exit {out.returncode}): {tail[0]} (log: {log_path})"
         )
-    return run_dir
+    return run_dir, time.perf_counter() - t0
 
 
 def _build_bases(config: str | None, variants: list[Variant], extra: list[str]) -> None:
@@ -249,35 +313,70 @@ def compare(
     out_root: Path,
     jobs: int = 1,
     extra: list[str] | None = None,
+    rerun: bool = False,
+    progress: bool = True,
 ) -> dict:
     """Run every variant for every seed (``jobs`` at a time) and summarize; see the module docstring."""
+    from tqdm.auto import tqdm
+
+    from fedllm.config import load_config
+
     if not variants:
         raise ValueError("give at least one --variant")
     if len({v.name for v in variants}) != len(variants):
         raise ValueError("variant names must be distinct")
+    extra = extra or []
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
-    _build_bases(config, variants, extra or [])
     tasks = [(v, s) for s in seeds for v in variants]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        dirs = list(
-            pool.map(
-                lambda t: _run_one(
-                    config, t[0], t[1], out_root / t[0].name / f"seed-{t[1]}", threads, extra or []
-                ),
-                tasks,
-            )
+    digests: dict[str, str] = {}
+    stale: list[str] = []
+    for v, s in tasks:  # every folder checked before the first run starts
+        run_dir = out_root / v.name / f"seed-{s}"
+        wanted = load_config(config, [*extra, *v.overrides, f"federation.seed={s}"])
+        digests.setdefault(v.name, config_digest(load_config(config, [*extra, *v.overrides])))
+        why = stale_reason(run_dir, wanted)
+        if why is not None:
+            if not rerun:
+                stale.append(f"{run_dir}: {why}")
+            else:
+                shutil.rmtree(run_dir)
+                run_dir.with_name(run_dir.name + ".log").unlink(missing_ok=True)
+    if stale:
+        raise StaleRun(
+            "these folders hold runs of other settings than asked (pass --rerun to run them again, or "
+            "choose another --output-dir):\n  " + "\n  ".join(stale)
         )
+    _build_bases(config, variants, extra)
     results: dict[str, dict[int, dict]] = {v.name: {} for v in variants}
-    for (v, s), d in zip(tasks, dirs, strict=True):
-        results[v.name][s] = run_metrics(d)
-    summary = summarize(results)
+    bar = tqdm(total=len(tasks), desc="runs", unit="run", disable=not progress)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {
+            pool.submit(_run_one, config, v, s, out_root / v.name / f"seed-{s}", threads, extra): (v, s)
+            for v, s in tasks
+        }
+        for fut in as_completed(futures):
+            (v, s), (run_dir, took) = futures[fut], fut.result()
+            results[v.name][s] = m = run_metrics(run_dir)
+            acc = "n/a" if m.get("accuracy") is None else f"{m['accuracy']:.4f}"
+            loss = "n/a" if m.get("heldout_loss") is None else f"{m['heldout_loss']:.4f}"
+            bar.write(
+                f"{v.name} seed {s}: accuracy {acc}, held-out loss {loss}, "
+                + (f"{took:.0f} s" if took else "reused (same settings)"),
+                file=sys.stderr,
+            )
+            bar.update()
+    bar.close()
+    summary = summarize({v.name: dict(sorted(results[v.name].items())) for v in variants})
     summary.update(
         {
             "config": config,
+            "common_overrides": extra,
             "variants": {v.name: v.overrides for v in variants},
+            "config_digests": digests,
+            "fedllm_version": __version__,
             "threads_per_run": threads,
             "runs": {v.name: {str(s): str(out_root / v.name / f"seed-{s}") for s in seeds} for v in variants},
-            "per_seed": {k: {str(s): m for s, m in r.items()} for k, r in results.items()},
+            "per_seed": {k: {str(s): m for s, m in sorted(r.items())} for k, r in results.items()},
         }
     )
     return summary

@@ -30,6 +30,7 @@ LOCK = ".lock"
 # what a run writes at the top of its folder (export refuses to write over these)
 RUN_ENTRIES = (
     "config.yaml",
+    "run_info.json",
     "partition.json",
     "metrics.jsonl",
     "summary.json",
@@ -345,6 +346,10 @@ class RunWriter:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
+        from fedllm import __version__
+
+        # which code made the run (fedllm compare reuses a run only if it is this version)
+        atomic_write_text(self.run_dir / "run_info.json", json.dumps({"fedllm_version": __version__}))
         atomic_write_text(self.run_dir / "partition.json", json.dumps(partition_stats, indent=1))
         for s in partition_stats:  # a Flower site shares its test size and categories only if asked to
             log.info(

@@ -110,3 +110,40 @@ def test_compare_runs_every_variant_on_the_same_partitions(tmp_path, builtin_bas
         acc
         == json.loads((tmp_path / "cmp" / "flora" / "seed-1" / "summary.json").read_text())["accuracy_after"]
     )
+
+
+def test_compare_never_reuses_a_run_of_other_settings(tmp_path, builtin_base, capsys):
+    """The same command reuses its runs; a changed shared override is refused naming the key (no run
+    starts), and with --rerun runs again and changes the numbers."""
+    from fedllm.cli import main
+
+    common = [
+        o
+        for o in tiny_overrides(tmp_path, "federation.rounds=1", "eval.personalized=false")
+        if not o.startswith("output.dir")
+    ]
+    argv = ["compare", "--variant", "fedit:aggregation.name=fedit", "--seeds", "1"]
+    argv += ["--output-dir", str(tmp_path / "cmp"), *common]
+
+    def last_json() -> dict:
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    assert main(argv) == 0
+    first = last_json()
+    assert first["config_digests"]["fedit"] and first["common_overrides"] == common
+    assert (tmp_path / "cmp" / "fedit" / "seed-0.log").read_text()  # the run's log, kept beside it
+    assert main(argv) == 0
+    again = capsys.readouterr()
+    assert "reused (same settings)" in again.err
+    assert json.loads(again.out.strip().splitlines()[-1])["per_seed"] == first["per_seed"]
+    changed = [*argv, "client.lr=0.03"]
+    with pytest.raises(SystemExit) as e:
+        main(changed)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "client.lr: 0.003 there, 0.03 asked" in err and "--rerun" in err
+    assert main([*changed, "--rerun"]) == 0
+    rerun = last_json()
+    assert rerun["config_digests"]["fedit"] != first["config_digests"]["fedit"]
+    assert rerun["per_seed"]["fedit"]["0"]["heldout_loss"] != first["per_seed"]["fedit"]["0"]["heldout_loss"]
+    cfg = (tmp_path / "cmp" / "fedit" / "seed-0" / "config.yaml").read_text()
+    assert "lr: 0.03" in cfg

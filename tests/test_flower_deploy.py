@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,10 @@ import pytest
 pytest.importorskip("flwr")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+needs_nginx = pytest.mark.skipif(
+    NGINX is None, reason="the secure setup needs nginx (apt-get install nginx-light)"
+)
 SMALL = ["client.local_steps=20", "eval.limit=40"]
 
 
@@ -100,6 +105,7 @@ def flwr_as(home: Path, address: str, ca: Path, *args: str, env: dict) -> subpro
     )
 
 
+@needs_nginx
 def test_local_deployment_runs_end_to_end(tmp_path):
     """The secure default: sites train through the proxy while an outsider holding the CA certificate
     cannot list runs or start another app (403 at the proxy); the operator's flwr, on the SuperLink's host,
@@ -151,6 +157,7 @@ def test_local_deployment_runs_end_to_end(tmp_path):
     assert "refused" not in (work / "run.log").read_text()
 
 
+@needs_nginx
 def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path):
     work, run_dir = tmp_path / "work", tmp_path / "run"
     env = env_for(work)
