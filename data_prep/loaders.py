@@ -17,11 +17,14 @@ file, the line (jsonl) or row (json, parquet) and the field name.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from data_prep.schema import DataError, Example, check_readable, read_text
+
+log = logging.getLogger(__name__)
 
 HUB_IDS = {
     "dolly": "databricks/databricks-dolly-15k",
@@ -167,6 +170,7 @@ def load_examples(
         records = _records_from_hub(HUB_IDS.get(dataset, dataset))
         if fmt == "auto" and dataset in HUB_IDS:
             fmt = dataset
+    auto = fmt == "auto"
     out = []
     for rec, where in records:
         layout = detect_format(rec, where) if fmt == "auto" else fmt
@@ -176,4 +180,7 @@ def load_examples(
             break
     if not out:
         raise DataError(f"data.dataset: {dataset} holds no records")
+    log.info(
+        "data.dataset %s: %d records, %s format%s", dataset, len(out), fmt, " (detected)" if auto else ""
+    )
     return out

@@ -60,6 +60,19 @@ def column(table, name: str) -> np.ndarray:
     return table.data.column(name).to_numpy()
 
 
+def unknown_share(tables, unk_id: int) -> tuple[int, int]:
+    """(unknown tokens, tokens) among the tokens trained on (``labels`` not -100: the responses, not the
+    template) over every row of ``tables``."""
+    import pyarrow.compute as pc
+
+    unknown = total = 0
+    for table in tables:
+        labels = pc.list_flatten(table.data.column("labels"))
+        total += int(pc.sum(pc.not_equal(labels, -100)).as_py() or 0)
+        unknown += int(pc.sum(pc.equal(labels, unk_id)).as_py() or 0)
+    return unknown, total
+
+
 class TokenRows(Sequence):
     """Rows of a tokenized table, read on demand; indexing gives :class:`TokenizedExample` s."""
 

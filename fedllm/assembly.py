@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.prompts import TokenizedExample
+from data_prep.schema import DataError
+from data_prep.tokenized import TokenRows, unknown_share
 from eval.data import MMLUDataError
 from eval.mmlu import Benchmark, load_benchmark
 from fedllm.aggregation import Strategy, strategy_from_config
@@ -200,7 +202,36 @@ def tokenize_partitions(
     groups = (parts.clients, parts.test_sizes) if clients else ([], [])
     with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
         data, held_out = tokenize_clients(*groups, tokenizer, template, max_len, extra=parts.eval_examples)
+    check_unknown_tokens(cfg, tokenizer, [*[t for pair in data for t in pair], held_out])
     return list(data), held_out
+
+
+UNKNOWN_WARNING = 0.02
+
+
+def check_unknown_tokens(cfg: Config, tokenizer, rows: list) -> None:
+    """Refuse (above ``data.max_unknown_share``) or warn (above 2%) when the base's tokenizer cannot read
+    the data: a loss that falls on ``<unk>`` tokens looks like learning and is not."""
+    unk_id = getattr(tokenizer, "unk_token_id", None)
+    tables = {id(r.table): r.table for r in rows if isinstance(r, TokenRows)}
+    if unk_id is None or not tables:
+        return
+    unknown, total = unknown_share(tables.values(), unk_id)
+    share = unknown / total if total else 0.0
+    what = (
+        f"{share:.1%} of the response tokens trained on ({unknown:,} of {total:,}) are unknown to the "
+        f"tokenizer of model.name={cfg.model.name!r}"
+    )
+    hint = (
+        "the built-in base knows only the built-in data's words: point model.name at a real model folder "
+        "(or Hub id)"
+        if cfg.model.name == "builtin"
+        else "check that model.name is the model this data is meant for"
+    )
+    if share > cfg.data.max_unknown_share:
+        raise DataError(f"data.dataset: {what}; {hint}, or raise data.max_unknown_share to train anyway")
+    if share > UNKNOWN_WARNING:
+        log.warning("%s; %s", what, hint)
 
 
 def check_client_batches(cfg: Config, layout: Layout, data: list[ClientTokens]) -> None:

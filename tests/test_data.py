@@ -279,3 +279,47 @@ def test_lone_surrogate_is_refused_with_file_line_and_field(tmp_path):
         DataError, match=r"s.jsonl, line 2: field 'instruction' holds text that is not valid Unicode"
     ):
         load_examples(str(path))
+
+
+def test_own_data_the_base_cannot_read_is_refused_before_training(tmp_path, capsys, caplog, builtin_base):
+    """English the built-in base's 287-word tokenizer does not know: refused naming the share and the fix
+    (point model.name at a real model); with the limit raised it trains, warning; the format is logged."""
+    import logging
+
+    from fedllm.cli import main
+    from tests.conftest import tiny_overrides
+
+    rows = [
+        {
+            "instruction": f"What is the capital of country number {i}?",
+            "input": "",
+            "output": "Paris, France.",
+        }
+        for i in range(40)
+    ]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = [
+        *tiny_overrides(tmp_path / "r", "federation.rounds=1", "eval.benchmark=none"),
+        f"data.dataset={path}",
+    ]
+    err = _refused(["run", *base, "data.partition=iid"], capsys)
+    assert "data.dataset: " in err and "unknown to the tokenizer of model.name='builtin'" in err
+    assert "point model.name at a real model folder" in err and "data.max_unknown_share" in err
+    share = float(err.split("% of the response tokens")[0].rsplit(" ", 1)[-1])
+    assert share > 20
+    with caplog.at_level(logging.INFO):
+        assert (
+            main(
+                [
+                    "run",
+                    *base,
+                    "data.partition=iid",
+                    "data.max_unknown_share=1",
+                    "--output-dir",
+                    str(tmp_path / "ok"),
+                ]
+            )
+            == 0
+        )
+    assert "unknown to the tokenizer" in caplog.text and "alpaca format (detected)" in caplog.text
