@@ -261,7 +261,7 @@ def load_latest(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str,
             log.warning("checkpoint %s is unusable (%s); trying the previous one", path, e)
             continue
         if first_error is not None:
-            log.warning("resuming from %s, the newest intact checkpoint", path)
+            log.warning("using %s, the newest intact checkpoint", path)
         return path, tensors, meta
     if first_error is not None:
         raise CheckpointError(f"no intact checkpoint in {Path(run_dir) / 'checkpoints'}: {first_error}")

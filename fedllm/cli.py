@@ -127,6 +127,14 @@ def print_summary(s: dict) -> None:
         )
     else:
         print("accuracy           n/a (no benchmark: eval.benchmark=none)")
+    cl = s.get("clients")
+    if cl:
+        ids = cl["evaluated"]
+        which = f"clients {ids}" if len(ids) <= 8 else f"{len(ids)} clients"
+        print(
+            f"clients' own data  global model {f(cl['global_acc_mean'])}, personalized "
+            f"{f(cl['personal_acc_mean'])} (mean over {which}, round {cl['round']})"
+        )
     print(
         f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
         f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)"
@@ -156,10 +164,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_export_dir(run_dir: Path, round_idx: int | None, merge: bool, client: int | None) -> Path:
+    """``RUN/export/<what it holds>``: global, merged, client-K (plus -merged, -round-N), so exports of a run
+    never collide."""
+    name = f"client-{client}" if client is not None else ("merged" if merge else "global")
+    if client is not None and merge:
+        name += "-merged"
+    if round_idx is not None:
+        name += f"-round-{round_idx}"
+    return run_dir / "export" / name
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from fedllm.export import export_run, push_to_hub
 
-    out = Path(args.output or Path(args.run_dir) / ("export-merged" if args.merge else "export"))
+    out = Path(args.output or default_export_dir(Path(args.run_dir), args.round, args.merge, args.client))
     export_run(Path(args.run_dir), out, args.round, args.merge, args.client, args.overwrite)
     print(f"exported to {out}")
     if args.push_to_hub:
@@ -224,7 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--round", type=int, help="round to export (default: the last)")
     x.add_argument("--client", type=int, help="a client's personalized adapter")
     x.add_argument("--merge", action="store_true", help="write a full merged model instead of an adapter")
-    x.add_argument("--output", help="output folder (default: RUN_DIR/export); must be new or empty")
+    x.add_argument(
+        "--output",
+        help="output folder, new or empty (default: RUN_DIR/export/global, .../merged, .../client-K; "
+        "-round-N for --round)",
+    )
     x.add_argument(
         "--overwrite", action="store_true", help="replace an existing --output (never the run itself)"
     )
@@ -268,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="compare runs: table and PNG plots")
     rep.add_argument("run_dirs", nargs="+")
-    rep.add_argument("--output", help="folder for the plots (default: the first run dir)")
+    rep.add_argument(
+        "--output", help="folder for the table, plots and report.json (default: reports/report-<time>)"
+    )
     rep.set_defaults(func=cmd_report)
     return p
 

@@ -89,7 +89,8 @@ def write_model_card(
     summary_path = Path(run_dir) / "summary.json"
     source = json.loads(summary_path.read_text()).get("benchmark") if summary_path.exists() else None
     bench = benchmark_name(source) if source else None
-    if bench and facts["accuracy"] is not None:
+    own = client_facts(run_dir, client) if client is not None else None
+    if bench and facts["accuracy"] is not None and client is None:  # a client's model was not benchmarked
         meta["model-index"] = [
             {
                 "name": f"fedllm-{cfg.aggregation.name}-round-{facts['round']}",
@@ -133,10 +134,17 @@ def write_model_card(
         f"| held-out loss (before round 1 -> round {facts['eval_round']}) | {num(facts['loss_before'])} -> "
         f"{num(facts['loss'])} |",
     ]
+    if own:
+        body.append(
+            f"| client {client}'s own held-out accuracy (round {own['round']}): this personalized model / "
+            f"the global model | **{num(own.get('personal_acc'))}** / {num(own.get('global_acc'))} |"
+        )
+    elif client is not None:
+        body.append(f"| client {client}'s own held-out accuracy | not evaluated in this run |")
     if bench:
         body.append(
-            f"| {bench} accuracy (before round 1 -> round {facts['eval_round']}) | "
-            f"{num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |"
+            f"| {bench} accuracy of the {'global model' if client is not None else 'model'} (before round 1 "
+            f"-> round {facts['eval_round']}) | {num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |"
         )
     body += [
         f"| communication up to round {facts['round']} | up {num(facts['up_params'], ',')} params "
@@ -154,3 +162,14 @@ def write_model_card(
     ]
     text = "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(body) + "\n"
     atomic_write_text(folder / "README.md", text)
+
+
+def client_facts(run_dir: Path, client: int) -> dict | None:
+    """Client ``client``'s own held-out numbers from the newest evaluation that visited it (None: none)."""
+    from fedllm.checkpoint import read_jsonl
+
+    for row in reversed(read_jsonl(Path(run_dir) / "metrics.jsonl")):
+        mine = row.get("personal", {}).get(str(client))
+        if mine:
+            return {"round": row["round"], **mine}
+    return None

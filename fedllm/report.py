@@ -39,6 +39,7 @@ def load_run(run_dir: Path) -> dict:
         if r.get("accuracy") is not None:
             curve_comm.append((comm, r["accuracy"]))
     last = rows[-1]
+    personal = [x for x in rows if x.get("personal_acc") is not None]
     return {
         "name": Path(run_dir).name,
         "dir": str(run_dir),
@@ -52,6 +53,11 @@ def load_run(run_dir: Path) -> dict:
         "up_bytes": last.get("cumulative", {}).get("total_up_bytes", 0),
         "down_bytes": last.get("cumulative", {}).get("total_down_bytes", 0),
         "wall_s": summary.get("wall_s"),
+        "rounds": summary.get("rounds_done", last.get("round")),
+        "local_steps": config.get("client", {}).get("local_steps"),
+        "client_acc_global": personal[-1].get("global_client_acc") if personal else None,
+        "client_acc_personal": personal[-1]["personal_acc"] if personal else None,
+        "personal_acc_by_round": [(x["round"], x["personal_acc"]) for x in personal],
         "accuracy_by_round": [(r["round"], r["accuracy"]) for r in evals],
         "accuracy_by_comm": curve_comm,
         "loss_by_round": [(r["round"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None],
@@ -91,11 +97,20 @@ def group_runs(runs: list[dict]) -> list[dict]:
                         "up_bytes",
                         "down_bytes",
                         "wall_s",
+                        "client_acc_global",
+                        "client_acc_personal",
                     )
                 },
+                "rounds": members[0]["rounds"],
+                "local_steps": members[0]["local_steps"],
                 **{
                     k: _curve([m[k] for m in members])
-                    for k in ("accuracy_by_round", "accuracy_by_comm", "loss_by_round")
+                    for k in (
+                        "accuracy_by_round",
+                        "accuracy_by_comm",
+                        "loss_by_round",
+                        "personal_acc_by_round",
+                    )
                 },
             }
         )
@@ -132,16 +147,20 @@ def _fmt(s: dict | None, spec: str, scale: float = 1.0) -> str:
 
 def table(groups: list[dict]) -> str:
     head = (
-        f"{'run (seeds)':<26} {'strategy':<9} {'benchmark':<10} {'final acc':>15} {'best acc':>15} "
-        f"{'loss':>15} {'up MB':>9} {'down MB':>9} {'wall s':>8}"
+        f"{'run (seeds)':<26} {'strategy':<9} {'rounds x steps':>14} {'benchmark':<10} {'final acc':>15} "
+        f"{'best acc':>15} {'loss':>15} {'clients global':>15} {'clients own':>15} {'up MB':>9} "
+        f"{'down MB':>9} {'wall s':>8}"
     )
     lines = [head, "-" * len(head)]
     for g in groups:
         label = g["name"] + (f" ({len(g['runs'])})" if len(g["runs"]) > 1 else "")
+        schedule = f"{g['rounds']} x {g['local_steps']}"
         lines.append(
-            f"{label[:26]:<26} {g['strategy']:<9} {str(g['benchmark'])[:10]:<10} "
+            f"{label[:26]:<26} {g['strategy']:<9} {schedule:>14} "
+            f"{str(g['benchmark'])[:10]:<10} "
             f"{_fmt(g['final_accuracy'], '.4f'):>15} {_fmt(g['best_accuracy'], '.4f'):>15} "
-            f"{_fmt(g['final_loss'], '.4f'):>15} "
+            f"{_fmt(g['final_loss'], '.4f'):>15} {_fmt(g['client_acc_global'], '.4f'):>15} "
+            f"{_fmt(g['client_acc_personal'], '.4f'):>15} "
             f"{_fmt(g['up_bytes'], '.2f', 1e-6):>9} {_fmt(g['down_bytes'], '.2f', 1e-6):>9} "
             f"{_fmt(g['wall_s'], '.1f'):>8}"
         )
@@ -159,6 +178,12 @@ PLOTS = (
         "accuracy_vs_communication.png",
     ),
     ("loss_by_round", "round", "held-out loss", "loss_vs_round.png"),
+    (
+        "personal_acc_by_round",
+        "round",
+        "clients' own accuracy (personalized)",
+        "personal_accuracy_vs_round.png",
+    ),
 )
 
 
@@ -204,10 +229,13 @@ def plot(groups: list[dict], out_dir: Path) -> list[Path]:
 
 
 def report(run_dirs: list[Path], out_dir: Path | None = None) -> str:
-    """Table text; writes the plots and report.json into ``out_dir`` (default: the first run)."""
+    """Table text; writes the plots and report.json into ``out_dir`` (default: ``reports/report-<time>``,
+    never into a run's own folder)."""
+    import time
+
     runs = [load_run(d) for d in run_dirs]
     groups = group_runs(runs)
-    out = Path(out_dir or run_dirs[0])
+    out = Path(out_dir or Path("reports") / f"report-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     paths = plot(groups, out)
     for r in runs:
@@ -216,4 +244,4 @@ def report(run_dirs: list[Path], out_dir: Path | None = None) -> str:
         out / "report.json",
         json.dumps({"groups": groups, "runs": runs, "plots": [str(p) for p in paths]}, indent=1),
     )
-    return table(groups) + "\n\nplots: " + ", ".join(str(p) for p in paths)
+    return table(groups) + f"\n\nreport folder {out}; plots: " + ", ".join(str(p) for p in paths)

@@ -414,6 +414,19 @@ class RunWriter:
                     ),
                 }
             )
+        personal = [r for r in rows if r.get("personal")]
+        if personal:  # the clients' own held-out accuracy: the figure that matters for personalization
+            last = personal[-1]
+            summary["clients"] = {
+                "round": last["round"],
+                "evaluated": sorted(int(k) for k in last["personal"]),
+                "global_acc_mean": last.get("global_client_acc"),
+                "personal_acc_mean": last.get("personal_acc"),
+                "per_client": {
+                    k: {m: v.get(m) for m in ("global_acc", "personal_acc")}
+                    for k, v in last["personal"].items()
+                },
+            }
         summary["rounds_done"] = max((r["round"] for r in rows), default=0)
         summary["failed_client_calls"] = sum(len(r.get("failed", {})) for r in rows)
         summary["skipped_rounds"] = [r["round"] for r in rows if r.get("skipped")]

@@ -305,3 +305,36 @@ def test_push_without_network_is_one_line_and_keeps_the_export(
         and f"hf upload org/fed-model {out}" in err
     )
     assert (out / "adapter_model.safetensors").exists()
+
+
+def test_personalization_numbers_in_summary_card_report_and_export_folders(finished_run, tmp_path, capsys):
+    """The clients' own accuracy (global and personalized model) is in summary.json, the printed summary, a
+    client export's card and the report; default export folders are named by what they hold and never
+    collide."""
+    import shutil
+
+    from fedllm.cli import main, print_summary
+    from fedllm.report import report
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    clients = summary["clients"]
+    assert clients["evaluated"] == sorted(int(k) for k in rows[-1]["personal"])
+    assert clients["personal_acc_mean"] == pytest.approx(rows[-1]["personal_acc"])
+    assert clients["per_client"]["1"]["global_acc"] == pytest.approx(rows[-1]["personal"]["1"]["global_acc"])
+    print_summary(summary)
+    assert "clients' own data  global model" in capsys.readouterr().out
+    for argv in ([], ["--client", "1"], ["--client", "2"], ["--merge"]):
+        assert main(["export", str(run), *argv]) == 0
+    assert sorted(p.name for p in (run / "export").iterdir()) == ["client-1", "client-2", "global", "merged"]
+    card = (run / "export" / "client-1" / "README.md").read_text()
+    mine = rows[-1]["personal"]["1"]
+    assert f"client 1's own held-out accuracy (round {rows[-1]['round']})" in card
+    assert f"**{mine['personal_acc']:.4f}** / {mine['global_acc']:.4f}" in card
+    assert "model-index" not in card  # the personalized model was not benchmarked
+    text = report([run], tmp_path / "rep")
+    assert "rounds x steps" in text and "2 x 2" in text and "clients own" in text
+    assert (tmp_path / "rep" / "personal_accuracy_vs_round.png").exists()
+    assert not list(run.glob("*.png"))  # nothing written into the run's folder
