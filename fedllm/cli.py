@@ -164,6 +164,50 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from accelerate import Accelerator
+
+    from fedllm.export import load_for_eval, run_config
+    from fedllm.generate import generate, read_prompts
+    from fedllm.partitions import prompt_template
+
+    examples = read_prompts(args.prompt or [], args.prompts_file)  # bad input fails before the model loads
+    cfg = run_config(Path(args.run)) if args.run else None
+    template = args.template or (prompt_template(cfg) if cfg else "alpaca")
+    device = Accelerator(cpu=not torch.cuda.is_available()).device
+    if args.run and args.base:  # the run's own base, without any adapter
+        model, tokenizer = load_for_eval(cfg.model.name, None, None, None, None, args.dtype, device)
+    else:
+        model, tokenizer = load_for_eval(
+            args.model, args.adapter, args.run, args.round, args.client, args.dtype, device
+        )
+    answers = generate(
+        model,
+        tokenizer,
+        examples,
+        template,
+        args.max_new_tokens,
+        args.temperature,
+        args.seed,
+        args.batch_size,
+    )
+    records = [
+        {"instruction": e.instruction, "input": e.input, "answer": a}
+        for e, a in zip(examples, answers, strict=True)
+    ]
+    for r in records:
+        print(f"### {r['instruction']}" + (f"\n{r['input']}" if r["input"] else "") + f"\n{r['answer']}\n")
+    if args.output:
+        from fedllm.checkpoint import atomic_write_text
+
+        atomic_write_text(Path(args.output), "".join(json.dumps(r) + "\n" for r in records))
+        print(f"answers written to {args.output}")
+    return 0
+
+
 def default_export_dir(run_dir: Path, round_idx: int | None, merge: bool, client: int | None) -> Path:
     """``RUN/export/<what it holds>``: global, merged, client-K (plus -merged, -round-N), so exports of a run
     never collide."""
@@ -237,6 +281,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(e, with_runs=True)
     e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="answers of the base, a run's global adapter or a client's adapter")
+    g.add_argument("--model", help="base model (default: builtin); with --run: the run's own base")
+    gsrc = g.add_mutually_exclusive_group()
+    gsrc.add_argument("--adapter", help="a peft adapter folder to apply on the base")
+    gsrc.add_argument("--run", help="a fedllm run directory: its latest global adapter (or --client, --base)")
+    g.add_argument("--round", type=int, help="with --run: the round whose global adapter to use")
+    g.add_argument("--client", type=int, help="with --run: that client's personalized adapter")
+    g.add_argument("--base", action="store_true", help="with --run: the run's base without any adapter")
+    g.add_argument("--prompt", action="append", help="an instruction (repeat the option for several)")
+    g.add_argument("--prompts-file", help="instructions, one per line, or jsonl with instruction/input")
+    g.add_argument(
+        "--template", choices=["alpaca", "plain"], help="prompt template (default: the run's, else alpaca)"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (deterministic)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
+    g.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    g.add_argument("--output", help="also write the answers as jsonl")
+    g.set_defaults(func=cmd_generate)
 
     x = sub.add_parser("export", help="export a run's adapter or merged model, optionally to the Hub")
     x.add_argument("run_dir")

@@ -1,0 +1,87 @@
+"""``fedllm generate``: what a model answers, from the base, a run's global adapter or a client's
+personalized adapter, with the run's prompt template.
+
+Accuracy numbers say how often a model is right; reading its answers says
+how it is wrong. Prompts come from the command line or a file (one per line,
+or a jsonl of ``instruction``/``input`` records), are wrapped in the prompt
+template the run trained with (``data.template``), batched with left padding
+(a decoder-only model continues the last token of each row) and decoded
+greedily (``--temperature 0``, the default: the same answer every time) or
+sampled with a seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from data_prep.prompts import build_prompt
+from data_prep.schema import DataError, Example
+
+
+def read_prompts(prompts: list[str], file: str | None) -> list[Example]:
+    """The prompts as examples: ``--prompt`` texts, then the file's lines (text, or jsonl records)."""
+    out = [Example(p, "", "") for p in prompts]
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise DataError(f"--prompts-file {file}: no such file")
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"--prompts-file {file}, line {i}: not JSON ({e.msg})") from None
+                if "instruction" not in rec:
+                    raise DataError(f"--prompts-file {file}, line {i}: a record needs an 'instruction' field")
+                out.append(Example(str(rec["instruction"]), str(rec.get("input", "")), ""))
+            else:
+                out.append(Example(line.strip(), "", ""))
+    if not out:
+        raise DataError("give at least one --prompt or a --prompts-file")
+    return out
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    examples: list[Example],
+    template: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> list[str]:
+    """Each example's answer: the decoded new tokens, up to the end-of-sequence token."""
+    if max_new_tokens < 1 or batch_size < 1 or temperature < 0:
+        raise ValueError("--max-new-tokens and --batch-size must be >= 1 and --temperature >= 0")
+    device = next(model.parameters()).device
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    answers: list[str] = []
+    try:
+        for start in range(0, len(examples), batch_size):
+            texts = [build_prompt(e, template) for e in examples[start : start + batch_size]]
+            enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            new = out[:, enc["input_ids"].shape[1] :]
+            answers += [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
+    finally:
+        tokenizer.padding_side = side
+    return answers
