@@ -366,6 +366,15 @@ def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accele
     )
     if accelerator.is_main_process:
         print(format_table(result, bench.name))
+        cut = sum(1 for r in records if r.tokens_cut or r.shots < bench.shots)
+        if cut:
+            how = "cut from the left" if bench.overflow == "truncate" else "given fewer shots"
+            print(
+                f"note: {cut} of {len(records)} prompts did not fit the model's context with {bench.shots} "
+                f"shots and were {how}; "
+                "these numbers are not a clean few-shot score: use a model with a longer context, or fewer "
+                "shots"
+            )
         if args.output:
             meta = {
                 "model": args.model,
