@@ -62,7 +62,13 @@ local_port=${SUPERLINK_LOCAL_PORT:-$(free_port)}         # the SuperLink itself 
 [ $tls = 1 ] || local_port=$link_port
 node_port=${SUPERNODE_PORT:-9094}
 pids=()
-stop() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+descendants() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do descendants "$c"; echo "$c"; done; }
+stop() {  # every process started here and everything they started (the SuperLink's ServerApp process too)
+  local all=()
+  for p in "${pids[@]}"; do all+=($(descendants "$p") "$p"); done
+  [ ${#all[@]} -eq 0 ] || kill "${all[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+}
 trap stop EXIT INT TERM
 
 if [ "$config" = default ]; then  # the built-in default shares embed_tokens and lm_head

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fedllm.config import ConfigError, help_text, load_config, valid_keys
@@ -91,3 +93,12 @@ def test_parse_override_reads_yaml_values():
     assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
     assert parse_override("a.b=true") == ("a.b", True)
     assert parse_override("a.b=x=y") == ("a.b", "x=y")
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+)
+def test_every_shipped_experiment_config_loads(name):
+    """Every experiment YAML in configs/ passes the config checks (paths are checked when a run starts)."""
+    cfg = load_config(str(Path(__file__).resolve().parent.parent / "configs" / name), [])
+    assert cfg.federation.num_clients >= 1

@@ -44,15 +44,31 @@ def env_for(work: Path) -> dict:
     }
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def stop_scripts():
+    """A failed test stops its script too (the script then stops every process it started)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=120)
+
+
 def start(args: list[str], work: Path, env: dict) -> subprocess.Popen:
     with open(work.parent / f"{work.name}.out", "w") as out:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             ["bash", str(ROOT / "scripts" / "run_flower_local.sh"), *args],
             cwd=ROOT,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+    STARTED.append(proc)
+    return proc
 
 
 def rows(run_dir: Path) -> list[dict]:
