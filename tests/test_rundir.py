@@ -212,6 +212,39 @@ def test_resume_with_more_rounds_is_recorded(run_copy, capsys):
     assert code == 2 and "federation.rounds: 3 -> 2" in err  # fewer rounds than done
 
 
+def test_a_resume_killed_after_its_last_checkpoint_is_not_reported_finished(run_copy, capsys, monkeypatch):
+    """A resume that adds a round and dies after that round's checkpoint, before its summary: the next
+    --resume finishes it (summary and global adapter of round 3) instead of saying 'nothing to do'."""
+    from fedllm.rundir import RunWriter
+
+    def killed(self, summary, write_adapter):
+        raise KeyboardInterrupt  # as a SIGINT right after the last checkpoint
+
+    monkeypatch.setattr(RunWriter, "finish", killed)
+    with pytest.raises(KeyboardInterrupt):
+        main(
+            [
+                "--log-level",
+                "WARNING",
+                "run",
+                "--resume",
+                str(run_copy),
+                "federation.rounds=3",
+                "eval.limit=2",
+            ]
+        )
+    monkeypatch.undo()
+    assert json.loads((run_copy / "summary.json").read_text())["rounds_done"] == 2  # the old summary
+    assert (run_copy / "checkpoints" / "round-0003").exists()
+    code, err = cli(capsys, "run", "--resume", str(run_copy))
+    assert code == 0, err
+    assert "nothing to do" not in err
+    summary = json.loads((run_copy / "summary.json").read_text())
+    assert summary["rounds_done"] == 3 and summary["rounds"] == 3
+    code, err = cli(capsys, "run", "--resume", str(run_copy))
+    assert code == 0 and "nothing to do" in err  # now it has finished
+
+
 # 4. checkpoints carry a checksum; a damaged newest one falls back to the previous intact one
 def test_damaged_checkpoint_falls_back_to_the_previous_one(run_copy, capsys, caplog):
     latest = run_copy / "checkpoints" / "round-0002" / "state.safetensors"
