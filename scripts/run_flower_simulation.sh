@@ -7,8 +7,8 @@
 # [tool.flwr.federations] there), starts a local SuperLink in the background that outlives the command,
 # and that SuperLink installs the app's dependencies with `uv sync` (another torch, gigabytes) because the
 # CLI starts it without --disable-runtime-dependency-installation. This script instead:
-#   - uses a project-local FLWR_HOME (.flwr/, git-ignored) with one simulation connection whose
-#     num-supernodes is the config's federation.num_clients (one Ray worker CPU each);
+#   - uses a project-local FLWR_HOME (.flwr/, git-ignored) with one local simulation connection, and
+#     --federation-config num-supernodes = the config's federation.num_clients (one Ray worker CPU each);
 #   - sets FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 (the SuperLink reads it: the app runs in this
 #     venv), with telemetry and update checks off;
 #   - runs the app with the config, streams its log, prints the run's summary, and stops the SuperLink it
@@ -53,16 +53,14 @@ default = "fedllm-sim"
 
 [superlink.fedllm-sim]
 address = ":local:"
-options.num-supernodes = $n
-options.backend.client-resources.num-cpus = 1
-options.backend.client-resources.num-gpus = 0.0
 TOML
 stop() {  # the SuperLink `flwr run` started for this port, and its children
   pkill -f "flower-superlink.*--port $FLWR_LOCAL_SUPERLINK_HTTP_API_PORT" 2>/dev/null || true
 }
 trap stop EXIT INT TERM
 echo "Flower Simulation Engine: $n clients, FLWR_HOME $FLWR_HOME (SuperLink log: $FLWR_HOME/local-superlink/superlink.log), run $run_dir"
-flwr run . fedllm-sim --stream --run-config \
+flwr run . fedllm-sim --stream \
+  --federation-config "num-supernodes=$n client-resources-num-cpus=1 client-resources-num-gpus=0.0" --run-config \
   "config='$cfg_path' run-dir='$run_dir' overrides='${overrides[*]}'"
 [ -f "$run_dir/summary.json" ] || { echo "error: the run did not finish (see the log above)" >&2; exit 1; }
 python -c "import json, sys; from fedllm.cli import print_summary; print_summary(json.load(open(sys.argv[1])))" \
