@@ -36,6 +36,7 @@ from fedllm.factors import lora_scale
 from fedllm.modeling import context_length, is_quantized, load_base
 from fedllm.parallel import Layout, uses_deepspeed, zero_stage
 from fedllm.partitions import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
+from fedllm.privacy import DPRules
 from fedllm.protocol import ClientInfo, derive_seed
 from fedllm.server import Rules, Sampling, Server
 
@@ -180,6 +181,7 @@ def build_runtime(
         hook=strategy.client_hook(),
         residual_merges=residual,
         client_timeout_s=cfg.federation.client_timeout_s,
+        dp=DPRules.from_config(cfg),
         **kw,
     )
 
@@ -273,6 +275,7 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
             weighting=fed.weighting,
             max_client_weight=fed.max_client_weight,
         ),
+        dp=DPRules.from_config(cfg),
     )
 
 

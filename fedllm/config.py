@@ -205,6 +205,12 @@ def validate(cfg: Config) -> None:
                 f"{key} = {getattr(getattr(cfg, section), name)!r} is unknown; valid choices: "
                 f"{', '.join(sorted(registry))}"
             )
+    from fedllm.privacy import check_config as check_privacy
+
+    try:
+        check_privacy(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     strategy, algorithm = STRATEGIES[cfg.aggregation.name], ALGORITHMS[cfg.client.algorithm]
     if algorithm.needs_parameter_averaging and not strategy.averages_parameters:
         raise ConfigError(

@@ -326,6 +326,42 @@ class FlowerConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    mode: str = opt(
+        "none",
+        "user-level differential privacy (DP-FedAvg): 'central' (clients clip, the server noises the sum: "
+        "fedit, ffa), 'local' (each client noises its own clipped update) or 'none'",
+        lambda x: x in ("none", "central", "local"),
+        "one of none, central, local",
+    )
+    clip_norm: float = opt(
+        1.0,
+        "L2 bound C of each client's update (everything it uploads, in the aggregation space)",
+        _positive,
+        "> 0",
+    )
+    noise_multiplier: float = opt(
+        1.0, "Gaussian noise standard deviation in units of clip_norm (see `fedllm privacy`)", _nonneg, ">= 0"
+    )
+    delta: float = opt(
+        0.0, "the delta of (epsilon, delta)-DP (0: 1 / num_clients^1.1)", lambda x: 0 <= x < 1, "in [0, 1)"
+    )
+    target_epsilon: float = opt(
+        0.0,
+        "refuse a run whose planned rounds would spend more than this epsilon (0: no limit)",
+        _nonneg,
+        ">= 0",
+    )
+    noise_seed: int = opt(
+        -1,
+        "-1: noise from the OS's randomness (the guarantee); >= 0: reproducible noise from this seed, for "
+        "experiments only (anyone who knows the seed can remove the noise)",
+        lambda x: x >= -1,
+        "an integer >= -1",
+    )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -336,6 +372,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     flower: FlowerConfig = field(default_factory=FlowerConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

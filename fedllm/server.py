@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from fedllm.catchup import MergeLog
 from fedllm.comm import Ledger
 from fedllm.factors import (
     Adapter,
-    DenseDelta,
+    LoraFactors,
     adapter_from_tensors,
     adapter_tensors,
     init_factors,
@@ -46,8 +46,13 @@ from fedllm.trust import (
     accept_factors,
     cap_weights,
     change_norm,
+    check_finite,
     clean_metrics,
+    upload_numel,
 )
+
+if TYPE_CHECKING:
+    from fedllm.privacy import DPRules
 
 log = logging.getLogger(__name__)
 
@@ -119,20 +124,25 @@ class Server:
         sampling: Sampling | None = None,
         dense: dict[str, Tensor] | None = None,
         rules: Rules | None = None,
+        dp: DPRules | None = None,
     ) -> None:
         self.strategy = strategy
+        self.dp = dp  # differential privacy (fedllm/privacy.py): fixed clip, uniform weights, noise
         self.hook = strategy.client_hook()  # to derive what each client starts from, as it does
         self.clients = {c.client_id: c for c in clients}
         self.modules = dict(modules)
         self.algorithm = algorithm or AlgorithmServer()
         self.sampling = sampling or Sampling()
         self.rules = rules or Rules()
-        self.state = GlobalState(dense=dict(dense or {}))
+        max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
+        self.state = GlobalState(
+            strategy.initial_factors(self.modules, max_rank, derive_seed(self.sampling.seed, 1, 7)),
+            dense=dict(dense or {}),
+        )
         self.ledger = Ledger()
         self.merges = MergeLog(list(self.clients), self.rules.catchup_window)
         self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
-        max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
         self.algorithm.bind(self.expected(next(iter(self.clients)), rank=max_rank).param_shapes())
 
     # ------------------------------------------------------------- a round
@@ -193,7 +203,7 @@ class Server:
                 self.rules.min_clients,
             )
         else:
-            merged, skipped = self._aggregate(plan.round, updates, info)
+            merged, skipped = self._aggregate(plan, updates, info)
         self.merges.add(plan.round, merged)
         for k in plan.active:  # a client that replied applied its catch-up first
             if isinstance(results.get(k, "no reply"), str):
@@ -213,6 +223,7 @@ class Server:
             "n_dropped": len(plan.dropped),
             **self.ledger.round_summary(),
             "time_aggregate_s": time.perf_counter() - t0,
+            **({"epsilon": self.dp.spent(plan.round)} if self.dp is not None else {}),
         }
         return RoundReport(row, merged)
 
@@ -243,9 +254,13 @@ class Server:
             if isinstance(got, str):
                 failures[str(k)] = got
                 continue
-            self.ledger.upload(k, _numel(got))
+            self.ledger.upload(k, upload_numel(got))
             try:
-                updates.append(self.accept(got, self.expected(k)))
+                u = self.accept(got, self.expected(k))
+                if "A" not in self.hook.uploads:  # FFA-LoRA: A is the frozen one the client was sent
+                    ref = self.reference(plan.round, k, plan.starts[k])
+                    u.factors = {m: LoraFactors(ref[m].A.clone(), f.B, f.scale) for m, f in u.factors.items()}
+                updates.append(u)
             except Exception as e:  # whatever a client sends, it is that client's failure only
                 why = (
                     str(e) if isinstance(e, ClientFailure) else f"unreadable update ({type(e).__name__}: {e})"
@@ -295,7 +310,7 @@ class Server:
         """Scale each update's change (from the server's reference) to at most ``clip_norm_ratio`` x the
         round's median change: one client cannot move the model more than a few honest ones do."""
         ratio = self.rules.clip_norm_ratio
-        if not (ratio and updates):
+        if not (ratio and updates) or self.dp is not None:  # under DP: the fixed clip (fedllm/privacy.py)
             return {}
         changes = [self._change(plan, u) for u in updates]
         norms = [change_norm(pairs) for pairs in changes]
@@ -330,7 +345,7 @@ class Server:
 
     def weights(self, updates: list[ClientUpdate]) -> list[float]:
         """Each update's share of the round's average, from the server's own counts (or uniform), capped."""
-        if self.rules.weighting == "uniform":
+        if self.rules.weighting == "uniform" or self.dp is not None:  # DP: never the example counts
             raw = [1.0] * len(updates)
         else:
             raw = [float(self.clients[u.client_id].num_examples) for u in updates]
@@ -341,19 +356,21 @@ class Server:
     def population_weights(self) -> dict[int, float]:
         """Every client's share of the objective ``sum_k p_k f_k`` (SCAFFOLD's control variate keeps
         ``c = sum_k p_k c_k`` with these)."""
-        if self.rules.weighting == "uniform":
+        if self.rules.weighting == "uniform" or self.dp is not None:  # DP: never the example counts
             return {k: 1 / len(self.clients) for k in self.clients}
         total = sum(c.num_examples for c in self.clients.values())
         return {k: c.num_examples / total for k, c in self.clients.items()}
 
-    def _aggregate(
-        self, round_idx: int, updates: list[ClientUpdate], info: dict[str, Any]
-    ) -> tuple[Adapter, bool]:
+    def _aggregate(self, plan: RoundPlan, updates: list[ClientUpdate], info: dict) -> tuple[Adapter, bool]:
         """The strategy's new global state and the algorithm's server update; returns what is merged, and
         whether the round had to be skipped (an aggregate that fails or is not finite changes nothing)."""
+        round_idx = plan.round
         try:
-            result = self.strategy.aggregate(updates, self.state, self.weights(updates))
-            _check_finite(result.state, result.merged)
+            if self.dp is not None and self.dp.mode == "central":
+                result = self.dp.aggregate(self, plan, updates)
+            else:
+                result = self.strategy.aggregate(updates, self.state, self.weights(updates))
+            check_finite(result.state, result.merged)
         except (ValueError, RuntimeError) as e:  # e.g. an SVD that does not converge
             log.error(
                 "round %d skipped: the aggregate failed (%s); the global state is unchanged", round_idx, e
@@ -380,9 +397,7 @@ class Server:
 
     # ------------------------------------------------------ the global model
     def global_adapter(self) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
-        """The global model on top of the base with every merge applied: adapter, dense modules, LoRA
-        biases.
-        """
+        """The global model on the base with every merge applied: adapter, dense modules, LoRA biases."""
         return (
             self.strategy.global_adapter(self.state),
             dict(self.state.dense),
@@ -432,19 +447,3 @@ def global_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> GlobalStat
         unprefixed(tensors, "dense."),
         unprefixed(tensors, "extra."),
     )
-
-
-def _numel(update: ClientUpdate) -> int:
-    """What an upload carried, as far as it can be counted (a malformed one counts what is readable)."""
-    try:
-        return update.numel()
-    except Exception:
-        return 0
-
-
-def _check_finite(state: GlobalState, merged: Adapter) -> None:
-    factors = [*state.factors.values(), *merged.values()]
-    tensors = [t for f in factors for t in ((f.D,) if isinstance(f, DenseDelta) else (f.A, f.B))]
-    tensors += list(state.dense.values()) + [v for v in state.extras.values() if isinstance(v, Tensor)]
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
-        raise ValueError("the aggregate holds non-finite values")

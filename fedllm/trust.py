@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from fedllm.factors import Adapter, LoraFactors
+from fedllm.factors import Adapter, DenseDelta, LoraFactors
+
+if TYPE_CHECKING:
+    from fedllm.aggregation.base import GlobalState
+    from fedllm.protocol import ClientUpdate
 
 
 class ClientFailure(RuntimeError):
@@ -154,3 +158,19 @@ def cap_weights(weights: list[float], cap: float) -> list[float]:
         if not over:
             return out
         fixed |= over
+
+
+def upload_numel(update: ClientUpdate) -> int:
+    """What an upload carried, as far as it can be counted (a malformed one counts what is readable)."""
+    try:
+        return update.numel()
+    except Exception:
+        return 0
+
+
+def check_finite(state: GlobalState, merged: Adapter) -> None:
+    factors = [*state.factors.values(), *merged.values()]
+    tensors = [t for f in factors for t in ((f.D,) if isinstance(f, DenseDelta) else (f.A, f.B))]
+    tensors += list(state.dense.values()) + [v for v in state.extras.values() if isinstance(v, Tensor)]
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise ValueError("the aggregate holds non-finite values")

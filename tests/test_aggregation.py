@@ -212,22 +212,33 @@ def test_shared_invariants(name, gen):
     base = make_updates(gen, ranks=[8, 4, 8], counts=[10, 30, 60], modules=("m.v_proj",))
     strategy = STRATEGIES[name](**EXACT_OPTIONS.get(name, {}))
     key = "m.v_proj"
+    st = GlobalState()
+    if name == "ffa":  # every client trains B against the leading rows of the one frozen global A
+        out_f, in_f = base[0].factors[key].B.shape[0], base[0].factors[key].A.shape[1]
+        st = GlobalState(strategy.initial_factors({key: (out_f, in_f)}, 8, seed=5))
+        A = st.factors[key].A.to(base[0].factors[key].A.dtype)
+        st.factors[key] = LoraFactors(A, st.factors[key].B.to(A.dtype), 1.0)
+        base = [
+            ClientUpdate(u.client_id, u.num_examples, {key: LoraFactors(A[: f.rank], f.B, f.scale)})
+            for u in base
+            for f in [u.factors[key]]
+        ]
     # 1. identical clients give back that client's update
     same = [ClientUpdate(k, n, base[0].factors) for k, n in enumerate([5, 7, 11])]
-    res = strategy.aggregate(same, GlobalState())
+    res = strategy.aggregate(same, st)
     own = base[0].factors[key]
     if name == "fedsa":
         own = LoraFactors(own.A, torch.eye(own.rank, dtype=own.A.dtype))
     assert_close(
-        effective_update(name, res, GlobalState())[key].delta(),
+        effective_update(name, res, st)[key].delta(),
         own.delta(),
         rtol=1e-6,
         atol=1e-9,
     )
     # 2. reordering clients changes nothing
-    a = effective_update(name, strategy.aggregate(base, GlobalState()), GlobalState())[key].delta()
+    a = effective_update(name, strategy.aggregate(base, st), st)[key].delta()
     for perm in itertools.permutations(base):
-        b = effective_update(name, strategy.aggregate(list(perm), GlobalState()), GlobalState())[key].delta()
+        b = effective_update(name, strategy.aggregate(list(perm), st), st)[key].delta()
         assert_close(a, b, rtol=1e-6, atol=1e-9)
     # 3. weights follow example counts: doubling a client's count equals listing it twice (HetLoRA weighs
     # by update norms instead: tested in test_baselines.py)
@@ -235,8 +246,8 @@ def test_shared_invariants(name, gen):
         return
     doubled = [ClientUpdate(0, 20, base[0].factors), base[1], base[2]]
     twice = [base[0], ClientUpdate(3, 10, base[0].factors), base[1], base[2]]
-    x = effective_update(name, strategy.aggregate(doubled, GlobalState()), GlobalState())[key].delta()
-    y = effective_update(name, strategy.aggregate(twice, GlobalState()), GlobalState())[key].delta()
+    x = effective_update(name, strategy.aggregate(doubled, st), st)[key].delta()
+    y = effective_update(name, strategy.aggregate(twice, st), st)[key].delta()
     assert_close(x, y, rtol=1e-6, atol=1e-9)
 
 

@@ -345,6 +345,9 @@ def test_algorithms_needing_averaged_parameters_refuse_other_strategies(algorith
         elif needs and not strategy.same_weights:
             with pytest.raises(ConfigError, match=f"aggregation.name = {name} averages each parameter"):
                 load_config(None, overrides)
+        elif name == "ffa" and algorithm == "scaffold":  # no control variates for a frozen A
+            with pytest.raises(ConfigError, match="SCAFFOLD's control variates would cover the frozen A"):
+                load_config(None, overrides)
         elif not (strategy.hook.local_params and not ALGORITHMS[algorithm].trains_local_params):
             load_config(None, overrides)
 

@@ -21,7 +21,7 @@ def run(tmp_path, *extra, name="run"):
     return fed, fed.run()
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "flora", "flexlora", "florist", "fedex", "hetlora"])
+@pytest.mark.parametrize("strategy", ["fedit", "flora", "flexlora", "florist", "fedex", "hetlora", "ffa"])
 def test_two_round_run_writes_everything(tmp_path, strategy):
     fed, summary = run(tmp_path, f"aggregation.name={strategy}")
     d = tmp_path / "run"

@@ -52,6 +52,26 @@ SLOW = pytest.mark.slow
         pytest.param("hetlora", [], marks=SLOW, id="hetlora"),
         pytest.param("fedit", ["client.algorithm=scaffold"], marks=SLOW, id="fedit-scaffold"),
         pytest.param("fedit", ["client.algorithm=perfedavg"], marks=SLOW, id="fedit-perfedavg"),
+        pytest.param("fedsa", [], marks=SLOW, id="fedsa"),
+        pytest.param("ffa", [], marks=SLOW, id="ffa"),
+        # DP with reproducible noise: the sites clip (ClientApp), the server adds the same noise (ServerApp)
+        pytest.param(
+            "ffa",
+            [
+                "privacy.mode=central",
+                "privacy.noise_seed=0",
+                "privacy.clip_norm=0.5",
+                "federation.clients_per_round=2",
+            ],
+            marks=SLOW,
+            id="ffa-dp-central",
+        ),
+        pytest.param(
+            "flexlora",
+            ["privacy.mode=local", "privacy.noise_seed=0", "privacy.noise_multiplier=0.5"],
+            marks=SLOW,
+            id="flexlora-dp-local",
+        ),
     ],
 )
 def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, more, builtin_base):

@@ -76,6 +76,8 @@ LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.fixed_ran
         pytest.param("floral", marks=pytest.mark.slow),
         pytest.param("fedex", marks=pytest.mark.slow),
         pytest.param("hetlora", marks=pytest.mark.slow),
+        pytest.param("fedsa", marks=pytest.mark.slow),
+        pytest.param("ffa", marks=pytest.mark.slow),
     ],
 )
 def test_two_processes_equal_one(tmp_path, strategy):

@@ -4,6 +4,7 @@ from fedllm.aggregation import (  # noqa: F401  (registers the strategies)
     fedex,
     fedit,
     fedsa,
+    ffa,
     flexlora,
     flora,
     floral,

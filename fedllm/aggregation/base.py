@@ -93,6 +93,11 @@ class Strategy(abc.ABC):
     def check_config(cls, cfg) -> None:
         """Refuse configs this strategy cannot run, before any work starts."""
 
+    def initial_factors(self, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
+        """The global factors before round 1 (FFA-LoRA: its shared frozen A); default none, so that clients
+        start from their own fresh initialization."""
+        return {}
+
     def client_hook(self) -> ClientHook:
         """The client side every client of this strategy runs (see :class:`~fedllm.protocol.ClientHook`)."""
         return self.hook()

@@ -112,6 +112,7 @@ class ClientRuntime:
         residual_merges: bool = False,
         client_timeout_s: float = 0.0,
         progress: bool = False,
+        dp=None,
     ) -> None:
         self.tokenizer, self.lora_cfg, self.client_cfg = tokenizer, lora_cfg, client_cfg
         self.seed, self.layout, self.acc = seed, layout, accelerator
@@ -125,6 +126,7 @@ class ClientRuntime:
         self.residual_rank = 0
         self.applied_round = 0  # merges of rounds up to this one are in the base
         self.timings: dict[str, float] = {}  # the last client's switch-in and read-out seconds (benchmarks)
+        self.dp = dp  # fedllm.privacy.DPRules: the upload's change clipped (and noised, in local mode)
 
     # ---------------------------------------------------------------- the base
     def whole_adapters(self, modify: bool = False):
@@ -273,7 +275,7 @@ class ClientRuntime:
 
     def train(self, client: ClientData, start: ClientStart, fault: ClientFault | None = None) -> ClientUpdate:
         """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
-        params, _ = self.switch_in(client, start)
+        params, started = self.switch_in(client, start)
         plan = self.plan_for(client, start.round)
         algo_state = unprefixed(client.state, ALGO)
         self.model.train()
@@ -282,6 +284,7 @@ class ClientRuntime:
             if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
                 plan.local_params, plan.local_lr = session.local_params(), session.local_lr
                 params.update(session.shared_params())
+                params = {k: p for k, p in params.items() if p.requires_grad}  # FFA-LoRA freezes A
             batches = batch_stream(
                 client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed, plan.group_by_length
             )
@@ -303,8 +306,14 @@ class ClientRuntime:
         name = adapter_name(client.rank)
         with self.whole_adapters():
             trained, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
+        if self.dp is not None:
+            trained, dense, _ = self.dp.client_update(
+                trained, dense, started, start.dense, start.round, client.client_id
+            )
         if "B" not in self.hook.uploads:  # B stays on the client (FedSA-LoRA): an empty out x 0 travels
             trained = {k: LoraFactors(f.A, f.B[:, :0], f.scale) for k, f in trained.items()}
+        if "A" not in self.hook.uploads:  # A is frozen and shared (FFA-LoRA): an empty 0 x in travels
+            trained = {k: LoraFactors(f.A[:0], f.B, f.scale) for k, f in trained.items()}
         self.timings["read_out_s"] = time.perf_counter() - t1
         log.info(
             "round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s",

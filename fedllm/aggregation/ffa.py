@@ -1,0 +1,76 @@
+"""FFA-LoRA: A frozen at one shared, seeded initialization; only B is trained, sent and averaged.
+
+Sun, Qin, Li and Zhang, "Improving LoRA in Privacy-preserving Federated
+Learning" (ICLR 2024, arXiv 2403.12313). With A fixed and the same for every
+client, ``sum_k p_k s_k B_k A = (sum_k p_k s_k B_k) A``: averaging B alone is
+the exact average of the clients' updates (FedIT's separate averages of A and
+B are not), the upload is B alone, and the aggregate is a plain sum of the
+clients' B changes, which is what central differential privacy needs
+(``privacy.mode=central``; the noise then never touches A).
+
+The global A is the rank-``r_max`` initialization of round 1's seed (peft's
+Kaiming-uniform, as every fedllm client initializes; B starts at zero), set
+by the server before round 1 and never changed; a client of rank ``r_k``
+trains B against the leading ``r_k`` rows of it (heterogeneous ranks: the
+zero-padded generalization, each client's B padded to ``r_max`` columns).
+The paper's choice of a larger alpha for the frozen A is left to
+``lora.alpha_ratio``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
+from fedllm.factors import Adapter, LoraFactors, init_factors, lora_modules
+from fedllm.lowrank import pad_rank
+from fedllm.protocol import ClientHook, HookSession
+
+
+class FrozenA(HookSession):
+    """A client's A made untrainable for one training session (restored after)."""
+
+    def __init__(self, model, adapter: str) -> None:
+        self.weights = [m.lora_A[adapter].weight for m in lora_modules(model, adapter).values()]
+        for w in self.weights:
+            w.requires_grad_(False)
+
+    def close(self) -> None:
+        for w in self.weights:
+            w.requires_grad_(True)
+
+
+class FFAClient(ClientHook):
+    """Trains B on the shared A it was sent; uploads B only (A travels as an empty ``0 x in``)."""
+
+    uploads: ClassVar[tuple[str, ...]] = ("B",)
+
+    def session(self, model, adapter, state, extras, view) -> FrozenA | None:
+        return FrozenA(model, adapter) if view == "train" else None
+
+
+class FFALoRA(Strategy):
+    """Average B (weights p_k, zero-padded to r_max); A is the frozen global one (module docstring)."""
+
+    name = "ffa"
+    hook = FFAClient
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.client.algorithm == "scaffold":
+            raise ValueError("aggregation.name=ffa: SCAFFOLD's control variates would cover the frozen A")
+
+    def initial_factors(self, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
+        return init_factors(modules, rank, 1.0, seed)
+
+    def aggregate_factors(
+        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+    ) -> RoundResult:
+        out: Adapter = {}
+        for key, g in state.factors.items():
+            padded = [pad_rank(u.factors[key].folded(), g.rank).B for u in updates]
+            out[key] = LoraFactors(g.A, self.average(padded, weights), 1.0)
+        return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
+
+    def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
+        return leading_factors(state, rank, scale)
