@@ -89,6 +89,7 @@ METRICS = {
     "up_params": ("comm:total_up_params", "count"),
     "down_params": ("comm:total_down_params", "count"),
     "wall_s": ("summary:wall_s", "seconds"),
+    "epsilon": ("dp:epsilon", "eps"),
 }
 FORMATS = {
     "points": (100.0, ".1f", " points"),
@@ -96,6 +97,7 @@ FORMATS = {
     "loss": (1.0, ".4f", ""),
     "count": (1.0, ",.0f", ""),
     "seconds": (1.0, ".1f", " s"),
+    "eps": (1.0, ".2f", ""),
 }
 
 
@@ -176,6 +178,8 @@ def run_metrics(run_dir: Path) -> dict[str, float | None]:
             out[name] = summary.get(key)
         elif kind == "last":
             out[name] = last.get(key)
+        elif kind == "dp":  # differential privacy spent (None without DP)
+            out[name] = (summary.get("privacy") or {}).get(key)
         elif kind == "comm":
             out[name] = summary.get("communication", {}).get(key)
         elif kind == "gain":  # after minus before

@@ -4,6 +4,7 @@
     python scripts/compare.py strategies     # fedit, flora, flexlora, florist, fedex, hetlora, fedsa
     python scripts/compare.py floral                              # FLoRAL vs FedIT vs local-only, clustered
     python scripts/compare.py clients                             # sft, fedprox, scaffold, perfedavg, non-IID
+    python scripts/compare.py privacy   # FedIT and FFA-LoRA without DP and at epsilon ~8, 4, 1 (cross-device)
 
 Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
 runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
@@ -28,6 +29,19 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
     "floral": (
         "configs/builtin_clustered.yaml",
         ["fedit:aggregation.name=fedit", "floral:aggregation.name=floral", "local:aggregation.name=local"],
+    ),
+    "privacy": (
+        "configs/builtin_cross_device_dp.yaml",
+        [
+            f"{s}_{tag}:aggregation.name={s},{dp}"
+            for s in ("fedit", "ffa")
+            for tag, dp in (
+                ("nodp", "privacy.mode=none"),
+                ("eps8", "privacy.noise_multiplier=1.2675"),  # fedllm privacy ... --target-epsilon 8
+                ("eps4", "privacy.noise_multiplier=1.8228"),
+                ("eps1", "privacy.noise_multiplier=4.6457"),
+            )
+        ],
     ),
     "clients": (
         "configs/builtin_noniid_clients.yaml",
