@@ -1,7 +1,7 @@
 """Built-in comparisons over seeds: mean +/- std and paired 95% intervals; last line: one JSON object.
 
     python scripts/compare.py default  [--seeds 3] [--jobs 2]  # the default run: gain over the base
-    python scripts/compare.py strategies     # fedit, flora, flexlora, florist, fedex, hetlora, fedsa
+    python scripts/compare.py strategies     # fedit, flora, flexlora, florist, fedex, hetlora, fedsa, ffa
     python scripts/compare.py floral                              # FLoRAL vs FedIT vs local-only, clustered
     python scripts/compare.py clients                             # sft, fedprox, scaffold, perfedavg, non-IID
     python scripts/compare.py privacy   # FedIT and FFA-LoRA without DP and at epsilon ~8, 4, 1 (cross-device)
@@ -23,7 +23,7 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
         "configs/builtin_fedit.yaml",
         [
             f"{s}:aggregation.name={s}"
-            for s in ("fedit", "flora", "flexlora", "florist", "fedex", "hetlora", "fedsa")
+            for s in ("fedit", "flora", "flexlora", "florist", "fedex", "hetlora", "fedsa", "ffa")
         ],
     ),
     "floral": (
