@@ -244,8 +244,9 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
         f"seeds {summary['seeds']}; differences are paired per seed against '{base}', with 95% t intervals"
     ]
     if "variants" in summary:
+        common = " ".join(summary.get("common_overrides") or [])
         lines.append(
-            f"config {summary.get('config') or 'built-in default'} + {' '.join(summary['common_overrides'])}"
+            f"config {summary.get('config') or 'built-in default'}" + (f" + {common}" if common else "")
         )
     for name, overrides in summary.get("variants", {}).items():
         digest = summary.get("config_digests", {}).get(name, "")
