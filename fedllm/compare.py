@@ -224,11 +224,11 @@ def summarize(results: dict[str, dict[int, dict[str, float | None]]]) -> dict:
     for metric in METRICS:
         per = {}
         for name in names:
-            vals = [results[name][s][metric] for s in seeds]
+            vals = [results[name][s].get(metric) for s in seeds]  # (a metric some runs lack: skipped)
             if any(v is None for v in vals):
                 continue
             entry = describe(vals)
-            base_vals = [results[base][s][metric] for s in seeds]
+            base_vals = [results[base][s].get(metric) for s in seeds]
             if name != base and not any(v is None for v in base_vals):
                 entry["vs_" + base] = paired(vals, base_vals)
             per[name] = entry

@@ -303,7 +303,11 @@ def test_own_data_the_base_cannot_read_is_refused_before_training(tmp_path, caps
         *tiny_overrides(tmp_path / "r", "federation.rounds=1", "eval.benchmark=none"),
         f"data.dataset={path}",
     ]
-    err = _refused(["run", *base, "data.partition=iid"], capsys)
+    with pytest.raises(SystemExit) as e:  # (a fresh token cache shows its progress bar first)
+        main(["run", *base, "data.partition=iid"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = lines[-1]
+    assert e.value.code == 2 and err.startswith("fedllm: error: ") and "Traceback" not in "\n".join(lines)
     assert "data.dataset: " in err and "unknown to the tokenizer of model.name='builtin'" in err
     assert "point model.name at a real model folder" in err and "data.max_unknown_share" in err
     share = float(err.split("% of the response tokens")[0].rsplit(" ", 1)[-1])
