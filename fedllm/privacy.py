@@ -48,7 +48,7 @@ from torch import Tensor
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult
 from fedllm.factors import Adapter, LoraFactors, init_factors
 from fedllm.lowrank import pad_rank
-from fedllm.protocol import derive_seed
+from fedllm.protocol import derive_seed, sample_size
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def check_config(cfg) -> None:
 def per_round(cfg) -> int:
     """Clients sampled each round (the sampling the server does; see fedllm.server.Sampling)."""
     fed = cfg.federation
-    return fed.clients_per_round or max(1, round(fed.client_fraction * fed.num_clients))
+    return sample_size(fed.clients_per_round, fed.client_fraction, fed.num_clients)
 
 
 def delta_of(cfg) -> float:

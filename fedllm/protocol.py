@@ -42,6 +42,12 @@ def derive_seed(*parts: int) -> int:
     return h
 
 
+def sample_size(clients_per_round: int, fraction: float, num_clients: int) -> int:
+    """Clients sampled each round: ``clients_per_round``, else ``fraction`` of them (at least one). The
+    server samples this many; the privacy accountant assumes it."""
+    return clients_per_round or max(1, round(fraction * num_clients))
+
+
 def _numel(tensors: dict[str, Tensor]) -> int:
     return sum(t.numel() for t in tensors.values())
 

@@ -237,10 +237,6 @@ class RoundLoop(abc.ABC):
             self.acc.end_training()
         return summary
 
-    def writer_rounds(self) -> int:
-        """The newest round in ``metrics.jsonl`` (the rounds run so far, across resumes)."""
-        return max((r["round"] for r in self.writer.rows()), default=0) if self.writer.enabled else 0
-
     def finish(self) -> dict:
         cfg, rt, layout, strategy = self.cfg, self.runtime, self.layout, self.strategy
         summary: dict[str, Any] = {
@@ -259,8 +255,8 @@ class RoundLoop(abc.ABC):
         }
         if cfg.eval.personalized:
             summary["personalized_on"] = self.personal_scope()
-        if self.server.dp is not None:  # the privacy spent by the rounds run (skipped ones included)
-            summary["privacy"] = self.server.dp.summary(self.writer_rounds())
+        if self.server.dp is not None:  # every configured round has run (skipped ones spend too)
+            summary["privacy"] = self.server.dp.summary(cfg.federation.rounds)
         if layout.deepspeed:
             summary["deepspeed_zero_stage"] = layout.zero_stage
         if cfg.model.quantization != "none":

@@ -38,7 +38,7 @@ from fedllm.factors import (
     prefixed,
     unprefixed,
 )
-from fedllm.protocol import AlgorithmServer, ClientInfo, ClientStart, ClientUpdate, derive_seed
+from fedllm.protocol import AlgorithmServer, ClientInfo, ClientStart, ClientUpdate, derive_seed, sample_size
 from fedllm.trust import (
     ClientFailure,
     Expected,
@@ -149,7 +149,7 @@ class Server:
     def sample(self, round_idx: int) -> tuple[list[int], list[int]]:
         """The round's sampled clients and, among them, those that drop out (never report)."""
         s, n = self.sampling, len(self.clients)
-        m = s.clients_per_round or max(1, round(s.fraction * n))
+        m = sample_size(s.clients_per_round, s.fraction, n)
         sampled = sorted(random.Random(derive_seed(s.seed, round_idx, 1)).sample(sorted(self.clients), m))
         n_drop = round(s.dropout * len(sampled))
         dropped = (
