@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,17 @@ def assign_ranks(cfg: Config) -> list[int]:
         ranks, probs = zip(*sorted(cfg.lora.rank_distribution.items()), strict=True)
         return [rng.choices(ranks, probs)[0] for _ in range(n)]
     return [cfg.lora.ranks[k % len(cfg.lora.ranks)] for k in range(n)]
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """Clients' ranks for people: the list when short, else how many clients hold each rank.
+
+    A 1,000-client federation's list would fill the terminal and the model card.
+    """
+    if len(ranks) <= 16:
+        return str(ranks)
+    counts = Counter(ranks)
+    return ", ".join(f"{r} ({counts[r]} clients)" for r in sorted(counts))
 
 
 def client_infos(cfg: Config, strategy: Strategy, sizes: dict[int, int]) -> list[ClientInfo]:

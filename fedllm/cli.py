@@ -111,6 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def print_summary(s: dict) -> None:
     from eval.mmlu import benchmark_name
+    from fedllm.assembly import describe_ranks
 
     def f(x):
         return "n/a" if x is None else f"{x:.4f}"
@@ -118,7 +119,7 @@ def print_summary(s: dict) -> None:
     c = s["communication"]
     print("\n=== fedllm run summary ===")
     print(f"run dir            {s['run_dir']}")
-    print(f"strategy / client  {s['strategy']} / {s['algorithm']}, ranks {s['ranks']}")
+    print(f"strategy / client  {s['strategy']} / {s['algorithm']}, ranks {describe_ranks(s['ranks'])}")
     print(f"held-out loss      {f(s.get('loss_before'))} -> {f(s.get('loss_after'))}")
     if s.get("benchmark"):
         print(

@@ -67,7 +67,7 @@ def write_model_card(
     path of this machine means nothing on the Hub.
     """
     from data_prep.loaders import HUB_IDS
-    from fedllm.assembly import assign_ranks
+    from fedllm.assembly import assign_ranks, describe_ranks
 
     facts = card_facts(run_dir, cfg, round_idx)
     kind = "merged model" if merged else "LoRA adapter"
@@ -124,7 +124,8 @@ def write_model_card(
         "",
         f"Federated fine-tuning of {base_text} with **{cfg.aggregation.name}** aggregation and "
         f"**{cfg.client.algorithm}** clients: {cfg.federation.num_clients} clients with LoRA ranks "
-        f"{assign_ranks(cfg)}, exported after round **{facts['round']}** of {cfg.federation.rounds}"
+        f"{describe_ranks(assign_ranks(cfg))}, exported after round **{facts['round']}** of "
+        f"{cfg.federation.rounds}"
         + (f", then personalized for client {client}." if client is not None else "."),
         "",
         "| | value |",

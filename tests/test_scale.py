@@ -316,3 +316,11 @@ def test_a_flora_catchup_reveals_the_sum_not_each_clients_factors(gen):
     stacked = res.merged[key].folded().B
     assert max(nearest(stacked, b[:, j]) for b in own for j in range(2)) < 1e-6  # the stack holds each B_k
     assert min(nearest(down.folded().B, b[:, j]) for b in own for j in range(2)) > 1e-2  # the download not
+
+
+def test_a_large_federations_ranks_are_summarized_not_listed():
+    from fedllm.assembly import describe_ranks
+
+    assert describe_ranks([4, 8]) == "[4, 8]"
+    text = describe_ranks([2, 4, 8] * 333 + [2])
+    assert text == "2 (334 clients), 4 (333 clients), 8 (333 clients)"
