@@ -48,7 +48,7 @@ from torch import Tensor
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult
 from fedllm.factors import Adapter, LoraFactors, init_factors
 from fedllm.lowrank import pad_rank
-from fedllm.protocol import derive_seed, sample_size
+from fedllm.protocol import sample_size
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class DPRules:
         refs = [server.reference(plan.round, u.client_id, plan.starts[u.client_id]) for u in updates]
         rank = max(server.strategy.adapter_rank(c.rank) for c in server.clients.values())
         base = base_factors(
-            server.state, server.modules, rank, derive_seed(server.sampling.seed, plan.round, 7)
+            server.state, server.modules, rank, server.hook.fresh_seed(server.sampling.seed, plan.round)
         )
         gen = generator(self.noise_seed, plan.round, 0)
         state, info = noisy_mean(

@@ -235,6 +235,12 @@ class ClientHook:
     personalizes: ClassVar[bool] = False
     local_params: ClassVar[bool] = False
     uploads: ClassVar[tuple[str, ...]] = ("A", "B")  # the factors that travel (FedSA-LoRA: A alone)
+    init_round: ClassVar[int | None] = None  # fresh factors from this round's seed, not the current one's
+
+    def fresh_seed(self, seed: int, round_idx: int) -> int:
+        """The seed of the fresh initialization a client of ``round_idx`` gets (client and server alike):
+        the round's, or ``init_round``'s for a hook that trains against one fixed init (FFA-LoRA's A)."""
+        return derive_seed(seed, self.init_round or round_idx, 7)
 
     def start_factors(self, download: Adapter | None, fresh: Adapter) -> Adapter:
         """The factors a client trains from: its download with dead directions revived, or ``fresh``."""

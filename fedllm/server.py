@@ -303,7 +303,7 @@ class Server:
         download, or the round's fresh initialization (never what a client says it started from)."""
         c = self.clients[client_id]
         rank = self.strategy.adapter_rank(c.rank)
-        fresh = init_factors(self.modules, rank, c.scale, derive_seed(self.sampling.seed, round_idx, 7))
+        fresh = init_factors(self.modules, rank, c.scale, self.hook.fresh_seed(self.sampling.seed, round_idx))
         return self.hook.start_factors(start.factors, fresh)
 
     def _clip(self, plan: RoundPlan, updates: list[ClientUpdate]) -> dict[str, Any]:

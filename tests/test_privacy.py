@@ -196,6 +196,18 @@ def test_ffa_run_sends_b_only_and_never_changes_a(tmp_path, builtin_base):
     b_numel = sum(c.rank * o for c in sim.clients for (o, _) in shapes.values())
     assert rows[1]["up_params"] == b_numel
     assert all(torch.equal(sim.server.state.factors[k].A, a) for k, a in initial.items())
+    # A never travels: a later round's downloads are B alone, and a client derives the frozen A's
+    # leading rows from the seed, exactly the server's (which the server also assumes it trained on)
+    assert rows[1]["down_params"] == b_numel
+    plan = sim.server.plan_round(3)
+    for k, start in plan.starts.items():
+        assert all(f.A.numel() == 0 for f in start.factors.values())
+        _, trained_from = sim.runtime.switch_in(sim.clients[k], start)
+        derived = sim.server.reference(3, k, start)
+        for key, g in sim.server.state.factors.items():
+            rank = derived[key].rank
+            assert torch.equal(derived[key].A, g.A[:rank])
+            assert torch.equal(trained_from[key].A, g.A[:rank])
 
 
 @pytest.mark.parametrize(

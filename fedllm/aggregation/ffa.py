@@ -10,8 +10,10 @@ clients' B changes, which is what central differential privacy needs
 
 The global A is the rank-``r_max`` initialization of round 1's seed (peft's
 Kaiming-uniform, as every fedllm client initializes; B starts at zero), set
-by the server before round 1 and never changed; a client of rank ``r_k``
-trains B against the leading ``r_k`` rows of it (heterogeneous ranks: the
+by the server before round 1 and never changed. It never travels: a client
+derives the leading ``r_k`` rows of it from the run's seed (ranks share
+their leading rows, ``init_factors``), downloads B alone and trains B
+against them (heterogeneous ranks: the
 zero-padded generalization, each client's B padded to ``r_max`` columns).
 The paper's choice of a larger alpha for the frozen A is left to
 ``lora.alpha_ratio``.
@@ -41,9 +43,17 @@ class FrozenA(HookSession):
 
 
 class FFAClient(ClientHook):
-    """Trains B on the shared A it was sent; uploads B only (A travels as an empty ``0 x in``)."""
+    """Trains B on the frozen A, which it derives from the run's seed (its download carries B alone, A as
+    an empty ``0 x in``); uploads B only."""
 
     uploads: ClassVar[tuple[str, ...]] = ("B",)
+    init_round: ClassVar[int | None] = 1  # "fresh" is always round 1's init: the leading rows of the frozen A
+
+    def start_factors(self, download: Adapter | None, fresh: Adapter) -> Adapter:
+        """The downloaded B on the seed-derived frozen A (``fresh``'s A), or ``fresh``."""
+        if not download:
+            return fresh
+        return {k: LoraFactors(fresh[k].A, f.B, f.scale) for k, f in download.items()}
 
     def session(self, model, adapter, state, extras, view) -> FrozenA | None:
         return FrozenA(model, adapter) if view == "train" else None
@@ -73,4 +83,7 @@ class FFALoRA(Strategy):
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
     def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
-        return leading_factors(state, rank, scale)
+        """The leading ``rank`` columns of the global B at the client's scale, and an empty A: the client
+        derives the frozen A from the seed, so A is never sent."""
+        lead = leading_factors(state, rank, scale)
+        return {k: LoraFactors(f.A[:0], f.B, f.scale) for k, f in lead.items()} if lead else None

@@ -244,7 +244,7 @@ class ClientRuntime:
         set_trainable_modules(self.model, self.lora_cfg.trainable_modules)
         restore_dequant_layers(self.model)  # the packed CPU 4-bit kernel has no backward
         with self.whole_adapters(modify=True):
-            fresh = fresh_factors(self.model, name, derive_seed(self.seed, start.round, 7))
+            fresh = fresh_factors(self.model, name, self.hook.fresh_seed(self.seed, start.round))
             factors = self.hook.start_factors(start.factors, fresh)
             write_factors(self.model, name, factors)
             write_dense(self.model, start.dense)
