@@ -92,10 +92,10 @@ class PruningSession(HookSession):
             if train and self.lam > 0:
                 scale = float(m.scaling[adapter])
                 self.handles.append(
-                    a.weight.register_hook(lambda g, a=a, b=b, s=scale: g + self._grad(a, b, s)[0])
+                    a.weight.register_hook(lambda g, a=a, b=b, s=scale: g + self._grad(a, b, s, "A"))
                 )
                 self.handles.append(
-                    b.weight.register_hook(lambda g, a=a, b=b, s=scale: g + self._grad(a, b, s)[1])
+                    b.weight.register_hook(lambda g, a=a, b=b, s=scale: g + self._grad(a, b, s, "B"))
                 )
 
     def _zero_beyond(self) -> None:
@@ -104,18 +104,21 @@ class PruningSession(HookSession):
                 m.lora_A[self.adapter].weight[self.rank :].zero_()
                 m.lora_B[self.adapter].weight[:, self.rank :].zero_()
 
-    def _grad(self, a, b, s: float) -> tuple[Tensor, Tensor]:
-        """d/dA and d/dB of ``lambda * ||s B_t A_t||_F`` (zero where the tail is zero: a subgradient)."""
+    def _grad(self, a, b, s: float, factor: str) -> Tensor:
+        """d/dA (``factor`` "A") or d/dB of ``lambda * ||s B_t A_t||_F`` (zero where the tail is zero: a
+        subgradient). Each parameter's hook computes its own factor's gradient only."""
         lo, hi = tail_start(self.rank, self.gamma), self.rank
-        ga, gb = torch.zeros_like(a.weight), torch.zeros_like(b.weight)
+        g = torch.zeros_like(a.weight if factor == "A" else b.weight)
         with torch.no_grad():
             at, bt = a.weight[lo:hi], b.weight[:, lo:hi]
             m = s * (bt @ at)
             norm = torch.linalg.matrix_norm(m)
             if norm > 0:
-                ga[lo:hi] = self.lam * s * (bt.T @ m) / norm
-                gb[:, lo:hi] = self.lam * s * (m @ at.T) / norm
-        return ga, gb
+                if factor == "A":
+                    g[lo:hi] = self.lam * s * (bt.T @ m) / norm
+                else:
+                    g[:, lo:hi] = self.lam * s * (m @ at.T) / norm
+        return g
 
     def _tail_norm(self, rank: int) -> float:
         """``||s B_t A_t||_F`` over all modules for the tail of a rank-``rank`` adapter."""
