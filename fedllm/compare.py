@@ -192,10 +192,12 @@ def run_metrics(run_dir: Path) -> dict[str, float | None]:
 
 
 def describe(values: list[float]) -> dict[str, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
+    """Mean and sample standard deviation (0 for a single value; NaN where a value is not finite, e.g.
+    the epsilon of a DP run without noise, which is infinite)."""
+    finite = all(math.isfinite(v) for v in values)
     return {
         "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "std": (statistics.stdev(values) if finite else math.nan) if len(values) > 1 else 0.0,
         "n": len(values),
     }
 
@@ -204,7 +206,7 @@ def paired(values: list[float], baseline: list[float]) -> dict[str, float | bool
     """Mean per-seed difference to the baseline, with its 95% t interval."""
     diffs = [v - b for v, b in zip(values, baseline, strict=True)]
     mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
+    if len(diffs) < 2 or not all(math.isfinite(d) for d in diffs):
         return {"diff": mean, "low": math.nan, "high": math.nan, "excludes_zero": False}
     half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
     return {

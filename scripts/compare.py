@@ -4,7 +4,7 @@
     python scripts/compare.py strategies     # fedit, flora, flexlora, florist, fedex, hetlora, fedsa, ffa
     python scripts/compare.py floral                              # FLoRAL vs FedIT vs local-only, clustered
     python scripts/compare.py clients                             # sft, fedprox, scaffold, perfedavg, non-IID
-    python scripts/compare.py privacy   # FedIT and FFA-LoRA without DP and at epsilon ~8, 4, 1 (cross-device)
+    python scripts/compare.py privacy   # FedIT, FFA-LoRA: no DP, epsilon ~8, 4, 1; FlexLoRA local DP eps 8
 
 Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
 runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
@@ -37,10 +37,17 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
             for s in ("fedit", "ffa")
             for tag, dp in (
                 ("nodp", "privacy.mode=none"),
-                ("eps8", "privacy.noise_multiplier=1.2675"),  # fedllm privacy ... --target-epsilon 8
-                ("eps4", "privacy.noise_multiplier=1.8228"),
-                ("eps1", "privacy.noise_multiplier=4.6457"),
+                ("eps8", "privacy.noise_multiplier=1.5279"),  # fedllm privacy ... --target-epsilon 8
+                ("eps4", "privacy.noise_multiplier=2.2067"),
+                ("eps1", "privacy.noise_multiplier=5.9763"),
             )
+        ]
+        # what local DP costs (FLoRA, FlexLoRA and FLoRIST get local DP only): each site noises its own
+        # update (fedllm privacy --mode local --clients 1000 --per-round 100 --rounds 20 --target-epsilon 8)
+        + [
+            "flexlora_local_eps8:aggregation.name=flexlora,privacy.mode=local,privacy.noise_multiplier=4.8244",
+            # DP's clip and uniform weights without noise: what the noise costs, apart from the clip
+            "fedit_clip_only:aggregation.name=fedit,privacy.noise_multiplier=0",
         ],
     ),
     "clients": (

@@ -147,3 +147,19 @@ def test_compare_never_reuses_a_run_of_other_settings(tmp_path, builtin_base, ca
     assert rerun["per_seed"]["fedit"]["0"]["heldout_loss"] != first["per_seed"]["fedit"]["0"]["heldout_loss"]
     cfg = (tmp_path / "cmp" / "fedit" / "seed-0" / "config.yaml").read_text()
     assert "lr: 0.03" in cfg
+
+
+def test_an_infinite_epsilon_is_summarized_not_a_crash():
+    """A DP run without noise spends epsilon = inf: the table says so instead of failing at the end of a
+    long comparison (it did, in statistics.stdev)."""
+    results = {
+        "dp": {s: {"accuracy": 0.5 + s / 100, "epsilon": 4.0} for s in range(3)},
+        "clip_only": {s: {"accuracy": 0.52 + s / 100, "epsilon": math.inf} for s in range(3)},
+    }
+    s = summarize(results)
+    eps = s["metrics"]["epsilon"]
+    assert eps["dp"]["std"] == 0.0 and eps["clip_only"]["mean"] == math.inf
+    assert math.isnan(eps["clip_only"]["std"]) and math.isnan(eps["clip_only"]["vs_dp"]["low"])
+    assert s["metrics"]["accuracy"]["clip_only"]["vs_dp"]["diff"] == pytest.approx(0.02)
+    format_summary(s)
+    json.dumps(s)
