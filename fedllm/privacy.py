@@ -244,7 +244,9 @@ def noisy_mean(
     }
     dense = {k: state.dense[k] + noisy(dsum[k]) for k in dsum}
     info = {
-        "dp_clipped": sum(n > clip_norm for n in norms),
+        # updates the server had to clip: a site that did not clip (an honest site's clipped change
+        # measures C up to float32 rounding, which is not counted)
+        "dp_clipped": sum(n > clip_norm * (1 + 1e-4) for n in norms),
         "dp_update_norm_median": float(torch.tensor(norms).median()) if norms else 0.0,
     }
     return GlobalState(factors, dict(state.residual), dense=dense, extras=dict(state.extras)), info

@@ -72,6 +72,11 @@ def test_a_hostile_update_contributes_at_most_the_clip():
         )
         assert float(change.norm()) <= 0.5 / m * (1 + 1e-5) and float(change.norm()) > 0.4 / m
         assert info["dp_clipped"] == 1
+    # a site that clipped its own change (as every fedllm client does) is not counted as re-clipped
+    clipped, _, norm = privatize_update(hostile.factors, {}, ref, {}, 0.5, 0.0, gen)
+    assert norm > 0.5
+    _, info = noisy_mean(GlobalState(), [ClientUpdate(0, 10, clipped)], [ref], 1, 0.5, 0.0, gen, base)
+    assert info["dp_clipped"] == 0
 
 
 def test_zero_changes_release_pure_noise_of_the_stated_size():
