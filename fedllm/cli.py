@@ -209,8 +209,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = run_config(Path(args.run)) if args.run else None
     template = args.template or (prompt_template(cfg) if cfg else "alpaca")
     device = Accelerator(cpu=not torch.cuda.is_available()).device
-    if args.run and args.base:  # the run's own base, without any adapter
-        model, tokenizer = load_for_eval(cfg.model.name, None, None, None, None, args.dtype, device)
+    if args.run and args.base:  # the run's own base (its whole model config), without any adapter
+        from fedllm.modeling import load_base
+
+        cfg.model.dtype = args.dtype
+        model, tokenizer = load_base(cfg.model, device)
+        model.eval()
     else:
         model, tokenizer = load_for_eval(
             args.model, args.adapter, args.run, args.round, args.client, args.dtype, device

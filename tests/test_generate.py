@@ -81,6 +81,15 @@ def test_cli_generates_from_a_runs_global_client_and_base(tmp_path, builtin_base
         outs[name] = [json.loads(x) for x in out.read_text().splitlines()]
         assert [r["instruction"] for r in outs[name]] == ["Is 95 even or odd ?", "Is 4 even or odd ?"]
     assert "### Is 95 even or odd ?" in capsys.readouterr().out
+    # --base is the run's own base (its pretraining steps), not the default built-in base
+    from fedllm.export import run_config
+    from fedllm.partitions import prompt_template
+
+    cfg = run_config(run)
+    base, tok = load_base(cfg.model, "cpu")
+    prompts = read_prompts(["Is 95 even or odd ?", "Is 4 even or odd ?"], None)
+    direct = generate(base, tok, prompts, prompt_template(cfg), 4)
+    assert [r["answer"] for r in outs["base"]] == direct
     with pytest.raises(SystemExit) as e:
         main(["generate", "--run", str(run), "--prompts-file", str(tmp_path / "none.txt")])
     assert e.value.code == 2 and "--prompts-file" in capsys.readouterr().err
