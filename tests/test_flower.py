@@ -45,7 +45,7 @@ SLOW = pytest.mark.slow
     [
         pytest.param("fedit", [], id="fedit"),
         pytest.param("flexlora", [], id="flexlora"),
-        pytest.param("florist", [], id="florist"),
+        pytest.param("florist", [], marks=SLOW, id="florist"),
         pytest.param("flora", [], marks=SLOW, id="flora"),
         pytest.param("floral", ["lora.ranks=[4]"], marks=SLOW, id="floral"),
         pytest.param("fedex", [], marks=SLOW, id="fedex"),
