@@ -201,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from accelerate import Accelerator
 
-    from fedllm.export import load_for_eval, run_config
+    from fedllm.export import load_for_eval, run_base, run_config
     from fedllm.generate import generate, read_prompts
     from fedllm.partitions import prompt_template
 
@@ -209,12 +209,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = run_config(Path(args.run)) if args.run else None
     template = args.template or (prompt_template(cfg) if cfg else "alpaca")
     device = Accelerator(cpu=not torch.cuda.is_available()).device
-    if args.run and args.base:  # the run's own base (its whole model config), without any adapter
-        from fedllm.modeling import load_base
-
-        cfg.model.dtype = args.dtype
-        model, tokenizer = load_base(cfg.model, device)
-        model.eval()
+    if args.run and args.base:  # the run's own base, without any adapter
+        model, tokenizer = run_base(cfg, args.dtype, device)
     else:
         model, tokenizer = load_for_eval(
             args.model, args.adapter, args.run, args.round, args.client, args.dtype, device

@@ -332,9 +332,7 @@ def load_for_eval(
             if client is not None
             else adapter_from_run(Path(run), round_idx)
         )
-        model_cfg = cfg.model
-        model_cfg.dtype = dtype
-        base, tokenizer = load_base(model_cfg, device)
+        base, tokenizer = run_base(cfg, dtype, device)
         with tempfile.TemporaryDirectory(prefix="fedllm-eval-") as tmp:
             write_peft_adapter(
                 Path(tmp),
@@ -353,6 +351,15 @@ def load_for_eval(
     if adapter is not None:
         base = PeftModel.from_pretrained(base, adapter).to(device).eval()
     return base, tokenizer
+
+
+def run_base(cfg, dtype: str, device):
+    """A run's own base model and tokenizer in ``dtype``, from its whole model config (the built-in base
+    with the run's pretraining steps, its quantization), never a default of the same name."""
+    from fedllm.modeling import load_base
+
+    cfg.model.dtype = dtype
+    return load_base(cfg.model, device)
 
 
 def resolve_base(model: str, cfg) -> str:

@@ -136,7 +136,7 @@ class Server:
         self.rules = rules or Rules()
         max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
         self.state = GlobalState(
-            strategy.initial_factors(self.modules, max_rank, derive_seed(self.sampling.seed, 1, 7)),
+            strategy.initial_factors(self.modules, max_rank, self.hook.fresh_seed(self.sampling.seed, 1)),
             dense=dict(dense or {}),
         )
         self.ledger = Ledger()
