@@ -1,0 +1,154 @@
+"""Golden global adapters: every strategy, client algorithm and DP mode on one fixed seed.
+
+The base is a small Llama with random weights drawn from a fixed seed (no pretraining, so it is the
+same on every x86 CPU up to float rounding) and the built-in tokenizer; each case runs 2 rounds of 3
+local steps on the built-in data and keeps its exported global update (B @ A per module, plus dense
+modules). ``tests/data/golden_adapters.safetensors`` holds what the code gave when the fixture was
+made; ``tests/test_golden.py`` checks that the code still gives it, within float tolerance, so that a
+refactoring cannot change what a run computes without a test noticing.
+
+    python -m tests.golden      # rewrite the fixture (only when a change of numbers is intended)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "golden_adapters.safetensors"
+
+COMMON = [
+    "data.builtin_examples_per_skill=12",
+    "data.eval_size=16",
+    "data.min_examples_per_client=4",
+    "federation.num_clients=3",
+    "federation.rounds=2",
+    "federation.seed=3",
+    "lora.ranks=[2,4,8]",
+    "lora.trainable_modules=[]",
+    "client.local_steps=3",
+    "client.batch_size=4",
+    "eval.benchmark=none",
+    "eval.personalized=false",
+]
+
+# case name -> overrides in the keys of the config as it was when the fixture was made; ``translate``
+# (below) maps them onto the current keys
+CASES: dict[str, list[str]] = {
+    "fedit": ["aggregation.name=fedit"],
+    "flora": ["aggregation.name=flora"],
+    "flexlora": ["aggregation.name=flexlora"],
+    "florist": ["aggregation.name=florist", "aggregation.fixed_rank=3"],
+    "floral": ["aggregation.name=floral", "lora.ranks=[4]"],
+    "fedex": ["aggregation.name=fedex"],
+    "hetlora": ["aggregation.name=hetlora"],
+    "hetlora_prune": ["aggregation.name=hetlora", "aggregation.hetlora_prune_gamma=0.5"],
+    "fedsa_share": ["aggregation.name=fedsa", "aggregation.fedsa_share_b_every=1"],
+    "ffa": ["aggregation.name=ffa"],
+    "local": ["aggregation.name=local"],
+    "fedit_fedprox": ["aggregation.name=fedit", "client.algorithm=fedprox", "client.mu=0.5"],
+    "fedit_scaffold": ["aggregation.name=fedit", "client.algorithm=scaffold"],
+    "fedit_perfedavg_fo": ["aggregation.name=fedit", "client.algorithm=perfedavg"],
+    "fedit_perfedavg_hf": [
+        "aggregation.name=fedit",
+        "client.algorithm=perfedavg",
+        "client.perfedavg_variant=hf",
+    ],
+    "floral_fedprox": ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=fedprox"],
+    "fedit_dense": ["aggregation.name=fedit", "lora.trainable_modules=[lm_head]"],
+    "fedit_dropout": ["aggregation.name=fedit", "lora.dropout=0.1"],
+    "dp_central_fedit": [
+        "aggregation.name=fedit",
+        "privacy.mode=central",
+        "privacy.clip_norm=0.5",
+        "privacy.noise_multiplier=0.3",
+        "privacy.noise_seed=7",
+    ],
+    "dp_central_ffa": [
+        "aggregation.name=ffa",
+        "privacy.mode=central",
+        "privacy.clip_norm=0.5",
+        "privacy.noise_multiplier=0.3",
+        "privacy.noise_seed=7",
+    ],
+    "dp_local_flexlora": [
+        "aggregation.name=flexlora",
+        "privacy.mode=local",
+        "privacy.clip_norm=0.5",
+        "privacy.noise_multiplier=0.05",
+        "privacy.noise_seed=7",
+    ],
+}
+
+
+def translate(overrides: list[str]) -> list[str]:
+    """The fixture's overrides in the current config's keys (identity until keys move)."""
+    return list(overrides)
+
+
+def random_base(folder: Path) -> Path:
+    """A 2-layer Llama (hidden 32) with seeded random weights and the built-in tokenizer, saved as a
+    model folder that ``model.name`` can point at."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedllm.builtin_model import build_tokenizer
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(20261201)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_case(name: str, base: Path, run_dir: Path) -> dict[str, torch.Tensor]:
+    """One case's exported global update, keyed ``<case>/<tensor>``."""
+    from fedllm.config import load_config
+    from fedllm.simulation import Simulation
+    from tests.conftest import adapter_updates
+
+    overrides = [f"model.name={base}", *COMMON, *translate(CASES[name]), f"output.dir={run_dir}"]
+    sim = Simulation(load_config(None, overrides), run_dir)
+    sim.setup()
+    sim.run()
+    return {f"{name}/{k}": v.contiguous() for k, v in adapter_updates(run_dir).items()}
+
+
+def main(out: Path = FIXTURE) -> int:
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = random_base(Path(tmp) / "base")
+        tensors: dict[str, torch.Tensor] = {}
+        for name in CASES:
+            tensors.update(run_case(name, base, Path(tmp) / name))
+            print(f"{name}: done", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out))
+    print(f"wrote {len(tensors)} tensors of {len(CASES)} cases to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
