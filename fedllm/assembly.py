@@ -33,10 +33,10 @@ from fedllm.aggregation import Strategy, strategy_from_config
 from fedllm.client import ALGORITHMS
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.config import Config, ConfigError
+from fedllm.data import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
 from fedllm.factors import lora_scale
-from fedllm.modeling import context_length, is_quantized, load_base
-from fedllm.parallel import Layout, uses_deepspeed, zero_stage
-from fedllm.partitions import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
+from fedllm.model.modeling import context_length, is_quantized, load_base
+from fedllm.model.parallel import Layout, uses_deepspeed, zero_stage
 from fedllm.privacy import DPRules
 from fedllm.protocol import ClientInfo, derive_seed
 from fedllm.server import Rules, Sampling, Server
@@ -391,14 +391,14 @@ def restore(
     server: Server, runtime: ClientRuntime, clients: list[ClientData], run_dir: Path, store=None
 ) -> dict | None:
     """Bring a federation to the newest intact checkpoint of ``run_dir``: the server, the state of ``clients``
-    (the ones this process holds: into ``store``, a :class:`~fedllm.client_store.ClientStore`, when the
+    (the ones this process holds: into ``store``, a :class:`~fedllm.client.store.ClientStore`, when the
     driver keeps client state on disk), and the merged base.
 
     Returns the checkpoint's metadata (None when the run has none yet); a
     damaged newer checkpoint is passed over, and a checkpoint of another
     strategy is refused.
     """
-    from fedllm import checkpoint as ckpt
+    from fedllm.run import checkpoint as ckpt
 
     found = ckpt.load_latest(run_dir)
     if found is None:

@@ -29,10 +29,10 @@ def friendly_errors() -> Iterator[None]:
     """Turn the project's input errors into one line on stderr and exit code 2."""
     from data_prep.schema import DataError
     from eval.data import MMLUDataError
-    from fedllm.checkpoint import CheckpointError
     from fedllm.config import ConfigError
-    from fedllm.export import ExportError
-    from fedllm.modeling import ModelError
+    from fedllm.model.modeling import ModelError
+    from fedllm.run.checkpoint import CheckpointError
+    from fedllm.run.export import ExportError
 
     try:
         yield
@@ -55,7 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    from fedllm import rundir
+    from fedllm.run import folder as rundir
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -160,7 +160,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from accelerate import Accelerator
 
     from eval.mmlu import load_benchmark, run_job
-    from fedllm.export import load_for_eval
+    from fedllm.run.export import load_for_eval
 
     # bad data fails before the model loads
     bench = load_benchmark(args.data, args.shots, args.subjects, args.limit, args.overflow)
@@ -201,9 +201,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from accelerate import Accelerator
 
-    from fedllm.export import load_for_eval, run_base, run_config
-    from fedllm.generate import generate, read_prompts
-    from fedllm.partitions import prompt_template
+    from fedllm.data import prompt_template
+    from fedllm.model.generate import generate, read_prompts
+    from fedllm.run.export import load_for_eval, run_base, run_config
 
     examples = read_prompts(args.prompt or [], args.prompts_file)  # bad input fails before the model loads
     cfg = run_config(Path(args.run)) if args.run else None
@@ -232,7 +232,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for r in records:
         print(f"### {r['instruction']}" + (f"\n{r['input']}" if r["input"] else "") + f"\n{r['answer']}\n")
     if args.output:
-        from fedllm.checkpoint import atomic_write_text
+        from fedllm.run.checkpoint import atomic_write_text
 
         atomic_write_text(Path(args.output), "".join(json.dumps(r) + "\n" for r in records))
         print(f"answers written to {args.output}")
@@ -251,7 +251,7 @@ def default_export_dir(run_dir: Path, round_idx: int | None, merge: bool, client
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fedllm.export import export_run, push_to_hub
+    from fedllm.run.export import export_run, push_to_hub
 
     out = Path(args.output or default_export_dir(Path(args.run_dir), args.round, args.merge, args.client))
     export_run(Path(args.run_dir), out, args.round, args.merge, args.client, args.overwrite)
@@ -265,8 +265,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     import json
 
-    from fedllm.compare import compare, format_summary, parse_variant
     from fedllm.config import load_config
+    from fedllm.run.compare import compare, format_summary, parse_variant
 
     variants = [parse_variant(v) for v in args.variant]
     for v in variants:  # every variant's config is checked before the first run starts
@@ -281,7 +281,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fedllm.report import report
+    from fedllm.run.report import report
 
     print(report([Path(r) for r in args.run_dirs], Path(args.output) if args.output else None))
     return 0

@@ -1,6 +1,6 @@
 """What crosses the federated boundary, and what both halves derive alike.
 
-The server (``fedllm/server.py``) and the client runtime
+The server (``fedllm/server/server.py``) and the client runtime
 (``fedllm/client/runtime.py``) share nothing but this module and the
 ``LoraFactors`` type: a round is ``server.plan_round`` -> one
 :class:`ClientStart` per client -> (a driver moves it: a function call, a
@@ -105,7 +105,7 @@ class ClientUpdate:
     the update (SCAFFOLD's control-variate delta, FLoRAL's router
     probabilities and bias adaptors); they are counted in the ledger. Every
     field is a claim: the server checks each against what it knows
-    (``fedllm/trust.py``) and derives what the client started from itself.
+    (``fedllm/server/trust.py``) and derives what the client started from itself.
     """
 
     client_id: int
@@ -148,8 +148,9 @@ class AlgorithmServer:
         return {}
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
-        """The extras this algorithm expects in an update, checked against ``exp`` (``fedllm.trust.Expected``)
-        and cast; raises ``ClientFailure``. Extras nobody claims are refused by the server."""
+        """The extras this algorithm expects in an update, checked against ``exp``
+        (``fedllm.server.trust.Expected``) and cast; raises ``ClientFailure``.
+        Extras nobody claims are refused by the server."""
         return {}
 
     def clip(self, updates: list[ClientUpdate], ratio: float) -> int:

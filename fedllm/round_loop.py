@@ -26,12 +26,12 @@ from tqdm.auto import tqdm
 from eval.mmlu import Benchmark
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientRuntime
-from fedllm.client_store import ClientStore
+from fedllm.client.store import ClientStore
 from fedllm.config import Config, flat_config
-from fedllm.evaluation import evaluate_global
-from fedllm.export import save_global_adapter
+from fedllm.model.evaluation import evaluate_global
 from fedllm.protocol import derive_seed
-from fedllm.rundir import RunWriter
+from fedllm.run.export import save_global_adapter
+from fedllm.run.folder import RunWriter
 from fedllm.server import RoundPlan, RoundReport, Server
 
 log = logging.getLogger(__name__)

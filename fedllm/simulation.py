@@ -3,7 +3,7 @@
 The round loop is :class:`~fedllm.round_loop.RoundLoop`'s; this driver says
 where clients train (the local :class:`~fedllm.client.runtime.ClientRuntime`)
 and builds its pieces with :func:`fedllm.assembly.assemble`. The processes of
-an ``accelerate launch`` share the work as ``fedllm/parallel.py`` says: clients
+an ``accelerate launch`` share the work as ``fedllm/model/parallel.py`` says: clients
 split over processes (every process then aggregates the same sorted list), or
 every process on every client with the batches split (data layout).
 """
@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientFault
-from fedllm.client_store import ClientStore
+from fedllm.client.store import ClientStore
 from fedllm.config import Config, token_modules
 from fedllm.round_loop import RoundLoop, personal_summary
 from fedllm.server import RoundPlan

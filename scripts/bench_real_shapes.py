@@ -181,8 +181,8 @@ def child(args) -> dict:
     """One measurement process: a round with ``--clients`` clients (and, for all of them, the step
     comparison).
     """
-    from fedllm.builtin_model import build_tokenizer, tinyllama_shaped
     from fedllm.logs import setup_logging
+    from fedllm.model.builtin import build_tokenizer, tinyllama_shaped
 
     setup_logging("WARNING")
     torch.manual_seed(0)

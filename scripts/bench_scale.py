@@ -49,8 +49,8 @@ def folder_mb(path: Path) -> float:
 
 def point(strategy: str, clients: int, rounds: int, run_dir: Path) -> dict:
     """One run in this process; its measurements."""
-    from fedllm.checkpoint import latest_checkpoint
     from fedllm.config import load_config
+    from fedllm.run.checkpoint import latest_checkpoint
     from fedllm.simulation import Simulation
 
     name = "fedit" if strategy == "scaffold" else strategy

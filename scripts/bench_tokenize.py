@@ -59,8 +59,8 @@ def main() -> None:
     from data_prep.loaders import load_examples
     from data_prep.prompts import tokenize_example
     from data_prep.tokenized import tokenize_cached
-    from fedllm.builtin_model import ensure_builtin_base
     from fedllm.logs import setup_logging
+    from fedllm.model.builtin import ensure_builtin_base
 
     setup_logging("WARNING")
     tokenizer = AutoTokenizer.from_pretrained(ensure_builtin_base())

@@ -28,7 +28,7 @@ def fedllm_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def builtin_base(fedllm_cache):
-    from fedllm.builtin_model import ensure_builtin_base
+    from fedllm.model.builtin import ensure_builtin_base
 
     return ensure_builtin_base(TEST_PRETRAIN_STEPS)
 
@@ -98,6 +98,6 @@ def install_global(sim) -> bool:
 
 
 def heldout_of(sim, data):
-    from fedllm.evaluation import heldout
+    from fedllm.model.evaluation import heldout
 
     return heldout(sim.runtime.model, sim.runtime.tokenizer, data, sim.cfg.eval.batch_size)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from fedllm.compare import describe, format_summary, paired, parse_variant, summarize, t_quantile
+from fedllm.run.compare import describe, format_summary, paired, parse_variant, summarize, t_quantile
 from tests.conftest import tiny_overrides
 
 

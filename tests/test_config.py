@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fedllm.config import ConfigError, help_text, load_config, valid_keys
-from fedllm.overrides import parse_override
+from fedllm.config.overrides import parse_override
 
 
 def test_defaults_are_valid():

@@ -155,7 +155,7 @@ def test_pretraining_never_shows_the_benchmark_skills_as_multiple_choice():
     """The base learns the format on the format skills only: the benchmark skills' format is the federated
     lesson.
     """
-    from fedllm.builtin_model import pretraining_examples
+    from fedllm.model.builtin import pretraining_examples
 
     examples = pretraining_examples(seed=0, n_per_skill=50)
     mc = {ex.category for ex in examples if ex.instruction.endswith("Answer:")}
@@ -166,7 +166,7 @@ def test_pretraining_never_shows_the_benchmark_skills_as_multiple_choice():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from fedllm.builtin_model import build_tokenizer
+    from fedllm.model.builtin import build_tokenizer
 
     return build_tokenizer()
 

@@ -31,7 +31,7 @@ def test_adapter_export_loads_both_ways(finished_run, tmp_path):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from fedllm.export import base_model_reference, export_run
+    from fedllm.run.export import base_model_reference, export_run
 
     out = export_run(finished_run, tmp_path / "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {
@@ -53,7 +53,7 @@ def test_merged_export_equals_base_plus_adapter(finished_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fedllm.export import base_model_reference, export_run
+    from fedllm.run.export import base_model_reference, export_run
 
     merged = export_run(finished_run, tmp_path / "merged", merge=True)
     names = {p.name for p in merged.iterdir()}
@@ -77,7 +77,7 @@ def test_merged_export_equals_base_plus_adapter(finished_run, tmp_path):
 def test_model_card_parses_and_carries_metrics(finished_run, tmp_path, caplog):
     from huggingface_hub import ModelCard
 
-    from fedllm.export import export_run
+    from fedllm.run.export import export_run
 
     out = export_run(finished_run, tmp_path / "card")
     card = ModelCard.load(out / "README.md")
@@ -99,7 +99,7 @@ def test_model_card_parses_and_carries_metrics(finished_run, tmp_path, caplog):
 def test_model_card_of_an_earlier_round_describes_that_round(finished_run, tmp_path):
     from huggingface_hub import ModelCard
 
-    from fedllm.export import export_run
+    from fedllm.run.export import export_run
 
     rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
     card = ModelCard.load(export_run(finished_run, tmp_path / "r1", round_idx=1) / "README.md")
@@ -114,7 +114,7 @@ def test_model_card_names_hub_ids_only(finished_run, tmp_path):
     from huggingface_hub import ModelCard
 
     from fedllm.config import load_config
-    from fedllm.model_card import write_model_card
+    from fedllm.run.model_card import write_model_card
 
     cfg = load_config(finished_run / "config.yaml")
     cfg.model.name, cfg.data.dataset = "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "dolly"
@@ -170,7 +170,7 @@ def test_push_uses_exact_repo_and_files_and_never_writes_the_token(finished_run,
 def test_personalized_client_export(finished_run, tmp_path):
     from peft import AutoPeftModelForCausalLM
 
-    from fedllm.export import ExportError, export_run
+    from fedllm.run.export import ExportError, export_run
 
     out = export_run(finished_run, tmp_path / "client1", client=1)
     model = AutoPeftModelForCausalLM.from_pretrained(out)
@@ -194,7 +194,7 @@ def test_eval_job_on_run_dir(finished_run, tmp_path):
 
 def _acc_limit2(run_dir):
     """Independent check: score the run's global model with eval.mmlu.evaluate directly."""
-    from fedllm.export import load_for_eval
+    from fedllm.run.export import load_for_eval
 
     model, tok = load_for_eval("builtin", None, str(run_dir), None, None, "float32", "cpu")
     from eval.mmlu import evaluate
@@ -205,7 +205,7 @@ def _acc_limit2(run_dir):
 def test_report_table_and_plots(finished_run, tmp_path):
     from PIL import Image
 
-    from fedllm.report import report
+    from fedllm.run.report import report
 
     text = report([finished_run], tmp_path)
     assert "final acc" in text and "fedit" in text
@@ -255,7 +255,7 @@ def _fake_run(path, seed, accs, losses, strategy="fedit"):
 
 def test_report_groups_seeds_into_mean_and_band(tmp_path):
     """Seeds of one variant are one line: mean +/- std per round; another strategy is another group."""
-    from fedllm.report import report
+    from fedllm.run.report import report
 
     runs = [
         _fake_run(tmp_path / "fedit" / f"seed-{s}", s, accs, [0.5, 0.4])
@@ -314,7 +314,7 @@ def test_personalization_numbers_in_summary_card_report_and_export_folders(finis
     import shutil
 
     from fedllm.cli import main, print_summary
-    from fedllm.report import report
+    from fedllm.run.report import report
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from fedllm.config import LoraConfig
 from fedllm.factors import LoraFactors, fresh_factors, read_factors, write_factors
-from fedllm.modeling import adapter_name, attach_lora, install_adapter, merge_into_base
+from fedllm.model.modeling import adapter_name, attach_lora, install_adapter, merge_into_base
 
 
 @pytest.fixture

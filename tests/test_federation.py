@@ -38,7 +38,7 @@ def test_two_round_run_writes_everything(tmp_path, strategy):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from fedllm.export import base_model_reference
+    from fedllm.run.export import base_model_reference
 
     base = AutoModelForCausalLM.from_pretrained(base_model_reference(fed.cfg))
     model = PeftModel.from_pretrained(base, d / "global_adapter").eval()

@@ -11,11 +11,11 @@ from torch.testing import assert_close
 from fedllm.aggregation import ClientUpdate, GlobalState
 from fedllm.aggregation.fedit import FedIT
 from fedllm.aggregation.floral import FLoRAL, adaptor_weights
+from fedllm.aggregation.floral_mixture import MixtureOptions, MixtureSession
 from fedllm.client import ALGORITHMS
 from fedllm.config import ConfigError, LoraConfig, load_config
 from fedllm.factors import LoraFactors, fresh_factors, read_factors, write_factors
-from fedllm.mixture import MixtureOptions, MixtureSession
-from fedllm.modeling import attach_lora, install_adapter
+from fedllm.model.modeling import attach_lora, install_adapter
 from fedllm.simulation import Simulation
 from tests.conftest import random_factors, switch_in, tiny_overrides
 
@@ -114,7 +114,7 @@ def test_router_options_follow_the_reference(builtin_base, granularity, routers,
     reference); the server gets softmax(logits) unless asked to apply the router's temperature too."""
     from transformers import AutoModelForCausalLM
 
-    from fedllm.mixture import router_group
+    from fedllm.aggregation.floral_mixture import router_group
 
     lora = LoraConfig(ranks=[4], target_modules=["q_proj", "v_proj", "down_proj"])
     model = attach_lora(AutoModelForCausalLM.from_pretrained(builtin_base), [4], lora)
@@ -291,7 +291,7 @@ def assert_export_matches_mixture(fed, out, client_id: int) -> None:
 
 
 def test_bias_adaptors_are_averaged_and_exported(tmp_path):
-    from fedllm.export import export_run
+    from fedllm.run.export import export_run
 
     uploads = []
     fed = floral_run(
@@ -315,7 +315,7 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
 
 
 def test_personalized_export_matches_mixture(tmp_path):
-    from fedllm.export import export_run
+    from fedllm.run.export import export_run
 
     cfg = load_config(
         None,

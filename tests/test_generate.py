@@ -12,8 +12,8 @@ import torch
 from data_prep import builtin
 from data_prep.prompts import build_prompt
 from fedllm.config import ModelConfig
-from fedllm.generate import generate, read_prompts
-from fedllm.modeling import load_base
+from fedllm.model.generate import generate, read_prompts
+from fedllm.model.modeling import load_base
 from tests.conftest import TEST_PRETRAIN_STEPS, tiny_overrides
 
 
@@ -82,8 +82,8 @@ def test_cli_generates_from_a_runs_global_client_and_base(tmp_path, builtin_base
         assert [r["instruction"] for r in outs[name]] == ["Is 95 even or odd ?", "Is 4 even or odd ?"]
     assert "### Is 95 even or odd ?" in capsys.readouterr().out
     # --base is the run's own base (its pretraining steps), not the default built-in base
-    from fedllm.export import run_config
-    from fedllm.partitions import prompt_template
+    from fedllm.data import prompt_template
+    from fedllm.run.export import run_config
 
     cfg = run_config(run)
     base, tok = load_base(cfg.model, "cpu")

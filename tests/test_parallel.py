@@ -19,7 +19,7 @@ from fedllm.aggregation import strategy_from_config
 from fedllm.assembly import layout_for
 from fedllm.client.base import batch_stream
 from fedllm.config import ConfigError, load_config
-from fedllm.parallel import Layout
+from fedllm.model.parallel import Layout
 from fedllm.simulation import Simulation
 from tests.conftest import assert_close_updates, switch_in, tiny_overrides
 

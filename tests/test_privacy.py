@@ -1,4 +1,4 @@
-"""Differential privacy (fedllm/privacy.py) and FFA-LoRA: the clip bounds a hostile client, zero updates
+"""Differential privacy (fedllm/privacy/) and FFA-LoRA: the clip bounds a hostile client, zero updates
 release pure noise of the stated size, epsilon is dp-accounting's, a resumed run spends what an
 uninterrupted one does, and FFA-LoRA's average of B is the exact average of the clients' updates."""
 

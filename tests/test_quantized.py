@@ -16,7 +16,7 @@ import torch
 
 from fedllm.config import load_config
 from fedllm.factors import lora_modules
-from fedllm.modeling import (
+from fedllm.model.modeling import (
     RESIDUAL,
     ModelError,
     is_quantized,
@@ -98,7 +98,7 @@ def test_layer_shapes_the_packed_kernel_cannot_take_are_named(builtin_base, tmp_
     )
     odd.save_pretrained(tmp_path / "odd")
     tok.save_pretrained(tmp_path / "odd")
-    from fedllm.modeling import quantization_config
+    from fedllm.model.modeling import quantization_config
 
     model = AutoModelForCausalLM.from_pretrained(
         tmp_path / "odd",

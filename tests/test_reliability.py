@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from fedllm import checkpoint as ckpt
 from fedllm.config import load_config
 from fedllm.factors import LoraFactors
+from fedllm.run import checkpoint as ckpt
 from fedllm.simulation import Simulation
 from tests.conftest import tiny_overrides
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedllm import checkpoint as ckpt
 from fedllm.cli import main
+from fedllm.run import checkpoint as ckpt
 from tests.conftest import tiny_overrides
 
 FAST = ("eval.personalized=false", "eval.limit=1")
@@ -114,7 +114,7 @@ def test_reused_output_dir_is_refused_continued_or_overwritten(run_copy, tmp_pat
 
 HOLD_LOCK = """
 import sys, time
-from fedllm.rundir import RunLock
+from fedllm.run.folder import RunLock
 lock = RunLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -141,7 +141,7 @@ def test_a_second_process_is_refused_while_the_first_lives(run_copy, capsys):
 
 RACE = """
 import json, sys, time
-from fedllm.rundir import RunDirError, RunLock
+from fedllm.run.folder import RunDirError, RunLock
 folder, at = sys.argv[1], float(sys.argv[2])
 time.sleep(max(0.0, at - time.time()))
 try:
@@ -215,7 +215,7 @@ def test_resume_with_more_rounds_is_recorded(run_copy, capsys):
 def test_a_resume_killed_after_its_last_checkpoint_is_not_reported_finished(run_copy, capsys, monkeypatch):
     """A resume that adds a round and dies after that round's checkpoint, before its summary: the next
     --resume finishes it (summary and global adapter of round 3) instead of saying 'nothing to do'."""
-    from fedllm.rundir import RunWriter
+    from fedllm.run.folder import RunWriter
 
     def killed(self, summary, write_adapter):
         raise KeyboardInterrupt  # as a SIGINT right after the last checkpoint

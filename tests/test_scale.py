@@ -117,7 +117,7 @@ def test_a_runtime_catches_up_from_where_it_is_or_from_its_original_base(builtin
     from fedllm.client.runtime import ClientRuntime
     from fedllm.config import load_config
     from fedllm.factors import lora_modules
-    from fedllm.parallel import Layout
+    from fedllm.model.parallel import Layout
     from fedllm.protocol import Catchup
 
     cfg = load_config(None, ["lora.ranks=[4]", "lora.target_modules=[q_proj]"])
@@ -188,7 +188,7 @@ def test_client_state_lives_on_disk_and_a_resume_reads_it_back(tmp_path, builtin
     """SCAFFOLD's c_k: no client keeps state in memory between rounds, checkpoints hold only the index (no
     client tensors), old versions are pruned, and a run stopped after round 2 then resumed ends where an
     uninterrupted run ends."""
-    from fedllm import checkpoint as ckpt
+    from fedllm.run import checkpoint as ckpt
     from tests.conftest import assert_close_updates
 
     ref, summary = simulate(scaffold_cfg(tmp_path / "ref", 4), tmp_path / "ref")
@@ -295,7 +295,7 @@ def test_a_flora_catchup_reveals_the_sum_not_each_clients_factors(gen):
     """FLoRA's stacked merge holds every sampled client's own B_k; what a site downloads (its catch-up) is
     the same update as the SVD of the sum, in which no client's B_k columns appear."""
     from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, example_weights
-    from fedllm.catchup import MergeLog
+    from fedllm.server.catchup import MergeLog
     from tests.conftest import random_factors
 
     key = "m.q_proj"

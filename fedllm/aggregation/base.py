@@ -135,8 +135,9 @@ class Strategy(abc.ABC):
         return stacked.sort(dim=0).values[k : len(tensors) - k].mean(dim=0)
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
-        """The extras this strategy expects in an update, checked against ``exp`` (``fedllm.trust.Expected``)
-        and cast; raises ``ClientFailure``. Extras nobody claims are refused by the server."""
+        """The extras this strategy expects in an update, checked against ``exp``
+        (``fedllm.server.trust.Expected``) and cast; raises ``ClientFailure``.
+        Extras nobody claims are refused by the server."""
         return {}
 
     def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:

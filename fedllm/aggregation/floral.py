@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.floral_mixture import MixtureOptions, MixtureSession
 from fedllm.factors import Adapter, LoraFactors, unprefixed
 from fedllm.lowrank import weighted_mean
-from fedllm.mixture import MixtureOptions, MixtureSession
 from fedllm.protocol import ClientHook
-from fedllm.trust import ClientFailure, Expected, as_float32
+from fedllm.server.trust import ClientFailure, Expected, as_float32
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ def adaptor_weights(updates: list[ClientUpdate], weights: list[float], key: str)
 
 
 class FloralClient(ClientHook):
-    """FLoRAL's client side: the client's rank C*r adapter mixed by its own router (``fedllm/mixture.py``).
+    """FLoRAL's client side: the client's rank C*r adapter mixed by its own router
+    (``fedllm/aggregation/floral_mixture.py``).
 
     The router is trained beside the adaptors at its own learning rate and
     kept on the client (stateful across rounds, or re-learned from zero each
@@ -79,7 +80,8 @@ class FLoRAL(Strategy):
     same_weights = False  # adaptor c of client k weighs p(k|c), its router's share of c
 
     def __init__(self, num_adaptors: int = 2, **router: Any) -> None:
-        """``router``: the clients' :class:`~fedllm.mixture.MixtureOptions` besides ``num_adaptors``."""
+        """``router``: the clients' :class:`~fedllm.aggregation.floral_mixture.MixtureOptions` (but
+        ``num_adaptors``)."""
         if num_adaptors < 1:
             raise ValueError(f"num_adaptors = {num_adaptors} is invalid: expected an integer >= 1")
         self.options = MixtureOptions(num_adaptors=num_adaptors, **router)

@@ -22,7 +22,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from data_prep.prompts import TokenizedExample, collate
-from fedllm.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
+from fedllm.model.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
 from fedllm.protocol import AlgorithmServer
 
 ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
@@ -55,7 +55,7 @@ class LocalPlan:
     # (FLoRAL's routers): never part of what an algorithm corrects, pulls back, meta-learns or uploads.
     local_params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     local_lr: float = 1e-2
-    layout: Any = None  # fedllm.parallel.Layout: data-parallel wrapping of the model (None: as is)
+    layout: Any = None  # fedllm.model.parallel.Layout: data-parallel wrapping of the model (None: as is)
     deadline: float | None = (
         None  # time.monotonic() after which the client stops (federation.client_timeout_s)
     )

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from data_prep.prompts import TokenizedExample
 from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_stream
-from fedllm.evaluation import heldout
 from fedllm.factors import (
     Adapter,
     LoraFactors,
@@ -56,7 +55,8 @@ from fedllm.factors import (
     write_factors,
 )
 from fedllm.lowrank import add_to_residual
-from fedllm.modeling import (
+from fedllm.model.evaluation import heldout
+from fedllm.model.modeling import (
     RESIDUAL,
     activate,
     adapter_name,
@@ -68,7 +68,7 @@ from fedllm.modeling import (
     restore_dequant_layers,
     set_trainable_modules,
 )
-from fedllm.parallel import Layout, full_tensors
+from fedllm.model.parallel import Layout, full_tensors
 from fedllm.protocol import Catchup, ClientHook, ClientStart, ClientUpdate, HookSession, derive_seed
 
 log = logging.getLogger(__name__)

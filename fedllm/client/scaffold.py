@@ -76,7 +76,7 @@ class ScaffoldServer(AlgorithmServer):
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
         """``dc.<name>`` for every trainable tensor of the client, at the client's rank, finite."""
-        from fedllm.trust import as_float32
+        from fedllm.server.trust import as_float32
 
         return {
             f"dc.{k}": as_float32(f"dc.{k}", extras.get(f"dc.{k}"), s) for k, s in exp.param_shapes().items()
@@ -84,7 +84,7 @@ class ScaffoldServer(AlgorithmServer):
 
     def clip(self, updates: list, ratio: float) -> int:
         """Scale each client's control-variate change to at most ``ratio`` x the round's median."""
-        from fedllm.trust import change_norm
+        from fedllm.server.trust import change_norm
 
         if not updates:
             return 0

@@ -35,10 +35,10 @@ from data_prep.schema import DataError
 from fedllm import assembly
 from fedllm.aggregation import strategy_from_config
 from fedllm.config import Config, config_to_text, load_config
+from fedllm.data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
 from fedllm.flower.records import info_record, read_info, read_update, start_record
 from fedllm.logs import setup_logging
-from fedllm.partitions import load_partitions
 from fedllm.round_loop import RoundLoop, personal_summary
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class FlowerDriver(RoundLoop):
 def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> dict:
     """The ServerApp's work: the run folder's policy (the CLI's: lock, refuse, continue), then the round
     loop."""
-    from fedllm import rundir
+    from fedllm.run import folder as rundir
 
     setup_logging(os.environ.get("FEDLLM_LOG_LEVEL", "INFO"))
     refuse_token_modules(cfg)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from fedllm.checkpoint import atomic_write_text, save_tensors_atomic
 from fedllm.config import Config, ConfigError, config_from_text
 from fedllm.factors import adapter_from_tensors, adapter_tensors, prefixed, unprefixed
 from fedllm.protocol import ClientStart, ClientUpdate
+from fedllm.run.checkpoint import atomic_write_text, save_tensors_atomic
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def trajectory_digest(cfg: Config) -> str:
     state).
     """
     from fedllm.config import flat_config
-    from fedllm.rundir import RESUMABLE_CHANGES
+    from fedllm.run.folder import RESUMABLE_CHANGES
 
     keys = {k: v for k, v in flat_config(cfg).items() if not k.startswith(RESUMABLE_CHANGES)}
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -93,7 +93,7 @@ class Site:
         from accelerate import Accelerator
 
         from fedllm.assembly import assemble_site
-        from fedllm.partitions import load_partitions
+        from fedllm.data import load_partitions
 
         t0 = time.perf_counter()
         if not 0 <= client_id < cfg.federation.num_clients:
@@ -128,7 +128,7 @@ class Site:
         """The base as a local ``save_pretrained`` folder in the state folder (first use: loaded and
         saved).
         """
-        from fedllm.modeling import resolve_model_path
+        from fedllm.model.modeling import resolve_model_path
 
         path = resolve_model_path(name, self.cfg.model.builtin_pretrain_steps)
         if Path(path).is_dir():

@@ -30,7 +30,7 @@ class ModelError(RuntimeError):
 def resolve_model_path(name: str, pretrain_steps: int) -> str:
     """'builtin' -> the cached built-in base (built on first use); else ``name`` unchanged."""
     if name == "builtin":
-        from fedllm.builtin_model import ensure_builtin_base
+        from fedllm.model.builtin import ensure_builtin_base
 
         return str(ensure_builtin_base(pretrain_steps))
     return name

@@ -1,13 +1,13 @@
 """The server's options (``aggregation.*``): every strategy's knobs and the server's defences.
 
-Split from :mod:`fedllm.options` to keep each file readable; ``fedllm run --help-config`` lists them all.
+Split from :mod:`fedllm.config.sections`; ``fedllm run --help-config`` lists them all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedllm.optfields import _fraction, _nonneg, _positive, opt
+from fedllm.options import _fraction, _nonneg, _positive, opt
 
 
 @dataclass

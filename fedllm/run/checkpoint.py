@@ -290,6 +290,6 @@ def clean_temporaries(folder: Path) -> list[Path]:
 
 def client_state(tensors: dict[str, torch.Tensor], client_id: int) -> dict[str, torch.Tensor]:
     """One client's state from the tensors of a checkpoint written before client state moved to its own files
-    (``client.<id>.<name>``; see ``fedllm/client_store.py``)."""
+    (``client.<id>.<name>``; see ``fedllm/client/store.py``)."""
     prefix = f"client.{client_id}."
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from fedllm.checkpoint import atomic_write_text, honour_umask, save_tensors_atomic
 from fedllm.factors import PEFT_PREFIX, Adapter, concat
 from fedllm.lowrank import compact, pad_rank
-from fedllm.model_card import write_model_card
+from fedllm.run.checkpoint import atomic_write_text, honour_umask, save_tensors_atomic
+from fedllm.run.model_card import write_model_card
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def write_peft_adapter(
 
 def base_model_reference(cfg) -> str:
     """What ``base_model_name_or_path`` should say: the Hub id, path, or built-in cache path."""
-    from fedllm.modeling import resolve_model_path
+    from fedllm.model.modeling import resolve_model_path
 
     return resolve_model_path(cfg.model.name, cfg.model.builtin_pretrain_steps)
 
@@ -114,8 +114,8 @@ def adapter_from_run(
     run_dir: Path, round_idx: int | None = None
 ) -> tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Global adapter (+ residual), dense modules and LoRA biases of a run's round (latest if None)."""
-    from fedllm import checkpoint as ckpt
     from fedllm.aggregation import STRATEGIES
+    from fedllm.run import checkpoint as ckpt
     from fedllm.server import global_state
 
     run_dir = Path(run_dir)
@@ -161,7 +161,7 @@ def personalized_adapter(
     cfg = run_config(run_dir)
     if not 0 <= client < cfg.federation.num_clients:
         raise ExportError(f"--client {client}: the run has clients 0..{cfg.federation.num_clients - 1}")
-    from fedllm.client_store import ClientStore
+    from fedllm.client.store import ClientStore
 
     fed = assembly.assemble(cfg, Accelerator(cpu=not torch.cuda.is_available()))
     store = ClientStore(Path(run_dir) / "clients", writes=False)
@@ -173,7 +173,7 @@ def personalized_adapter(
 
 def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
     """Refuse an ``--output`` that would destroy the run or a user's files (see ``fedllm export --help``)."""
-    from fedllm.rundir import RUN_ENTRIES, check_writable_folder
+    from fedllm.run.folder import RUN_ENTRIES, check_writable_folder
 
     run, target = Path(run_dir).resolve(), Path(out).resolve()
     if target == run or run.is_relative_to(target):
@@ -314,7 +314,7 @@ def load_for_eval(
     from peft import PeftModel
 
     from fedllm.config import ModelConfig
-    from fedllm.modeling import load_base
+    from fedllm.model.modeling import load_base
 
     if run is not None:
         cfg = run_config(Path(run))
@@ -356,7 +356,7 @@ def load_for_eval(
 def run_base(cfg, dtype: str, device):
     """A run's own base model and tokenizer in ``dtype``, from its whole model config (the built-in base
     with the run's pretraining steps, its quantization), never a default of the same name."""
-    from fedllm.modeling import load_base
+    from fedllm.model.modeling import load_base
 
     cfg.model.dtype = dtype
     return load_base(cfg.model, device)
@@ -364,7 +364,7 @@ def run_base(cfg, dtype: str, device):
 
 def resolve_base(model: str, cfg) -> str:
     """What ``--model`` names, resolved the way the run's base was (the built-in base by its cache path)."""
-    from fedllm.modeling import resolve_model_path
+    from fedllm.model.modeling import resolve_model_path
 
     return (
         resolve_model_path(model, cfg.model.builtin_pretrain_steps)

@@ -166,7 +166,7 @@ def stale_reason(run_dir: Path, wanted) -> str | None:
 
 def run_metrics(run_dir: Path) -> dict[str, float | None]:
     """The comparison metrics of one finished run (None where the run does not have them)."""
-    from fedllm.checkpoint import read_jsonl
+    from fedllm.run.checkpoint import read_jsonl
 
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -304,7 +304,7 @@ def _run_one(
 def _build_bases(config: str | None, variants: list[Variant], extra: list[str]) -> None:
     """Build the built-in base once here, rather than once in each of the first parallel runs."""
     from fedllm.config import load_config
-    from fedllm.modeling import resolve_model_path
+    from fedllm.model.modeling import resolve_model_path
 
     for cfg in {
         (c.model.name, c.model.builtin_pretrain_steps): c

@@ -1,6 +1,6 @@
 """Typed run configuration: YAML + dotted ``key=value`` overrides, validated once.
 
-Configs are parsed into the dataclasses of ``fedllm/options.py`` here and nowhere else; algorithm code
+Configs are parsed into the dataclasses of ``fedllm/config/sections.py`` here and nowhere else; algorithm code
 takes plain arguments. Every field carries help text (``fedllm run --help-config``
 prints it) and a range check, so a bad value fails before any model is loaded.
 """
@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from fedllm.options import (  # noqa: F401  (the sections are part of the config API)
+from fedllm.config.overrides import coerce, flatten, parse_override
+from fedllm.config.sections import (  # noqa: F401  (the sections are part of the config API)
     SECTIONS,
     AggregationConfig,
     ClientConfig,
@@ -27,7 +28,6 @@ from fedllm.options import (  # noqa: F401  (the sections are part of the config
     ModelConfig,
     OutputConfig,
 )
-from fedllm.overrides import coerce, flatten, parse_override
 
 
 class ConfigError(ValueError):
@@ -250,7 +250,7 @@ def validate(cfg: Config) -> None:
 
 def save_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as YAML (atomically, via the checkpoint helper)."""
-    from fedllm.checkpoint import atomic_write_text
+    from fedllm.run.checkpoint import atomic_write_text
 
     atomic_write_text(path, config_to_text(cfg))
 

@@ -84,7 +84,7 @@ def max_seq_len(cfg, context: int | None) -> int:
 
 def token_cache_dir() -> Path:
     """Where tokenized data is cached: ``$FEDLLM_CACHE/tokens`` (default ``~/.cache/fedllm/tokens``)."""
-    from fedllm.builtin_model import default_cache_dir
+    from fedllm.model.builtin import default_cache_dir
 
     return default_cache_dir() / "tokens"
 

@@ -6,7 +6,7 @@ messages. ``plan_round`` samples the round's clients and hands out one
 factors, one exact catch-up for the merges its base missed, the dense modules, strategy and
 algorithm state); ``finish_round`` takes back the round's
 :class:`~fedllm.protocol.ClientUpdate` s (or why a client failed), accepts
-them against what it knows (``fedllm/trust.py``: it believes no count, scale,
+them against what it knows (``fedllm/server/trust.py``: it believes no count, scale,
 shape or starting point a client claims), clips them, aggregates them when at
 least ``min_clients`` are valid, and returns the round's metrics. Nothing a
 client sends can raise out of it. Every number it draws derives from
@@ -27,8 +27,6 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation import GlobalState, Strategy
-from fedllm.catchup import MergeLog
-from fedllm.comm import Ledger
 from fedllm.factors import (
     Adapter,
     LoraFactors,
@@ -39,7 +37,9 @@ from fedllm.factors import (
     unprefixed,
 )
 from fedllm.protocol import AlgorithmServer, ClientInfo, ClientStart, ClientUpdate, derive_seed, sample_size
-from fedllm.trust import (
+from fedllm.server.catchup import MergeLog
+from fedllm.server.ledger import Ledger
+from fedllm.server.trust import (
     ClientFailure,
     Expected,
     accept_dense,
@@ -94,7 +94,7 @@ class Sampling:
 @dataclass
 class Rules:
     """What the server enforces on updates (``federation.*`` and ``aggregation.*``; see
-    ``fedllm/trust.py``).
+    ``fedllm/server/trust.py``).
     """
 
     min_clients: int = 1
@@ -127,7 +127,7 @@ class Server:
         dp: DPRules | None = None,
     ) -> None:
         self.strategy = strategy
-        self.dp = dp  # differential privacy (fedllm/privacy.py): fixed clip, uniform weights, noise
+        self.dp = dp  # differential privacy (fedllm/privacy/__init__.py): fixed clip, uniform weights, noise
         self.hook = strategy.client_hook()  # to derive what each client starts from, as it does
         self.clients = {c.client_id: c for c in clients}
         self.modules = dict(modules)
@@ -310,7 +310,7 @@ class Server:
         """Scale each update's change (from the server's reference) to at most ``clip_norm_ratio`` x the
         round's median change: one client cannot move the model more than a few honest ones do."""
         ratio = self.rules.clip_norm_ratio
-        if not (ratio and updates) or self.dp is not None:  # under DP: the fixed clip (fedllm/privacy.py)
+        if not (ratio and updates) or self.dp is not None:  # under DP: the fixed clip (fedllm/privacy/)
             return {}
         changes = [self._change(plan, u) for u in updates]
         norms = [change_norm(pairs) for pairs in changes]

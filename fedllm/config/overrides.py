@@ -1,6 +1,6 @@
 """Reading settings: YAML sections, dotted ``key=value`` overrides, and values checked against a field's type.
 
-Schema-free: the config layer (``fedllm/config.py``) owns the fields and
+Schema-free: the config layer (``fedllm/config/__init__.py``) owns the fields and
 turns the ``ValueError`` s raised here into errors that name the key. Values
 are read as YAML, with YAML 1.1's quirks handled (``1e-4`` is read as a
 string, and is a float here).

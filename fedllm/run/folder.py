@@ -99,7 +99,7 @@ def refused_changes(changes: dict[str, tuple[Any, Any]], rounds_done: int) -> li
 
 def rounds_done(run_dir: Path) -> int:
     """The newest round with a checkpoint (0 when none)."""
-    from fedllm.checkpoint import checkpoint_round, latest_checkpoint
+    from fedllm.run.checkpoint import checkpoint_round, latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
     return checkpoint_round(latest) if latest is not None else 0
@@ -172,8 +172,8 @@ def open_run(run_dir: Path, cfg, *, stored=None, overwrite: bool = False) -> tup
     writer are removed, and ``config.yaml`` is rewritten when a resume changed
     an allowed key (e.g. more rounds).
     """
-    from fedllm.checkpoint import clean_temporaries
     from fedllm.config import save_config
+    from fedllm.run.checkpoint import clean_temporaries
 
     if stored is not None:
         rewrite = check_resume(run_dir, stored, cfg)
@@ -339,8 +339,8 @@ class RunWriter:
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
     def start(self, cfg, partition_stats: list[dict]) -> None:
-        from fedllm.checkpoint import atomic_write_text
         from fedllm.config import save_config
+        from fedllm.run.checkpoint import atomic_write_text
 
         if not self.enabled:
             return
@@ -362,13 +362,13 @@ class RunWriter:
             )
 
     def rows(self) -> list[dict]:
-        from fedllm.checkpoint import read_jsonl
+        from fedllm.run.checkpoint import read_jsonl
 
         return read_jsonl(self.metrics_path)
 
     def keep_rows_before(self, round_idx: int) -> list[dict]:
         """Drop the rows of rounds a resume will run again; returns the rows kept."""
-        from fedllm.checkpoint import atomic_write_text
+        from fedllm.run.checkpoint import atomic_write_text
 
         rows = [r for r in self.rows() if r["round"] < round_idx]
         if self.enabled:
@@ -376,7 +376,7 @@ class RunWriter:
         return rows
 
     def log(self, row: dict) -> None:
-        from fedllm.checkpoint import append_line
+        from fedllm.run.checkpoint import append_line
 
         if not self.enabled:
             return
@@ -388,7 +388,7 @@ class RunWriter:
             )
 
     def checkpoint(self, round_idx: int, tensors: dict, meta: dict) -> None:
-        from fedllm.checkpoint import prune_checkpoints, save_checkpoint
+        from fedllm.run.checkpoint import prune_checkpoints, save_checkpoint
 
         if self.enabled and self.save_every_round:
             save_checkpoint(self.run_dir, round_idx, tensors, {"round": round_idx, **meta})
@@ -398,7 +398,7 @@ class RunWriter:
         """Complete ``summary`` from the metrics, write the global adapter (``write_adapter(path)``)
         and it.
         """
-        from fedllm.checkpoint import atomic_write_text
+        from fedllm.run.checkpoint import atomic_write_text
 
         rows = self.rows() if self.enabled else []
         evals = [r for r in rows if "accuracy" in r or "eval_loss" in r]

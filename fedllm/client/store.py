@@ -25,7 +25,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from fedllm.checkpoint import CheckpointError, _cause, round_checkpoints, save_tensors_atomic
+from fedllm.run.checkpoint import CheckpointError, _cause, round_checkpoints, save_tensors_atomic
 
 log = logging.getLogger(__name__)
 

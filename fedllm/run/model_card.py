@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from eval.mmlu import benchmark_name
-from fedllm.checkpoint import atomic_write_text
+from fedllm.run.checkpoint import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ def hub_id(name: str) -> str | None:
 
 def card_facts(run_dir: Path, cfg, round_idx: int | None) -> dict:
     """What the card says about the exported round: metrics of that round, cumulative traffic up to it."""
-    from fedllm import checkpoint as ckpt
-    from fedllm.rundir import rounds_done
+    from fedllm.run import checkpoint as ckpt
+    from fedllm.run.folder import rounds_done
 
     rows = ckpt.read_jsonl(Path(run_dir) / "metrics.jsonl")
     upto = round_idx if round_idx is not None else rounds_done(run_dir)
@@ -174,7 +174,7 @@ def write_model_card(
 
 def client_facts(run_dir: Path, client: int) -> dict | None:
     """Client ``client``'s own held-out numbers from the newest evaluation that visited it (None: none)."""
-    from fedllm.checkpoint import read_jsonl
+    from fedllm.run.checkpoint import read_jsonl
 
     for row in reversed(read_jsonl(Path(run_dir) / "metrics.jsonl")):
         mine = row.get("personal", {}).get(str(client))

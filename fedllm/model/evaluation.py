@@ -16,7 +16,7 @@ import torch
 from data_prep.prompts import TokenizedExample, collate
 from eval.mmlu import Benchmark
 from eval.mmlu import evaluate as score_benchmark
-from fedllm.parallel import evaluation_engine
+from fedllm.model.parallel import evaluation_engine
 
 
 @torch.no_grad()

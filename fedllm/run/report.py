@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from fedllm.checkpoint import atomic_write_text, read_jsonl
+from fedllm.run.checkpoint import atomic_write_text, read_jsonl
 
 
 def load_run(run_dir: Path) -> dict:

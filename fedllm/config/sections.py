@@ -1,0 +1,381 @@
+"""Every option a run takes: one typed dataclass per config section, each field with its help and range.
+
+The catalogue ``fedllm run --help-config`` prints. Loading, overrides and the
+checks that span fields are ``fedllm/config/__init__.py``'s; algorithm code never sees
+these classes (the assembly hands it plain arguments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fedllm.config.aggregation_options import AggregationConfig
+from fedllm.options import _fraction, _nonneg, _positive, opt
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("builtin", "base model: 'builtin' (tiny offline Llama), a Hub id or a local path")
+    dtype: str = opt(
+        "float32",
+        "weights dtype",
+        lambda x: x in ("float32", "bfloat16", "float16", "auto"),
+        "one of float32, bfloat16, float16, auto",
+    )
+    trust_remote_code: bool = opt(False, "allow custom modeling code from the Hub (off: it runs remote code)")
+    quantization: str = opt(
+        "none",
+        "bitsandbytes quantization of the frozen base",
+        lambda x: x in ("none", "4bit", "8bit"),
+        "one of none, 4bit, 8bit",
+    )
+    quant_compute_dtype: str = opt(
+        "auto",
+        "compute dtype of 4-bit layers (auto: bfloat16 on a GPU that has it, else float32)",
+        lambda x: x in ("auto", "float32", "bfloat16", "float16"),
+        "one of auto, float32, bfloat16, float16",
+    )
+    quant_cpu_kernel: str = opt(
+        "dequant",
+        "4-bit bases on CPU: 'dequant' (dequantize, then matmul: the same "
+        "numbers on every CPU) or 'packed' (bitsandbytes' AVX512-BF16 kernel for evaluation "
+        "forwards, faster on CPUs that have it; training always dequantizes)",
+        lambda x: x in ("dequant", "packed"),
+        "one of dequant, packed",
+    )
+    gradient_checkpointing: bool = opt(
+        False, "trade compute for memory in the base model (recomputes activations in the backward pass)"
+    )
+    builtin_pretrain_steps: int = opt(
+        1000, "pretraining steps of the built-in base (cached per value)", _positive, "an integer >= 1"
+    )
+
+
+@dataclass
+class LoraConfig:
+    ranks: list[int] = opt([4, 8, 16, 32], "rank of each client's LoRA, cycled over clients when shorter")
+    rank_distribution: dict[int, float] = opt(
+        {}, "if set, ranks are drawn per client from {rank: probability}"
+    )
+    alpha_ratio: float = opt(2.0, "lora_alpha = alpha_ratio * rank for every client", _positive, "> 0")
+    target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "linear modules that get a LoRA",
+    )
+    dropout: float = opt(0.0, "LoRA dropout", lambda x: 0 <= x < 1, "in [0, 1)")
+    use_rslora: bool = opt(False, "rank-stabilized scale alpha / sqrt(r) instead of alpha / r")
+    trainable_modules: list[str] = opt(
+        ["embed_tokens", "lm_head"],
+        "base modules trained in full and averaged with every strategy; the built-in "
+        "tiny base needs them, for real LLMs set [] (TinyLlama's embedding alone is "
+        "65M parameters)",
+    )
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt(
+        "builtin", "'builtin', dolly, alpaca, wizard, a Hub id, or a .json/.jsonl/.parquet file"
+    )
+    format: str = opt(
+        "auto",
+        "field layout of the dataset",
+        lambda x: x in ("auto", "dolly", "alpaca", "wizard", "fedllm"),
+        "one of auto, dolly, alpaca, wizard, fedllm",
+    )
+    template: str = opt(
+        "auto",
+        "prompt template (auto: plain for the built-in data, alpaca otherwise)",
+        lambda x: x in ("auto", "alpaca", "plain"),
+        "one of auto, alpaca, plain",
+    )
+    max_seq_len: int = opt(
+        0,
+        "maximum tokens per example, prompt + response (0: min(512, model context))",
+        lambda x: x == 0 or x >= 8,
+        "0 or an integer >= 8",
+    )
+    max_examples: int = opt(0, "use at most this many examples (0: all)", _nonneg, ">= 0")
+    max_unknown_share: float = opt(
+        0.2,
+        "refuse to train when more than this share of the data's tokens are the tokenizer's unknown token "
+        "(a base that cannot read the data, e.g. the built-in base on your own data; warns above 2%)",
+        lambda x: 0 <= x <= 1,
+        "in [0, 1] (1: never refuse)",
+    )
+    partition: str = opt(
+        "dirichlet",
+        "how examples are split over clients",
+        lambda x: x in ("iid", "dirichlet", "shards"),
+        "one of iid, dirichlet, shards",
+    )
+    dirichlet_alpha: float = opt(
+        0.5, "Dirichlet concentration over categories (smaller: more skew)", _positive, "> 0"
+    )
+    shards_per_client: int = opt(
+        2, "categories per client with partition=shards", _positive, "an integer >= 1"
+    )
+    min_examples_per_client: int = opt(
+        8, "every client gets at least this many examples", _positive, "an integer >= 1"
+    )
+    eval_size: int = opt(200, "held-out examples for the global evaluation loss", _nonneg, ">= 0")
+    client_test_fraction: float = opt(
+        0.1, "share of each client's data kept for personalized evaluation", lambda x: 0 <= x < 1, "in [0, 1)"
+    )
+    builtin_examples_per_skill: int = opt(
+        400, "built-in dataset size per skill", _positive, "an integer >= 1"
+    )
+    label_shift_groups: int = opt(
+        0,
+        "built-in data only: clients form this many hidden groups whose answers "
+        "conflict (client k is in group k mod G; 0: off)",
+        lambda x: 0 <= x <= 4,
+        "an integer in 0..4",
+    )
+
+
+@dataclass
+class FederationConfig:
+    num_clients: int = opt(4, "number of clients the data is partitioned into", _positive, "an integer >= 1")
+    clients_per_round: int = opt(0, "clients sampled each round (0: use client_fraction)", _nonneg, ">= 0")
+    client_fraction: float = opt(1.0, "fraction of clients sampled each round", _fraction, "in (0, 1]")
+    rounds: int = opt(5, "communication rounds", _positive, "an integer >= 1")
+    seed: int = opt(0, "seed for partitioning, sampling, initialization and training")
+    min_clients: int = opt(1, "a round with fewer valid updates is skipped", _positive, "an integer >= 1")
+    client_timeout_s: float = opt(
+        0.0, "a client running longer is dropped from the round (0: no limit)", _nonneg, ">= 0"
+    )
+    parallel: str = opt(
+        "auto",
+        "how launched processes share the work: clients (each trains its share of the "
+        "round's clients), data (all train one client at a time, each on part of every batch; "
+        "needed for DeepSpeed ZeRO) or auto (data under DeepSpeed, else clients)",
+        lambda x: x in ("auto", "clients", "data"),
+        "one of auto, clients, data",
+    )
+    catchup_window: int = opt(
+        8,
+        "merged updates (FLoRA, FLoRIST) the server keeps for clients that missed some: a client further "
+        "behind "
+        "downloads the whole merged residual instead of one catch-up of what it missed",
+        _positive,
+        "an integer >= 1",
+    )
+    weighting: str = opt(
+        "examples",
+        "each update's share of a round's average: examples (n_k over the round's clients, from the counts "
+        "the server registered: the partition, or each Flower site's handshake) or uniform (1/K: a site "
+        "cannot gain weight by registering more examples)",
+        lambda x: x in ("examples", "uniform"),
+        "one of examples, uniform",
+    )
+    max_client_weight: float = opt(
+        1.0,
+        "the largest share one client may have in a round's average (the excess goes to the others in "
+        "proportion; 1: no cap). Bounds what one site that registered many examples can do",
+        _fraction,
+        "in (0, 1]",
+    )
+    dropout: float = opt(
+        0.0,
+        "fraction of sampled clients that never report (system heterogeneity)",
+        lambda x: 0 <= x < 1,
+        "in [0, 1)",
+    )
+
+
+@dataclass
+class ClientConfig:
+    algorithm: str = opt("sft", "local training algorithm (one file each in fedllm/client/)")
+    lr: float = opt(3e-3, "AdamW learning rate of the local steps", _positive, "> 0")
+    sgd_lr: float = opt(
+        0.1,
+        "plain-SGD learning rate: SCAFFOLD's local steps, Per-FedAvg's outer step beta, "
+        "personalization, and sft/fedprox with client.optimizer=sgd. SGD needs a far larger step "
+        "than AdamW: on a real LLM's LoRA start near 30x client.lr and halve it while the loss "
+        "diverges",
+        _positive,
+        "> 0",
+    )
+    optimizer: str = opt(
+        "adamw",
+        "local optimizer of sft/fedprox (perfedavg always takes SGD steps)",
+        lambda x: x in ("adamw", "sgd"),
+        "one of adamw, sgd",
+    )
+    scaffold_optimizer: str = opt(
+        "sgd",
+        "SCAFFOLD's optimizer: sgd (the analysed setting) or adamw (the corrected "
+        "gradient through AdamW, as OpenFedLLM does)",
+        lambda x: x in ("adamw", "sgd"),
+        "one of adamw, sgd",
+    )
+    batch_size: int = opt(8, "micro-batch size", _positive, "an integer >= 1")
+    group_by_length: bool = opt(
+        False,
+        "batch examples of similar length together (HF Trainer's group_by_length: less padding, batch order "
+        "still shuffled and seeded); off by default, see the README's measurement",
+    )
+    grad_accum: int = opt(1, "micro-batches per optimizer step", _positive, "an integer >= 1")
+    local_steps: int = opt(150, "optimizer steps per round (0: use local_epochs)", _nonneg, ">= 0")
+    local_steps_per_client: list[int] = opt([], "per-client local steps, cycled (system heterogeneity)")
+    local_epochs: float = opt(1.0, "epochs per round when local_steps = 0", _positive, "> 0")
+    scheduler: str = opt(
+        "cosine",
+        "learning-rate schedule within a round",
+        lambda x: x in ("constant", "linear", "cosine"),
+        "one of constant, linear, cosine",
+    )
+    warmup_ratio: float = opt(0.0, "share of local steps spent warming up", lambda x: 0 <= x < 1, "in [0, 1)")
+    weight_decay: float = opt(0.0, "AdamW weight decay", _nonneg, ">= 0")
+    max_grad_norm: float = opt(1.0, "gradient clipping (0: off)", _nonneg, ">= 0")
+    mu: float = opt(0.01, "FedProx proximal coefficient", _nonneg, ">= 0")
+    perfedavg_variant: str = opt("fo", "Per-FedAvg variant", lambda x: x in ("fo", "hf"), "one of fo, hf")
+    perfedavg_alpha: float = opt(
+        0.0, "Per-FedAvg inner step size alpha (0: the same as client.sgd_lr)", _nonneg, ">= 0"
+    )
+    perfedavg_fd_delta: float = opt(
+        1e-3, "Per-FedAvg HF: the finite-difference step of the Hessian-vector product", _positive, "> 0"
+    )
+    perfedavg_clip_meta: bool = opt(
+        False,
+        "Per-FedAvg: clip the meta-gradient to client.max_grad_norm (the paper clips nothing; its inner and "
+        "personalization steps are never clipped)",
+    )
+    personalize_steps: int = opt(
+        1,
+        "plain-SGD steps (client.sgd_lr; Per-FedAvg: alpha) on a client's own data "
+        "for its personalized evaluation and export",
+        _nonneg,
+        ">= 0",
+    )
+
+
+@dataclass
+class EvalConfig:
+    benchmark: str = opt(
+        "auto",
+        "multiple-choice benchmark scored each evaluation: 'builtin', cais/mmlu, a local MMLU "
+        "copy, 'none' (held-out loss only), or 'auto' (builtin for the built-in data, else MMLU "
+        "when a copy can be loaded, else none)",
+    )
+    every: int = opt(
+        1,
+        "evaluate every N rounds (and always before round 1 and after the last)",
+        _positive,
+        "an integer >= 1",
+    )
+    shots: int = opt(0, "few-shot examples from the dev split", _nonneg, ">= 0")
+    limit: int = opt(0, "questions per subject (0: all)", _nonneg, ">= 0")
+    overflow: str = opt(
+        "truncate",
+        "a benchmark prompt longer than the model's context: cut its oldest tokens from the left, as "
+        "lm-evaluation-harness does (truncate), or drop whole shots from the end first (drop_shots)",
+        lambda x: x in ("truncate", "drop_shots"),
+        "one of truncate, drop_shots",
+    )
+    batch_size: int = opt(16, "questions per forward pass", _positive, "an integer >= 1")
+    subjects: list[str] = opt([], "subject subset (empty: all)")
+    personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")
+    personalized_clients: int = opt(
+        0,
+        "which clients personalized evaluation visits: 0 = each evaluation round's sampled clients, N = the "
+        "same seeded subset of N clients every time",
+        lambda x: x >= 0,
+        "an integer >= 0",
+    )
+
+
+@dataclass
+class OutputConfig:
+    dir: str = opt("", "run directory (empty: runs/<strategy>-<time>)")
+    log_with: list[str] = opt([], "accelerate trackers, e.g. tensorboard, wandb, mlflow")
+    save_every_round: bool = opt(True, "write a checkpoint after every round (needed for --resume)")
+    keep_checkpoints: int = opt(
+        2,
+        "checkpoints kept (the newest; 0: all). Each is a resume point and can be "
+        "exported with fedllm export --round N; two let a damaged newest one fall back",
+        _nonneg,
+        ">= 0",
+    )
+
+
+@dataclass
+class FlowerConfig:
+    registry: str = opt(
+        "",
+        "Flower: the operator's file of 'client-id: public key' lines (a SuperNode's OpenSSH .pub key, "
+        "inline or as a path); a node answers for an id only with that id's registered key (empty: "
+        "identities are claims, refused only while another live node holds the id)",
+    )
+    share_data_stats: bool = opt(
+        False,
+        "Flower: sites also send their category histogram and test-split size in the handshake (off: the "
+        "example count only, which weighting needs)",
+    )
+    share_losses: bool = opt(
+        True, "Flower: sites send their per-round training losses (logged by the server as train_loss)"
+    )
+    share_token_modules: bool = opt(
+        False,
+        "Flower: acknowledge that sharing token-indexed dense modules (embed_tokens, lm_head in "
+        "lora.trainable_modules) reveals which tokens each site's data holds; without it such a config is "
+        "refused on Flower",
+    )
+
+
+@dataclass
+class PrivacyConfig:
+    mode: str = opt(
+        "none",
+        "user-level differential privacy (DP-FedAvg): 'central' (clients clip, the server noises the sum: "
+        "fedit, ffa), 'local' (each client noises its own clipped update) or 'none'",
+        lambda x: x in ("none", "central", "local"),
+        "one of none, central, local",
+    )
+    clip_norm: float = opt(
+        1.0,
+        "L2 bound C of each client's update (everything it uploads, in the aggregation space)",
+        _positive,
+        "> 0",
+    )
+    noise_multiplier: float = opt(
+        1.0, "Gaussian noise standard deviation in units of clip_norm (see `fedllm privacy`)", _nonneg, ">= 0"
+    )
+    delta: float = opt(
+        0.0, "the delta of (epsilon, delta)-DP (0: 1 / num_clients^1.1)", lambda x: 0 <= x < 1, "in [0, 1)"
+    )
+    target_epsilon: float = opt(
+        0.0,
+        "refuse a run whose planned rounds would spend more than this epsilon (0: no limit)",
+        _nonneg,
+        ">= 0",
+    )
+    noise_seed: int = opt(
+        -1,
+        "-1: noise from the OS's randomness (the guarantee); >= 0: reproducible noise from this seed, for "
+        "experiments only (anyone who knows the seed can remove the noise)",
+        lambda x: x >= -1,
+        "an integer >= -1",
+    )
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    flower: FlowerConfig = field(default_factory=FlowerConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
