@@ -81,7 +81,7 @@ def layout_for(cfg: Config, accelerator, strategy: Strategy) -> Layout:
 
 
 def _check_deepspeed(cfg: Config, stage: int) -> None:
-    if cfg.client.algorithm != "sft":
+    if ALGORITHMS[cfg.client.algorithm].changes_gradients:
         raise ConfigError(
             f"client.algorithm = {cfg.client.algorithm} changes gradients between backward and step, which a "
             "DeepSpeed engine does in one call: use client.algorithm=sft under DeepSpeed, or a plain "

@@ -1,9 +1,20 @@
-"""The field helper every options section uses: a default with its help text and its valid range."""
+"""The vocabulary of options and rules, below every method and the config layer.
+
+A strategy, a client algorithm or a feature declares its own options next to its code, as peft's LoRA
+variants declare their configs: a dataclass whose fields are made with :func:`opt` (a default, the help
+text ``fedllm run --help-config`` prints, and a range check), named by the class attribute ``options``.
+The config layer (``fedllm/config/``) collects them under the method's name (``aggregation.floral.*``,
+``client.perfedavg.*``) and validates them; the method never imports the config layer.
+
+A :class:`Rule` is one refused combination and why, written against the methods' declared capabilities
+(class attributes such as ``Strategy.linear``), never against their names; ``fedllm/config/rules.py``
+holds the table and each feature adds its own.
+"""
 
 from __future__ import annotations
 
 import typing
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -15,13 +26,32 @@ def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = No
     return field(default=default, metadata=meta)
 
 
-def _positive(x: Any) -> bool:
+def one_of(*choices: str) -> tuple[typing.Callable[[Any], bool], str]:
+    """The check and the expectation of an enumerated option: ``opt(x, help, *one_of("a", "b"))``."""
+    return (lambda x: x in choices), "one of " + ", ".join(choices)
+
+
+def positive(x: Any) -> bool:
     return x > 0
 
 
-def _fraction(x: Any) -> bool:
+def fraction(x: Any) -> bool:
     return 0 < x <= 1
 
 
-def _nonneg(x: Any) -> bool:
+def nonneg(x: Any) -> bool:
     return x >= 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination the config layer refuses before any work starts.
+
+    ``applies(cfg, strategy, algorithm)`` gets the config and the registered classes of its strategy and
+    client algorithm; ``why(cfg, strategy, algorithm)`` is the one-line message (what to change).
+    ``name`` says what the rule protects, for the docs' table of rules.
+    """
+
+    name: str
+    applies: typing.Callable[[Any, type, type], bool]
+    why: typing.Callable[[Any, type, type], str]

@@ -235,6 +235,8 @@ class ClientHook:
 
     personalizes: ClassVar[bool] = False
     local_params: ClassVar[bool] = False
+    frozen: ClassVar[tuple[str, ...]] = ()  # factors its clients never train (FFA-LoRA: A)
+    uploads_statistics: ClassVar[bool] = False  # extras that are statistics of the data (FLoRAL's routers)
     uploads: ClassVar[tuple[str, ...]] = ("A", "B")  # the factors that travel (FedSA-LoRA: A alone)
     init_round: ClassVar[int | None] = None  # fresh factors from this round's seed, not the current one's
 
@@ -316,3 +318,27 @@ def decode_update(tensors: dict[str, Tensor], meta: dict) -> ClientUpdate:
         extras=unprefixed(tensors, "extras."),
         metrics=dict(meta["metrics"]),
     )
+
+
+# ---- a cross-cutting feature (fedllm/features.py lists them) ----------------------------------------------
+
+
+class Feature:
+    """A feature that touches every round (differential privacy, compressed transport), in a room of its own.
+
+    It owns a config section (``section``, its ``options`` dataclass), adds rules to the config layer's
+    table, and hooks the core only from the outside: the assembly lets it wrap the server's strategy
+    (as Flower's DP wrappers wrap a strategy), adjust the server's rules and sampling, and add transforms
+    of what a client uploads; the run's summary and round rows take what it reports. The server, the client
+    runtime and the round loop never ask which features are on.
+    """
+
+    section: ClassVar[str] = ""
+    options: ClassVar[type | None] = None
+
+    def rules(self) -> list:
+        """Refused combinations (``fedllm.options.Rule``), checked with the config layer's own."""
+        return []
+
+    def check_config(self, options, cfg) -> None:
+        """What this feature alone requires of a config (ValueError naming the key)."""

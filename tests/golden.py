@@ -34,27 +34,26 @@ COMMON = [
     "eval.personalized=false",
 ]
 
-# case name -> overrides in the keys of the config as it was when the fixture was made; ``translate``
-# (below) maps them onto the current keys
+# case name -> its overrides (besides COMMON)
 CASES: dict[str, list[str]] = {
     "fedit": ["aggregation.name=fedit"],
     "flora": ["aggregation.name=flora"],
     "flexlora": ["aggregation.name=flexlora"],
-    "florist": ["aggregation.name=florist", "aggregation.fixed_rank=3"],
+    "florist": ["aggregation.name=florist", "aggregation.florist.fixed_rank=3"],
     "floral": ["aggregation.name=floral", "lora.ranks=[4]"],
     "fedex": ["aggregation.name=fedex"],
     "hetlora": ["aggregation.name=hetlora"],
-    "hetlora_prune": ["aggregation.name=hetlora", "aggregation.hetlora_prune_gamma=0.5"],
-    "fedsa_share": ["aggregation.name=fedsa", "aggregation.fedsa_share_b_every=1"],
+    "hetlora_prune": ["aggregation.name=hetlora", "aggregation.hetlora.prune_gamma=0.5"],
+    "fedsa_share": ["aggregation.name=fedsa", "aggregation.fedsa.share_b_every=1"],
     "ffa": ["aggregation.name=ffa"],
     "local": ["aggregation.name=local"],
-    "fedit_fedprox": ["aggregation.name=fedit", "client.algorithm=fedprox", "client.mu=0.5"],
+    "fedit_fedprox": ["aggregation.name=fedit", "client.algorithm=fedprox", "client.fedprox.mu=0.5"],
     "fedit_scaffold": ["aggregation.name=fedit", "client.algorithm=scaffold"],
     "fedit_perfedavg_fo": ["aggregation.name=fedit", "client.algorithm=perfedavg"],
     "fedit_perfedavg_hf": [
         "aggregation.name=fedit",
         "client.algorithm=perfedavg",
-        "client.perfedavg_variant=hf",
+        "client.perfedavg.variant=hf",
     ],
     "floral_fedprox": ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=fedprox"],
     "fedit_dense": ["aggregation.name=fedit", "lora.trainable_modules=[lm_head]"],
@@ -81,11 +80,6 @@ CASES: dict[str, list[str]] = {
         "privacy.noise_seed=7",
     ],
 }
-
-
-def translate(overrides: list[str]) -> list[str]:
-    """The fixture's overrides in the current config's keys (identity until keys move)."""
-    return list(overrides)
 
 
 def random_base(folder: Path) -> Path:
@@ -125,7 +119,7 @@ def run_case(name: str, base: Path, run_dir: Path) -> dict[str, torch.Tensor]:
     from fedllm.simulation import Simulation
     from tests.conftest import adapter_updates
 
-    overrides = [f"model.name={base}", *COMMON, *translate(CASES[name]), f"output.dir={run_dir}"]
+    overrides = [f"model.name={base}", *COMMON, *CASES[name], f"output.dir={run_dir}"]
     sim = Simulation(load_config(None, overrides), run_dir)
     sim.setup()
     sim.run()

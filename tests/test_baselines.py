@@ -275,8 +275,8 @@ def test_hetlora_self_pruning_run_shrinks_ranks(tmp_path, builtin_base):
         tiny_overrides(
             tmp_path / "r",
             "aggregation.name=hetlora",
-            "aggregation.hetlora_prune_gamma=0.5",
-            "aggregation.hetlora_prune_lambda=1.0",
+            "aggregation.hetlora.prune_gamma=0.5",
+            "aggregation.hetlora.prune_lambda=1.0",
             "federation.rounds=4",
             "lora.trainable_modules=[]",
         ),

@@ -20,16 +20,16 @@ def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("federation:\n  rounds: 7\nlora:\n  ranks: [2, 4]\naggregation:\n  name: florist\n")
     cfg = load_config(
-        path, ["federation.rounds=3", "aggregation.tau=0.8", "client.lr=1e-4", "lora.ranks=[8,8,4]"]
+        path, ["federation.rounds=3", "aggregation.florist.tau=0.8", "client.lr=1e-4", "lora.ranks=[8,8,4]"]
     )
     assert cfg.federation.rounds == 3
-    assert cfg.aggregation.name == "florist" and cfg.aggregation.tau == 0.8
+    assert cfg.aggregation.name == "florist" and cfg.aggregation.florist.tau == 0.8
     assert cfg.client.lr == pytest.approx(1e-4)
     assert cfg.lora.ranks == [8, 8, 4]
 
 
 def test_int_is_accepted_for_float():
-    assert load_config(None, ["aggregation.tau=1"]).aggregation.tau == 1.0
+    assert load_config(None, ["aggregation.florist.tau=1"]).aggregation.florist.tau == 1.0
 
 
 @pytest.mark.parametrize(
@@ -41,9 +41,9 @@ def test_int_is_accepted_for_float():
             "aggregation.name=fedsgd",
             r"aggregation.name = 'fedsgd' is unknown; valid choices: .*fedit.*flexlora",
         ),
-        ("aggregation.tau=0", r"aggregation.tau = 0.0 is invalid: expected in \(0, 1\]"),
-        ("aggregation.tau=1.5", r"aggregation.tau"),
-        ("aggregation.fixed_rank=-1", r"aggregation.fixed_rank"),
+        ("aggregation.florist.tau=0", r"aggregation.florist.tau = 0.0 is invalid: expected in \(0, 1\]"),
+        ("aggregation.florist.tau=1.5", r"aggregation.florist.tau"),
+        ("aggregation.florist.fixed_rank=-1", r"aggregation.florist.fixed_rank"),
         ("lora.ranks=[4,0]", r"lora.ranks: rank 0 is invalid"),
         ("lora.ranks=[-2]", r"lora.ranks: rank -2"),
         ("federation.rounds=0", r"federation.rounds = 0 is invalid"),
@@ -102,3 +102,52 @@ def test_every_shipped_experiment_config_loads(name):
     """Every experiment YAML in configs/ passes the config checks (paths are checked when a run starts)."""
     cfg = load_config(str(Path(__file__).resolve().parent.parent / "configs" / name), [])
     assert cfg.federation.num_clients >= 1
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("aggregation.tau=0.8", "aggregation.florist.tau"),
+        ("aggregation.router_lr=0.1", "aggregation.floral.router_lr"),
+        ("aggregation.hetlora_prune_gamma=0.5", "aggregation.hetlora.prune_gamma"),
+        ("aggregation.flexlora_split=sqrt", "aggregation.flexlora.split"),
+        ("client.mu=0.1", "client.fedprox.mu"),
+        ("client.scaffold_optimizer=adamw", "client.scaffold.optimizer"),
+        ("client.perfedavg_variant=hf", "client.perfedavg.variant"),
+    ],
+)
+def test_an_old_flat_key_is_refused_with_the_key_that_replaced_it(old, new):
+    with pytest.raises(ConfigError, match=f"is now '{new}'"):
+        load_config(None, [old])
+
+
+def test_a_methods_options_live_under_its_name_in_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("aggregation:\n  name: floral\n  floral:\n    num_adaptors: 3\nlora:\n  ranks: [4]\n")
+    cfg = load_config(path, ["aggregation.floral.router_lr=0.5", "client.perfedavg.alpha=0.01"])
+    assert cfg.aggregation.floral.num_adaptors == 3 and cfg.aggregation.floral.router_lr == 0.5
+    assert cfg.client.perfedavg.alpha == 0.01
+    with pytest.raises(ConfigError, match=r"aggregation.floral.router_lr = 0.0 is invalid: expected > 0"):
+        load_config(path, ["aggregation.floral.router_lr=0"])
+    with pytest.raises(ConfigError, match="unknown config key 'aggregation.floral.nope'"):
+        load_config(path, ["aggregation.floral.nope=1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("aggregation:\n  floral: 3\n")
+    with pytest.raises(ConfigError, match="'aggregation.floral' must be a section"):
+        load_config(bad)
+    from fedllm.config import config_from_text, config_to_text
+
+    assert config_from_text(config_to_text(cfg)) == cfg  # the resolved config reads back as it was
+
+
+def test_each_strategy_and_algorithm_declares_its_options_in_its_own_file():
+    import inspect
+
+    from fedllm.aggregation import STRATEGIES
+    from fedllm.client import ALGORITHMS
+
+    for cls in [*STRATEGIES.values(), *ALGORITHMS.values()]:
+        if cls.options is not None:
+            assert inspect.getmodule(cls.options) is inspect.getmodule(cls), cls.name
+    assert "aggregation.floral.num_adaptors" in valid_keys()
+    assert not any(k.startswith(("aggregation.router", "client.perfedavg_")) for k in valid_keys())

@@ -19,9 +19,15 @@ from tests.pretend_device import DeviceMix, PretendDevice, on_cpu, pretend_accel
 
 CASES = (
     [(a, "fedit", []) for a in sorted(ALGORITHMS)]
-    + [("perfedavg", "fedit", ["client.perfedavg_variant=hf"])]
+    + [("perfedavg", "fedit", ["client.perfedavg.variant=hf"])]
     + [("sft", s, []) for s in sorted(STRATEGIES) if s != "fedit"]
-    + [("fedprox", "floral", ["aggregation.bias_adaptors=true", "aggregation.precondition_eps=1e-5"])]
+    + [
+        (
+            "fedprox",
+            "floral",
+            ["aggregation.floral.bias_adaptors=true", "aggregation.floral.precondition_eps=1e-5"],
+        )
+    ]
 )
 
 

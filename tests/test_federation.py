@@ -131,4 +131,4 @@ def test_cli_record_without_fields(tmp_path):
 
 def test_help_config_lists_options():
     out = cli("run", "--help-config")
-    assert out.returncode == 0 and "aggregation.tau" in out.stdout and "energy fraction" in out.stdout
+    assert out.returncode == 0 and "aggregation.florist.tau" in out.stdout and "energy fraction" in out.stdout

@@ -181,10 +181,14 @@ def test_floral_needs_one_rank_and_refuses_perfedavg():
     with pytest.raises(ConfigError, match="floral mixes C adaptors of one rank"):
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4,8]"])
     with pytest.raises(
-        ConfigError, match="client.algorithm = perfedavg cannot run with aggregation.name = floral"
+        ConfigError,
+        match="client.algorithm = perfedavg with aggregation.name = floral: the algorithm.s objective",
     ):
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=perfedavg"])
-    with pytest.raises(ConfigError, match="scaffold keeps its control variate as sum_k p_k c_k"):
+    with pytest.raises(
+        ConfigError,
+        match="scaffold with aggregation.name = floral: the algorithm keeps its server state as sum_k p_k c_k",
+    ):
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=scaffold"])
 
 
@@ -195,7 +199,7 @@ def floral_run(tmp_path, *extra, hook=None):
             tmp_path / "r",
             "aggregation.name=floral",
             "lora.ranks=[4]",
-            "aggregation.num_adaptors=2",
+            "aggregation.floral.num_adaptors=2",
             "data.client_test_fraction=0.3",
             "client.local_steps=3",
             *extra,
@@ -220,7 +224,9 @@ def test_routers_stay_local_and_follow_statefulness(tmp_path, monkeypatch, state
     monkeypatch.setattr(MixtureSession, "__init__", spy)
     uploads = []
     fed = floral_run(
-        tmp_path, f"aggregation.stateful_routers={stateful}", hook=lambda r, k, u: uploads.append(u) or u
+        tmp_path,
+        f"aggregation.floral.stateful_routers={stateful}",
+        hook=lambda r, k, u: uploads.append(u) or u,
     )
     modules = set(uploads[0].factors)
     for u in uploads:  # no router parameter travels: only the probabilities it gives each module
@@ -257,7 +263,10 @@ def test_nothing_router_shaped_is_uploaded_or_corrected_by_any_algorithm(tmp_pat
     """
     uploads = []
     fed = floral_run(
-        tmp_path, f"client.algorithm={algorithm}", "client.mu=10", hook=lambda r, k, u: uploads.append(u) or u
+        tmp_path,
+        f"client.algorithm={algorithm}",
+        "client.fedprox.mu=10",
+        hook=lambda r, k, u: uploads.append(u) or u,
     )
     for u in uploads:
         assert all(k.startswith(("router_probs.", "dc.")) for k in u.extras), sorted(u.extras)
@@ -296,8 +305,8 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
     uploads = []
     fed = floral_run(
         tmp_path,
-        "aggregation.bias_adaptors=true",
-        "aggregation.router_lr=0.5",
+        "aggregation.floral.bias_adaptors=true",
+        "aggregation.floral.router_lr=0.5",
         hook=lambda r, k, u: uploads.append(u) or u,
     )
     biases = {k: v for k, v in fed.server.state.extras.items() if k.startswith("bias.")}
@@ -323,9 +332,9 @@ def test_personalized_export_matches_mixture(tmp_path):
             tmp_path / "r",
             "aggregation.name=floral",
             "lora.ranks=[2]",
-            "aggregation.num_adaptors=3",
+            "aggregation.floral.num_adaptors=3",
             "client.local_steps=3",
-            "aggregation.router_lr=0.5",
+            "aggregation.floral.router_lr=0.5",
         ),
     )
     fed = Simulation(cfg, tmp_path / "r")

@@ -65,11 +65,11 @@ def plain(tmp_path_factory, builtin_base):
     "extra",
     [
         ["client.algorithm=scaffold"],
-        ["client.algorithm=perfedavg", "client.perfedavg_variant=hf"],
+        ["client.algorithm=perfedavg", "client.perfedavg.variant=hf"],
         [
             "aggregation.name=floral",
             "lora.ranks=[4]",
-            "aggregation.bias_adaptors=true",
+            "aggregation.floral.bias_adaptors=true",
             "eval.personalized=true",
         ],
     ],

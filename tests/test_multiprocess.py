@@ -62,7 +62,7 @@ def run_files(run_dir) -> list[str]:
 # order 1e-7 (kernels differ with memory layout and machine) can keep another rank, after which the runs
 # part ways. The layout equivalence is therefore checked on its continuous variant (a fixed rank); the
 # energy threshold itself is unit-tested in test_aggregation.py.
-LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.fixed_rank=4"]}
+LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.florist.fixed_rank=4"]}
 
 
 # FedIT (parameter averaging) and FLoRIST (an SVD over the gathered updates) in the default run; the rest slow

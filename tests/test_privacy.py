@@ -218,8 +218,11 @@ def test_ffa_run_sends_b_only_and_never_changes_a(tmp_path, builtin_base):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["aggregation.name=flora"], "privacy.mode=central needs a strategy whose aggregate is a sum"),
-        (["client.algorithm=scaffold"], "scaffold uploads control-variate changes without noise"),
+        (
+            ["aggregation.name=flora"],
+            "privacy.mode=central needs a strategy whose aggregate is a weighted sum",
+        ),
+        (["client.algorithm=scaffold"], "scaffold uploads tensors beside the model update"),
         (["federation.dropout=0.1"], "federation.dropout > 0 changes the sampling"),
         (["aggregation.robust=median"], "aggregation.robust is data-dependent"),
         (

@@ -51,7 +51,7 @@ def test_every_strategy_runs_at_tinyllama_shape(tmp_path, one_layer, strategy):
             "eval.personalized=false",
             "federation.rounds=1",
             # FedSA-LoRA: clients share B this round, so the global model has one (else it is the base)
-            *(["aggregation.fedsa_share_b_every=1"] if strategy == "fedsa" else []),
+            *(["aggregation.fedsa.share_b_every=1"] if strategy == "fedsa" else []),
         ],
     )
     model, vocab = one_layer["model"], one_layer["model"].config.vocab_size

@@ -12,6 +12,7 @@ declared in its own file; the client runtime runs it.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,9 +72,13 @@ class Strategy(abc.ABC):
     averages_parameters: ClassVar[bool] = True
     supports_robust: ClassVar[bool] = False  # a plain average, which aggregation.robust can replace
     same_weights: ClassVar[bool] = True  # every parameter of an update is averaged with the same p_k
+    # its new global factors are a weighted sum of the uploaded ones (what central DP's noisy sum needs)
+    linear: ClassVar[bool] = False
     robust: str = "none"  # aggregation.robust: none, median or trimmed_mean (set by strategy_from_config)
     trim_fraction: float = 0.1
     hook: ClassVar[type[ClientHook]] = ClientHook  # the client side (plain LoRA unless a strategy says else)
+    # its own options (a dataclass of fedllm.options.opt fields), collected as aggregation.<name>.*
+    options: ClassVar[type | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -83,10 +88,13 @@ class Strategy(abc.ABC):
             )
         if cls.name in STRATEGIES:
             raise TypeError(f"strategy name {cls.name!r} is registered twice")
+        if cls.options is not None and not dataclasses.is_dataclass(cls.options):
+            raise TypeError(f"strategy {cls.name}: options must be a dataclass, got {cls.options!r}")
         STRATEGIES[cls.name] = cls
 
     @classmethod
-    def from_config(cls, agg) -> Strategy:
+    def from_options(cls, options) -> Strategy:
+        """The strategy with its own options (an instance of :attr:`options`, or None when it has none)."""
         return cls()
 
     @classmethod
@@ -186,6 +194,7 @@ def leading_factors(state: GlobalState, rank: int, scale: float) -> Adapter | No
 
 
 def strategy_from_config(agg) -> Strategy:
-    strategy = STRATEGIES[agg.name].from_config(agg)
+    """The strategy ``aggregation.name`` names, built from its own options (``aggregation.<name>.*``)."""
+    strategy = STRATEGIES[agg.name].from_options(getattr(agg, agg.name, None))
     strategy.robust, strategy.trim_fraction = agg.robust, agg.trim_fraction
     return strategy

@@ -23,6 +23,7 @@ class FedIT(Strategy):
 
     name = "fedit"
     supports_robust = True
+    linear = True  # the new A and B are weighted sums of the clients': central DP can noise those sums
 
     def aggregate_factors(
         self, updates: list[ClientUpdate], weights: list[float], state: GlobalState

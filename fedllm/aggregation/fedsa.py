@@ -10,7 +10,7 @@ personalized accuracy (their own B on the global A).
 
 There is no single global model. A global figure (the server's benchmark and
 held-out loss, the "global" column of the personalized evaluation) needs some
-B: with ``aggregation.fedsa_share_b_every = N`` the sampled clients also upload
+B: with ``aggregation.fedsa.share_b_every = N`` the sampled clients also upload
 their B every N-th round (counted in the ledger) and the global model is the
 global A with the mean of those B's (example-weighted, as A); with 0 (the
 default, the paper's protocol) nothing but A ever leaves a client and the
@@ -22,6 +22,7 @@ client the leading ``r_k`` rows of A_bar).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
 from fedllm.factors import Adapter, LoraFactors, lora_modules, unprefixed
+from fedllm.options import opt
 from fedllm.protocol import ClientHook, HookSession
 from fedllm.server.trust import ClientFailure, as_float32
 
@@ -36,6 +38,17 @@ B_OWN = "B."  # a client's own B per module, in its state
 B_MEAN = "B_mean."  # the mean of the shared B's, downloaded (strategy extras)
 B_SHARED = "B_shared."  # a client's B, uploaded on sharing rounds
 SHARE = "share_b"  # downloaded flag: upload B this round
+
+
+@dataclass
+class FedSAOptions:
+    share_b_every: int = opt(
+        0,
+        "clients also upload their B every N-th round, and the global model is the global A with their mean "
+        "B (0: B never leaves a client, the paper's protocol; the global model is then the base)",
+        lambda x: x >= 0,
+        "an integer >= 0",
+    )
 
 
 class FedSASession(HookSession):
@@ -105,6 +118,7 @@ class FedSALoRA(Strategy):
     name = "fedsa"
     hook = FedSAClient
     averages_parameters = False  # B is never averaged: algorithms that pull every parameter do not apply
+    options = FedSAOptions
 
     def __init__(self, share_b_every: int = 0) -> None:
         if share_b_every < 0:
@@ -112,8 +126,8 @@ class FedSALoRA(Strategy):
         self.share_b_every = share_b_every
 
     @classmethod
-    def from_config(cls, agg) -> FedSALoRA:
-        return cls(share_b_every=agg.fedsa_share_b_every)
+    def from_options(cls, options: FedSAOptions) -> FedSALoRA:
+        return cls(share_b_every=options.share_b_every)
 
     def _sharing(self, state: GlobalState) -> bool:
         """Whether the next round is a sharing round (rounds counted by the state itself)."""

@@ -47,6 +47,7 @@ class FFAClient(ClientHook):
     an empty ``0 x in``); uploads B only."""
 
     uploads: ClassVar[tuple[str, ...]] = ("B",)
+    frozen: ClassVar[tuple[str, ...]] = ("A",)
     init_round: ClassVar[int | None] = 1  # "fresh" is always round 1's init: the leading rows of the frozen A
 
     def start_factors(self, download: Adapter | None, fresh: Adapter) -> Adapter:
@@ -64,11 +65,7 @@ class FFALoRA(Strategy):
 
     name = "ffa"
     hook = FFAClient
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        if cfg.client.algorithm == "scaffold":
-            raise ValueError("aggregation.name=ffa: SCAFFOLD's control variates would cover the frozen A")
+    linear = True  # the new B is the weighted sum of the clients' B: central DP can noise that sum
 
     def initial_factors(self, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
         return init_factors(modules, rank, 1.0, seed)

@@ -9,9 +9,22 @@ factors and an SVD of a small R x R core (R = sum of ranks), which is exact.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
 from fedllm.factors import Adapter
 from fedllm.lowrank import low_rank_svd, stack, svd_factors
+from fedllm.options import one_of, opt
+
+
+@dataclass
+class FlexLoRAOptions:
+    split: str = opt(
+        "us",
+        "how a client's truncated SVD U S V^T is split into its factors: 'us' (B = U S, A = V^T, as the "
+        "reference) or 'sqrt' (B = U sqrt(S), A = sqrt(S) V^T)",
+        *one_of("us", "sqrt"),
+    )
 
 
 class FlexLoRA(Strategy):
@@ -26,6 +39,7 @@ class FlexLoRA(Strategy):
 
     name = "flexlora"
     averages_parameters = False
+    options = FlexLoRAOptions
 
     def __init__(self, split: str = "us") -> None:
         if split not in ("us", "sqrt"):
@@ -33,8 +47,8 @@ class FlexLoRA(Strategy):
         self.split = split
 
     @classmethod
-    def from_config(cls, agg) -> FlexLoRA:
-        return cls(split=agg.flexlora_split)
+    def from_options(cls, options: FlexLoRAOptions) -> FlexLoRA:
+        return cls(split=options.split)
 
     def aggregate_factors(
         self, updates: list[ClientUpdate], weights: list[float], state: GlobalState

@@ -16,6 +16,7 @@ C = 1 this is FedIT.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +26,44 @@ from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Stra
 from fedllm.aggregation.floral_mixture import MixtureOptions, MixtureSession
 from fedllm.factors import Adapter, LoraFactors, unprefixed
 from fedllm.lowrank import weighted_mean
+from fedllm.options import nonneg, one_of, opt, positive
 from fedllm.protocol import ClientHook
 from fedllm.server.trust import ClientFailure, Expected, as_float32
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class FloralOptions:
+    num_adaptors: int = opt(2, "adaptors C per target module", positive, "an integer >= 1")
+    router_temperature: float = opt(1.0, "softmax temperature of the router", positive, "> 0")
+    router_lr: float = opt(1e-2, "learning rate of the router logits", positive, "> 0")
+    router_noise: float = opt(
+        1.0,
+        "scale of the noise added to the router logits while training (the reference's: 1.0)",
+        nonneg,
+        ">= 0",
+    )
+    router_noise_dist: str = opt(
+        "uniform",
+        "the router noise's distribution: uniform (U[0, 1), the reference's) or gaussian (N(0, 1))",
+        *one_of("uniform", "gaussian"),
+    )
+    router_granularity: str = opt(
+        "client",
+        "one router per client (the reference's default), per transformer block, or per target module (the "
+        "reference's per-layer routers)",
+        *one_of("client", "block", "module"),
+    )
+    router_server_temperature: bool = opt(
+        False,
+        "the server weights adaptors by softmax(logits / router_temperature) instead of softmax(logits) (the "
+        "reference's server ignores the temperature)",
+    )
+    stateful_routers: bool = opt(True, "keep routers across rounds (else re-learn each round)")
+    precondition_eps: float = opt(0.0, "LoRA preconditioning epsilon (0: off)", nonneg, ">= 0")
+    bias_adaptors: bool = opt(False, "also C bias adaptors per target module, mixed by the router")
+
 
 PROBS = "router_probs."
 BIAS = "bias."
@@ -55,6 +90,7 @@ class FloralClient(ClientHook):
 
     personalizes = True
     local_params = True
+    uploads_statistics = True  # its router probabilities
 
     def __init__(self, options: MixtureOptions) -> None:
         self.options = options
@@ -78,6 +114,7 @@ class FLoRAL(Strategy):
     name = "floral"
     hook = FloralClient
     same_weights = False  # adaptor c of client k weighs p(k|c), its router's share of c
+    options = FloralOptions
 
     def __init__(self, num_adaptors: int = 2, **router: Any) -> None:
         """``router``: the clients' :class:`~fedllm.aggregation.floral_mixture.MixtureOptions` (but
@@ -88,18 +125,18 @@ class FLoRAL(Strategy):
         self.num_adaptors = num_adaptors
 
     @classmethod
-    def from_config(cls, agg) -> FLoRAL:
+    def from_options(cls, o: FloralOptions) -> FLoRAL:
         return cls(
-            num_adaptors=agg.num_adaptors,
-            temperature=agg.router_temperature,
-            noise=agg.router_noise,
-            noise_dist=agg.router_noise_dist,
-            granularity=agg.router_granularity,
-            server_temperature=agg.router_server_temperature,
-            stateful=agg.stateful_routers,
-            router_lr=agg.router_lr,
-            precondition_eps=agg.precondition_eps,
-            bias=agg.bias_adaptors,
+            num_adaptors=o.num_adaptors,
+            temperature=o.router_temperature,
+            noise=o.router_noise,
+            noise_dist=o.router_noise_dist,
+            granularity=o.router_granularity,
+            server_temperature=o.router_server_temperature,
+            stateful=o.stateful_routers,
+            router_lr=o.router_lr,
+            precondition_eps=o.precondition_eps,
+            bias=o.bias_adaptors,
         )
 
     @classmethod

@@ -11,9 +11,23 @@ base, so the download grows with ``p`` instead of the sum of ranks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
 from fedllm.factors import Adapter
 from fedllm.lowrank import add_to_residual, energy_rank, low_rank_svd, stack, svd_factors
+from fedllm.options import fraction, nonneg, opt
+
+
+@dataclass
+class FloristOptions:
+    tau: float = opt(0.9, "energy fraction of singular values kept", fraction, "in (0, 1]")
+    fixed_rank: int = opt(
+        0,
+        "keep exactly this rank instead of using tau (0: use tau)",
+        nonneg,
+        "an integer >= 1, or 0 to use tau",
+    )
 
 
 class FLoRIST(Strategy):
@@ -26,6 +40,7 @@ class FLoRIST(Strategy):
     name = "florist"
     merges_into_base = True
     averages_parameters = False
+    options = FloristOptions
 
     def __init__(self, tau: float = 0.9, fixed_rank: int = 0) -> None:
         if not 0 < tau <= 1:
@@ -35,8 +50,8 @@ class FLoRIST(Strategy):
         self.tau, self.fixed_rank = tau, fixed_rank
 
     @classmethod
-    def from_config(cls, agg) -> FLoRIST:
-        return cls(tau=agg.tau, fixed_rank=agg.fixed_rank)
+    def from_options(cls, options: FloristOptions) -> FLoRIST:
+        return cls(tau=options.tau, fixed_rank=options.fixed_rank)
 
     def aggregate_factors(
         self, updates: list[ClientUpdate], weights: list[float], state: GlobalState

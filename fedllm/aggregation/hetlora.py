@@ -14,10 +14,10 @@ are computed after the server's norm clipping (``aggregation.clip_norm_ratio``)
 has bounded every update: a client cannot buy a larger share with a larger
 update than the clip allows.
 
-Local rank self-pruning (the paper's Section 3.2, ``aggregation.hetlora_prune_gamma``
+Local rank self-pruning (the paper's Section 3.2, ``aggregation.hetlora.prune_gamma``
 = gamma > 0): each client adds ``lambda * ||s B_tail A_tail||_F`` per module to
 its local objective, where the tail is its components ``floor(gamma r')..r'``
-of its current rank ``r'`` (``aggregation.hetlora_prune_lambda``). When the
+of its current rank ``r'`` (``aggregation.hetlora.prune_lambda``). When the
 tail's norm after local training is smaller than it was after the client's
 previous round, the client prunes it: ``r' <- max(1, floor(gamma r'))`` for
 its later rounds (kept in its state; components beyond ``r'`` are zero in
@@ -34,6 +34,7 @@ row, counted from the updates themselves).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +43,23 @@ from torch import Tensor
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
 from fedllm.factors import Adapter, LoraFactors, lora_modules
 from fedllm.lowrank import low_rank_svd, pad_rank
+from fedllm.options import nonneg, opt
 from fedllm.protocol import ClientHook, HookSession
+
+
+@dataclass
+class HetLoRAOptions:
+    prune_gamma: float = opt(
+        0.0,
+        "local rank self-pruning's decay factor gamma (a client whose last components' norm fell keeps "
+        "floor(gamma r) of them; 0: off, every client keeps its rank)",
+        lambda x: x == 0 or 0 < x < 1,
+        "0 (off) or in (0, 1)",
+    )
+    prune_lambda: float = opt(
+        0.01, "weight of the norm penalty on the components self-pruning may drop", nonneg, ">= 0"
+    )
+
 
 RANK, TAIL = "rank", "tail_norm"  # a pruning client's state: its current rank, its tail's norm last round
 
@@ -167,17 +184,18 @@ class HetLoRA(Strategy):
 
     name = "hetlora"
     same_weights = False  # each module has its own shares (SCAFFOLD's one weight per client does not hold)
+    options = HetLoRAOptions
 
     def __init__(self, prune_gamma: float = 0.0, prune_lambda: float = 0.0) -> None:
         if not 0.0 <= prune_gamma < 1.0:
             raise ValueError(
-                f"aggregation.hetlora_prune_gamma = {prune_gamma}: expected 0 (off) or in (0, 1)"
+                f"aggregation.hetlora.prune_gamma = {prune_gamma}: expected 0 (off) or in (0, 1)"
             )
         self.prune_gamma, self.prune_lambda = prune_gamma, prune_lambda
 
     @classmethod
-    def from_config(cls, agg) -> HetLoRA:
-        return cls(prune_gamma=agg.hetlora_prune_gamma, prune_lambda=agg.hetlora_prune_lambda)
+    def from_options(cls, options: HetLoRAOptions) -> HetLoRA:
+        return cls(prune_gamma=options.prune_gamma, prune_lambda=options.prune_lambda)
 
     def client_hook(self) -> ClientHook:
         if self.prune_gamma > 0:

@@ -137,6 +137,12 @@ class ClientAlgorithm(abc.ABC):
     trains_local_params: ClassVar[bool] = (
         True  # can train client-only parameters beside its own (FLoRAL routers)
     )
+    # the server half keeps state for every trainable tensor (SCAFFOLD's c): every one must be trained
+    server_state_per_parameter: ClassVar[bool] = False
+    uploads_extras: ClassVar[bool] = False  # it uploads tensors beside the model update (control variates)
+    changes_gradients: ClassVar[bool] = True  # it changes gradients between backward and step
+    # its own options (a dataclass of fedllm.options.opt fields), collected as client.<name>.*
+    options: ClassVar[type | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -153,7 +159,14 @@ class ClientAlgorithm(abc.ABC):
 
     @classmethod
     def from_config(cls, client_cfg) -> ClientAlgorithm:
+        """The algorithm from the client section: its general settings, and its own options under
+        ``client_cfg.<name>`` (an instance of :attr:`options`)."""
         return cls(optimizer=client_cfg.optimizer)
+
+    @classmethod
+    def own_options(cls, client_cfg):
+        """This algorithm's own options in the client section (None when it declares none)."""
+        return getattr(client_cfg, cls.name, None) if cls.options is not None else None
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -8,11 +8,18 @@ the trainable LoRA (and dense) parameters; its gradient adds
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fedllm.client.base import ClientAlgorithm, Params, accumulate
+from fedllm.options import nonneg, opt
+
+
+@dataclass
+class FedProxOptions:
+    mu: float = opt(0.01, "the proximal coefficient mu (0: plain SFT)", nonneg, ">= 0")
 
 
 class FedProx(ClientAlgorithm):
@@ -22,6 +29,7 @@ class FedProx(ClientAlgorithm):
     """
 
     name = "fedprox"
+    options = FedProxOptions
 
     def __init__(self, mu: float = 0.01, optimizer: str = "adamw") -> None:
         super().__init__(optimizer)
@@ -30,7 +38,7 @@ class FedProx(ClientAlgorithm):
 
     @classmethod
     def from_config(cls, client_cfg) -> FedProx:
-        return cls(mu=client_cfg.mu, optimizer=client_cfg.optimizer)
+        return cls(mu=cls.own_options(client_cfg).mu, optimizer=client_cfg.optimizer)
 
     def begin(self, params: Params, state: dict[str, Any], download: dict) -> None:
         self.anchor = {k: p.detach().clone() for k, p in params.items()}

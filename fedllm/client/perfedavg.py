@@ -13,23 +13,39 @@ local step draws three batches D, D', D'':
   the quotient would measure the masks' difference instead of the curvature.
 
 Steps are plain SGD: ``beta`` is ``client.sgd_lr`` and ``alpha`` is
-``client.perfedavg_alpha`` (default: ``beta``). Every gradient averages
+``client.perfedavg.alpha`` (default: ``beta``). Every gradient averages
 ``client.grad_accum`` micro-batches. Personalization = the global model plus
 one (or k) steps of size alpha on the client's own data, which is what the
 objective trains it to be good for. As in the paper nothing is clipped: not
 the inner step, not the personalization step (the same alpha step the
 meta-objective trained for), and not the meta-gradient unless
-``client.perfedavg_clip_meta`` asks for it.
+``client.perfedavg.clip_meta`` asks for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from fedllm.client.base import ClientAlgorithm, Params, accumulate
+from fedllm.options import nonneg, one_of, opt, positive
+
+
+@dataclass
+class PerFedAvgOptions:
+    variant: str = opt("fo", "first-order (fo) or Hessian-free (hf) meta-gradient", *one_of("fo", "hf"))
+    alpha: float = opt(0.0, "the inner step size alpha (0: the same as client.sgd_lr)", nonneg, ">= 0")
+    fd_delta: float = opt(
+        1e-3, "HF: the finite-difference step of the Hessian-vector product", positive, "> 0"
+    )
+    clip_meta: bool = opt(
+        False,
+        "clip the meta-gradient to client.max_grad_norm (the paper clips nothing; its inner and "
+        "personalization steps are never clipped)",
+    )
 
 
 def _rng_state() -> tuple:
@@ -49,24 +65,21 @@ class PerFedAvg(ClientAlgorithm):
     """
 
     name = "perfedavg"
+    options = PerFedAvgOptions
     trains_local_params = False  # the meta-objective is over the shared parameters only (no FLoRAL routers)
 
     def __init__(
         self, alpha: float = 0.0, variant: str = "fo", fd_delta: float = 1e-3, clip_meta: bool = False
     ) -> None:
         if variant not in ("fo", "hf"):
-            raise ValueError(f"client.perfedavg_variant = {variant!r}: expected fo or hf")
+            raise ValueError(f"client.perfedavg.variant = {variant!r}: expected fo or hf")
         super().__init__("sgd")
         self.alpha, self.variant, self.fd_delta, self.clip_meta = alpha, variant, fd_delta, clip_meta
 
     @classmethod
     def from_config(cls, client_cfg) -> PerFedAvg:
-        return cls(
-            alpha=client_cfg.perfedavg_alpha,
-            variant=client_cfg.perfedavg_variant,
-            fd_delta=client_cfg.perfedavg_fd_delta,
-            clip_meta=client_cfg.perfedavg_clip_meta,
-        )
+        o = cls.own_options(client_cfg)
+        return cls(alpha=o.alpha, variant=o.variant, fd_delta=o.fd_delta, clip_meta=o.clip_meta)
 
     def inner_lr(self, plan) -> float:
         return self.alpha or plan.sgd_lr
@@ -75,7 +88,7 @@ class PerFedAvg(ClientAlgorithm):
         return self.inner_lr(plan)  # the inner step the meta-objective trained for
 
     def step_clip(self, plan) -> float:
-        """The meta-gradient is clipped only with ``client.perfedavg_clip_meta`` (the paper clips nothing)."""
+        """The meta-gradient is clipped only with ``client.perfedavg.clip_meta`` (the paper clips nothing)."""
         return plan.max_grad_norm if self.clip_meta else 0.0
 
     def personal_clip(self, plan) -> float:

@@ -17,20 +17,32 @@ does, would converge to the minimizer of ``(1/N) sum f_k`` instead.) Controls
 of clients with smaller ranks are the leading rows/columns of the server's
 (largest-rank) control, as with FedIT's zero-padding.
 
-With ``client.scaffold_optimizer=adamw`` the corrected gradient goes through
+With ``client.scaffold.optimizer=adamw`` the corrected gradient goes through
 AdamW instead of SGD, as OpenFedLLM does: a practical variant outside the
 analysis (``sum_t eta_t`` then only approximates the step taken).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from fedllm.client.base import ClientAlgorithm, Params, accumulate
+from fedllm.options import one_of, opt
 from fedllm.protocol import AlgorithmServer
+
+
+@dataclass
+class ScaffoldOptions:
+    optimizer: str = opt(
+        "sgd",
+        "SCAFFOLD's optimizer: sgd (the analysed setting) or adamw (the corrected gradient through AdamW, as "
+        "OpenFedLLM does)",
+        *one_of("sgd", "adamw"),
+    )
 
 
 def _at_rank(name: str, shape: torch.Size, rank: int) -> torch.Size:
@@ -124,6 +136,9 @@ class Scaffold(ClientAlgorithm):
 
     name = "scaffold"
     server_half = ScaffoldServer
+    options = ScaffoldOptions
+    server_state_per_parameter = True
+    uploads_extras = True
     needs_parameter_averaging = True
 
     def __init__(self, optimizer: str = "sgd") -> None:
@@ -134,7 +149,7 @@ class Scaffold(ClientAlgorithm):
 
     @classmethod
     def from_config(cls, client_cfg) -> Scaffold:
-        return cls(optimizer=client_cfg.scaffold_optimizer)
+        return cls(optimizer=cls.own_options(client_cfg).optimizer)
 
     @classmethod
     def check_config(cls, cfg) -> None:

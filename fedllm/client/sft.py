@@ -13,6 +13,7 @@ class SFT(ClientAlgorithm):
     """Minimize the response-token loss on the client's data with AdamW."""
 
     name = "sft"
+    changes_gradients = False
 
     def local_step(self, model, params, batches, plan, accelerator) -> float:
         return accumulate(model, batches, plan, accelerator)

@@ -1,8 +1,13 @@
 """Typed run configuration: YAML + dotted ``key=value`` overrides, validated once.
 
-Configs are parsed into the dataclasses of ``fedllm/config/sections.py`` here and nowhere else; algorithm code
-takes plain arguments. Every field carries help text (``fedllm run --help-config``
-prints it) and a range check, so a bad value fails before any model is loaded.
+Configs are parsed into dataclasses here and nowhere else; algorithm code takes plain arguments. The
+general sections are ``fedllm/config/sections.py``'s; every strategy and client algorithm declares its own
+options next to its code (``options``) and they are collected here under its name, as peft collects its
+LoRA variants' configs: ``aggregation.floral.router_lr``, ``client.perfedavg.variant``; a cross-cutting
+feature (``fedllm/features.py``) adds a section of its own. Every field carries help text (``fedllm run
+--help-config``) and a range check, and ``fedllm/config/rules.py`` refuses the combinations that cannot
+work, so a bad value fails before any model is loaded. A key of the old flat layout
+(``aggregation.router_lr``) is refused with the key that replaced it.
 """
 
 from __future__ import annotations
@@ -15,65 +20,158 @@ from typing import Any
 
 import yaml
 
-from fedllm.config.overrides import coerce, flatten, parse_override
-from fedllm.config.sections import (  # noqa: F401  (the sections are part of the config API)
-    SECTIONS,
-    AggregationConfig,
-    ClientConfig,
-    Config,
+from fedllm.aggregation import STRATEGIES
+from fedllm.client import ALGORITHMS
+from fedllm.config.overrides import coerce, parse_override
+from fedllm.config.sections import (
+    AggregationSection,
+    ClientSection,
     DataConfig,
     EvalConfig,
     FederationConfig,
+    FlowerConfig,
     LoraConfig,
     ModelConfig,
     OutputConfig,
 )
+from fedllm.features import FEATURES
+
+__all__ = [
+    "AggregationConfig",
+    "ClientConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "FederationConfig",
+    "FlowerConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "apply_settings",
+    "config_from_text",
+    "config_to_text",
+    "flat_config",
+    "help_text",
+    "load_config",
+    "save_config",
+    "set_key",
+    "token_modules",
+    "valid_keys",
+    "validate",
+]
 
 
 class ConfigError(ValueError):
     """A config problem; the message names the field and what was expected."""
 
 
-def _section_classes() -> dict[str, type]:
-    hints = typing.get_type_hints(Config)
-    return {name: hints[name] for name in SECTIONS}
+def _with_methods(base: type, registry: dict[str, type], name: str) -> type:
+    """``base`` plus one sub-section per registered method that declares ``options``, named after it."""
+    extra = [
+        (method, cls.options, dataclasses.field(default_factory=cls.options, metadata={"method": method}))
+        for method, cls in sorted(registry.items())
+        if cls.options is not None
+    ]
+    cls = dataclasses.make_dataclass(name, extra, bases=(base,))
+    cls.__module__ = __name__  # picklable, and named where it is built
+    return cls
+
+
+AggregationConfig = _with_methods(AggregationSection, STRATEGIES, "AggregationConfig")
+ClientConfig = _with_methods(ClientSection, ALGORITHMS, "ClientConfig")
+
+_SECTIONS: list[tuple[str, type]] = [
+    ("model", ModelConfig),
+    ("lora", LoraConfig),
+    ("data", DataConfig),
+    ("federation", FederationConfig),
+    ("client", ClientConfig),
+    ("aggregation", AggregationConfig),
+    ("eval", EvalConfig),
+    ("output", OutputConfig),
+    ("flower", FlowerConfig),
+    *((f.section, f.options) for f in FEATURES),
+]
+
+
+def _to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+Config = dataclasses.make_dataclass(
+    "Config",
+    [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in _SECTIONS],
+    namespace={"to_dict": _to_dict, "__doc__": "A whole run's configuration: one dataclass per section."},
+)
+Config.__module__ = __name__
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _fields(cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    """``{name: (type, field)}`` of a section class (annotations resolved)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+
+def _leaves(cls: type, prefix: str) -> typing.Iterator[tuple[str, Any, dataclasses.Field]]:
+    """Every dotted key under a section, with its type and field (sub-sections walked into)."""
+    for name, (tp, f) in _fields(cls).items():
+        if _is_section(tp):
+            yield from _leaves(tp, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", tp, f
 
 
 def valid_keys() -> list[str]:
     """Every dotted key a config may set."""
-    return [f"{s}.{f.name}" for s, cls in _section_classes().items() for f in dataclasses.fields(cls)]
+    return [key for name, cls in _SECTIONS for key, _, _ in _leaves(cls, f"{name}.")]
+
+
+def legacy_keys() -> dict[str, str]:
+    """The flat keys of the layout before methods owned their options, each with the key that replaced it:
+    ``aggregation.<field>`` and ``aggregation.<method>_<field>`` (``client.`` alike)."""
+    out = {}
+    for section, registry in (("aggregation", STRATEGIES), ("client", ALGORITHMS)):
+        for method, cls in registry.items():
+            for f in dataclasses.fields(cls.options) if cls.options is not None else ():
+                for old in (f"{section}.{f.name}", f"{section}.{method}_{f.name}"):
+                    out.setdefault(old, f"{section}.{method}.{f.name}")
+    return out
 
 
 def choices(key: str) -> list[str] | None:
     """The valid values of an enumerated key (registries for strategies and algorithms), else None."""
-    from fedllm.aggregation import STRATEGIES
-    from fedllm.client import ALGORITHMS
-
     if key == "aggregation.name":
         return sorted(STRATEGIES)
     if key == "client.algorithm":
         return sorted(ALGORITHMS)
-    section, name = key.split(".")
-    f = {f.name: f for f in dataclasses.fields(_section_classes()[section])}[name]
-    expect = f.metadata.get("expect", "")
-    return [c.strip() for c in expect[len("one of ") :].split(",")] if expect.startswith("one of ") else None
+    for k, _, f in _leaves(Config, ""):
+        if k == key:
+            expect = f.metadata.get("expect", "")
+            return (
+                [c.strip() for c in expect[len("one of ") :].split(",")]
+                if expect.startswith("one of ")
+                else None
+            )
+    return None
 
 
 def help_text() -> str:
     """One line per option: key, default, help and, for enumerated keys, the valid values."""
     lines = []
-    for section, cls in _section_classes().items():
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            valid = choices(f"{section}.{f.name}")
-            lines.append(
-                f"{section}.{f.name} (default {default!r}{'; one of ' + ', '.join(valid) if valid else ''})"
-                f": {f.metadata['help']}"
-            )
+    for key, _, f in _leaves(Config, ""):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        valid = choices(key)
+        valid_text = "; one of " + ", ".join(valid) if valid else ""
+        lines.append(f"{key} (default {default!r}{valid_text}): {f.metadata['help']}")
     return "\n".join(lines)
 
 
-def _check_fields_together(cfg: Config) -> None:
+def _check_fields_together(cfg) -> None:
     """Checks that span fields of the config alone (registries aside)."""
     if not cfg.lora.ranks and not cfg.lora.rank_distribution:
         raise ConfigError("lora.ranks is empty: give at least one rank (an integer >= 1)")
@@ -106,34 +204,43 @@ def _check_fields_together(cfg: Config) -> None:
 
 
 def _unknown(key: str) -> ConfigError:
+    moved = legacy_keys().get(key)
+    if moved is not None:
+        return ConfigError(
+            f"config key '{key}' is now '{moved}' (each strategy's and algorithm's options live under its "
+            "name)"
+        )
     close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else "; run `fedllm run --help-config` for the list"
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
-def set_key(cfg: Config, key: str, value: Any) -> None:
-    """Set one dotted key (type-checked; an unknown key is refused with the closest known one)."""
-    section_name, _, name = key.partition(".")
-    if section_name not in SECTIONS or "." in name:
-        raise _unknown(key)
-    section = getattr(cfg, section_name)
-    hints = typing.get_type_hints(type(section))
-    if name not in hints:
+def set_key(cfg, key: str, value: Any) -> None:
+    """Set one dotted key (type-checked; an unknown key is refused with the closest known one, an old flat
+    key with the key that replaced it)."""
+    *path, name = key.split(".")
+    obj = cfg
+    for part in path:
+        sub = _fields(type(obj)).get(part)
+        if sub is None or not _is_section(sub[0]):
+            raise _unknown(key)
+        obj = getattr(obj, part)
+    if obj is cfg or name not in (fields := _fields(type(obj))) or _is_section(fields[name][0]):
         raise _unknown(key)
     try:
-        setattr(section, name, coerce(key, value, hints[name]))
+        setattr(obj, name, coerce(key, value, fields[name][0]))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def apply_settings(cfg: Config, settings: dict[str, Any]) -> None:
+def apply_settings(cfg, settings: dict[str, Any]) -> None:
     """Set every dotted key of ``settings`` on ``cfg``."""
     for key, value in settings.items():
         set_key(cfg, key, value)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Build a validated :class:`Config` from an optional YAML file and ``key=value`` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build a validated config from an optional YAML file and ``key=value`` overrides."""
     cfg = Config()
     if path is not None:
         from data_prep.schema import read_text
@@ -150,25 +257,48 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def config_from_text(text: str, name: str = "<resolved config>") -> Config:
-    """A validated :class:`Config` from YAML text (e.g. the resolved config a Flower site receives)."""
+def config_from_text(text: str, name: str = "<resolved config>"):
+    """A validated config from YAML text (e.g. the resolved config a Flower site receives)."""
     cfg = Config()
     _apply_yaml(cfg, text, name)
     validate(cfg)
     return cfg
 
 
-def config_to_text(cfg: Config) -> str:
+def config_to_text(cfg) -> str:
     """The resolved config as YAML: what ``config.yaml`` holds and :func:`config_from_text` reads back."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-def flat_config(cfg: Config) -> dict[str, Any]:
-    """``{"section.key": value}`` of a config: what resumes compare, trackers log and digests cover."""
-    return {f"{s}.{k}": v for s, values in cfg.to_dict().items() for k, v in values.items()}
+def flat_config(cfg) -> dict[str, Any]:
+    """``{"section.key": value}`` (``section.method.key`` for a method's options) of a config: what resumes
+    compare, trackers log and digests cover."""
+    out = {}
+    for key, _, _ in _leaves(type(cfg), ""):
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        out[key] = obj
+    return out
 
 
-def _apply_yaml(cfg: Config, text: str, name: str) -> None:
+def _settings_of(data: dict, cls: type, prefix: str, where: str) -> dict[str, Any]:
+    """The dotted settings of a YAML mapping for section class ``cls`` (sub-sections nested as mappings)."""
+    out: dict[str, Any] = {}
+    fields = _fields(cls)
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        sub = fields.get(str(name))
+        if sub is not None and _is_section(sub[0]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}'{key}' must be a section (mapping), got {value!r}")
+            out.update(_settings_of(value, sub[0], f"{key}.", where))
+        else:
+            out[key] = value
+    return out
+
+
+def _apply_yaml(cfg, text: str, name: str) -> None:
     """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``."""
     try:
         data = yaml.safe_load(text) or {}
@@ -176,28 +306,28 @@ def _apply_yaml(cfg: Config, text: str, name: str) -> None:
         raise ConfigError(f"config file {name} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {name} must hold a mapping of sections")
-    try:
-        settings = flatten(data, where=f"{name}: ")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    sections = dict(_SECTIONS)
+    settings: dict[str, Any] = {}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{name}: '{section}' must be a section (mapping), got {values!r}")
+        if section not in sections:
+            raise _unknown(f"{section}.{next(iter(values), '')}")
+        settings.update(_settings_of(values, sections[section], f"{section}.", f"{name}: "))
     apply_settings(cfg, settings)
 
 
-def validate(cfg: Config) -> None:
-    """Range checks of every field, then checks that span fields (the strategy's and algorithm's own too)."""
-    for section, cls in _section_classes().items():
-        obj = getattr(cfg, section)
-        for f in dataclasses.fields(cls):
-            check = f.metadata.get("check")
-            value = getattr(obj, f.name)
-            if check is not None and not check(value):
-                raise ConfigError(
-                    f"{section}.{f.name} = {value!r} is invalid: expected {f.metadata['expect']}"
-                )
+def validate(cfg) -> None:
+    """Range checks of every field, then checks that span fields, then the table of refused
+    combinations (``fedllm/config/rules.py``) and each method's own checks."""
+    for key, _, f in _leaves(type(cfg), ""):
+        check = f.metadata.get("check")
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if check is not None and not check(obj):
+            raise ConfigError(f"{key} = {obj!r} is invalid: expected {f.metadata['expect']}")
     _check_fields_together(cfg)
-    from fedllm.aggregation import STRATEGIES
-    from fedllm.client import ALGORITHMS
-
     for key, registry in (("aggregation.name", STRATEGIES), ("client.algorithm", ALGORITHMS)):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) not in registry:
@@ -205,50 +335,17 @@ def validate(cfg: Config) -> None:
                 f"{key} = {getattr(getattr(cfg, section), name)!r} is unknown; valid choices: "
                 f"{', '.join(sorted(registry))}"
             )
-    from fedllm.privacy import check_config as check_privacy
+    from fedllm.config.rules import refusal
 
     try:
-        check_privacy(cfg)
-    except ValueError as e:
+        why = refusal(cfg)
+    except ValueError as e:  # a method's own check
         raise ConfigError(str(e)) from None
-    strategy, algorithm = STRATEGIES[cfg.aggregation.name], ALGORITHMS[cfg.client.algorithm]
-    if algorithm.needs_parameter_averaging and not strategy.averages_parameters:
-        raise ConfigError(
-            f"client.algorithm = {cfg.client.algorithm} needs a strategy that averages parameters (fedit, "
-            f"floral); aggregation.name = {cfg.aggregation.name} changes the parameter space every round "
-            "(merged, stacked or re-factorized updates), so control variates would refer to parameters that "
-            "no longer exist"
-        )
-    if algorithm.needs_parameter_averaging and not strategy.same_weights:
-        raise ConfigError(
-            f"client.algorithm = {cfg.client.algorithm} keeps its control variate as sum_k p_k c_k, but "
-            f"aggregation.name = {cfg.aggregation.name} averages each parameter with weights of its own "
-            "(FLoRAL: "
-            "p(k|c) per adaptor), so the variate would correct towards another objective; use fedit"
-        )
-    if strategy.hook.local_params and not algorithm.trains_local_params:
-        raise ConfigError(
-            f"client.algorithm = {cfg.client.algorithm} cannot run with aggregation.name = "
-            f"{cfg.aggregation.name}: its meta-objective covers the shared parameters only, and the "
-            "strategy's clients also train parameters of their own (FLoRAL's routers); use "
-            "client.algorithm=sft, fedprox or scaffold"
-        )
-    if cfg.aggregation.robust != "none" and not strategy.supports_robust:
-        robust = sorted(n for n, s in STRATEGIES.items() if s.supports_robust)
-        raise ConfigError(
-            f"aggregation.robust = {cfg.aggregation.robust} replaces a plain average, which "
-            f"aggregation.name = {cfg.aggregation.name} does not compute; use it with {', '.join(robust)}"
-        )
-    try:
-        strategy.check_config(cfg)
-        algorithm.check_config(cfg)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    if why is not None:
+        raise ConfigError(why)
 
 
-def save_config(cfg: Config, path: Path) -> None:
+def save_config(cfg, path: Path) -> None:
     """Write the resolved config as YAML (atomically, via the checkpoint helper)."""
     from fedllm.run.checkpoint import atomic_write_text
 
@@ -258,7 +355,7 @@ def save_config(cfg: Config, path: Path) -> None:
 TOKEN_INDEXED = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_out")
 
 
-def token_modules(cfg: Config) -> list[str]:
+def token_modules(cfg) -> list[str]:
     """The shared dense modules whose rows are indexed by token ids: the rows a client changes are the
     tokens of its data, so sharing them across organizations reveals those tokens."""
     return [m for m in cfg.lora.trainable_modules if m.split(".")[-1] in TOKEN_INDEXED]

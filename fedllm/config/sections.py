@@ -1,17 +1,20 @@
-"""Every option a run takes: one typed dataclass per config section, each field with its help and range.
+"""The general options of a run: one typed dataclass per config section, each field with its help and range.
 
-The catalogue ``fedllm run --help-config`` prints. Loading, overrides and the
+Each strategy's and client algorithm's own options live in its own file (``options``) and are
+collected under its name by ``fedllm/config/__init__.py``, with these, into the catalogue
+``fedllm run --help-config`` prints. Loading, overrides and the
 checks that span fields are ``fedllm/config/__init__.py``'s; algorithm code never sees
 these classes (the assembly hands it plain arguments).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from fedllm.config.aggregation_options import AggregationConfig
-from fedllm.options import _fraction, _nonneg, _positive, opt
+from fedllm.options import fraction as _fraction
+from fedllm.options import nonneg as _nonneg
+from fedllm.options import opt
+from fedllm.options import positive as _positive
 
 
 @dataclass
@@ -186,7 +189,9 @@ class FederationConfig:
 
 
 @dataclass
-class ClientConfig:
+class ClientSection:
+    """``client.*``: what every client algorithm uses (each algorithm's own options: ``client.<name>.*``)."""
+
     algorithm: str = opt("sft", "local training algorithm (one file each in fedllm/client/)")
     lr: float = opt(3e-3, "AdamW learning rate of the local steps", _positive, "> 0")
     sgd_lr: float = opt(
@@ -201,13 +206,6 @@ class ClientConfig:
     optimizer: str = opt(
         "adamw",
         "local optimizer of sft/fedprox (perfedavg always takes SGD steps)",
-        lambda x: x in ("adamw", "sgd"),
-        "one of adamw, sgd",
-    )
-    scaffold_optimizer: str = opt(
-        "sgd",
-        "SCAFFOLD's optimizer: sgd (the analysed setting) or adamw (the corrected "
-        "gradient through AdamW, as OpenFedLLM does)",
         lambda x: x in ("adamw", "sgd"),
         "one of adamw, sgd",
     )
@@ -230,25 +228,43 @@ class ClientConfig:
     warmup_ratio: float = opt(0.0, "share of local steps spent warming up", lambda x: 0 <= x < 1, "in [0, 1)")
     weight_decay: float = opt(0.0, "AdamW weight decay", _nonneg, ">= 0")
     max_grad_norm: float = opt(1.0, "gradient clipping (0: off)", _nonneg, ">= 0")
-    mu: float = opt(0.01, "FedProx proximal coefficient", _nonneg, ">= 0")
-    perfedavg_variant: str = opt("fo", "Per-FedAvg variant", lambda x: x in ("fo", "hf"), "one of fo, hf")
-    perfedavg_alpha: float = opt(
-        0.0, "Per-FedAvg inner step size alpha (0: the same as client.sgd_lr)", _nonneg, ">= 0"
-    )
-    perfedavg_fd_delta: float = opt(
-        1e-3, "Per-FedAvg HF: the finite-difference step of the Hessian-vector product", _positive, "> 0"
-    )
-    perfedavg_clip_meta: bool = opt(
-        False,
-        "Per-FedAvg: clip the meta-gradient to client.max_grad_norm (the paper clips nothing; its inner and "
-        "personalization steps are never clipped)",
-    )
     personalize_steps: int = opt(
         1,
         "plain-SGD steps (client.sgd_lr; Per-FedAvg: alpha) on a client's own data "
         "for its personalized evaluation and export",
         _nonneg,
         ">= 0",
+    )
+
+
+@dataclass
+class AggregationSection:
+    """``aggregation.*``: the strategy and the server's defences (each strategy's own options:
+    ``aggregation.<name>.*``)."""
+
+    name: str = opt(
+        "fedit", "server strategy (one file each in fedllm/aggregation/; 'local' is the local-only baseline)"
+    )
+    clip_norm_ratio: float = opt(
+        2.0,
+        "clip each update's change (measured from what the server knows the client started from) to this "
+        "multiple of the round's median change, so one client cannot move the model more than a few honest "
+        "ones do (0: off)",
+        lambda x: x == 0 or x >= 1,
+        "0 or a value >= 1",
+    )
+    robust: str = opt(
+        "none",
+        "robust aggregate of the averaging strategies (fedit): the coordinate-wise median or trimmed mean of "
+        "the clients' tensors instead of the weighted mean (weights are then ignored)",
+        lambda x: x in ("none", "median", "trimmed_mean"),
+        "one of none, median, trimmed_mean",
+    )
+    trim_fraction: float = opt(
+        0.1,
+        "with robust=trimmed_mean: the share of clients dropped at each end of every coordinate",
+        lambda x: 0 <= x < 0.5,
+        "in [0, 0.5)",
     )
 
 
@@ -323,59 +339,3 @@ class FlowerConfig:
         "lora.trainable_modules) reveals which tokens each site's data holds; without it such a config is "
         "refused on Flower",
     )
-
-
-@dataclass
-class PrivacyConfig:
-    mode: str = opt(
-        "none",
-        "user-level differential privacy (DP-FedAvg): 'central' (clients clip, the server noises the sum: "
-        "fedit, ffa), 'local' (each client noises its own clipped update) or 'none'",
-        lambda x: x in ("none", "central", "local"),
-        "one of none, central, local",
-    )
-    clip_norm: float = opt(
-        1.0,
-        "L2 bound C of each client's update (everything it uploads, in the aggregation space)",
-        _positive,
-        "> 0",
-    )
-    noise_multiplier: float = opt(
-        1.0, "Gaussian noise standard deviation in units of clip_norm (see `fedllm privacy`)", _nonneg, ">= 0"
-    )
-    delta: float = opt(
-        0.0, "the delta of (epsilon, delta)-DP (0: 1 / num_clients^1.1)", lambda x: 0 <= x < 1, "in [0, 1)"
-    )
-    target_epsilon: float = opt(
-        0.0,
-        "refuse a run whose planned rounds would spend more than this epsilon (0: no limit)",
-        _nonneg,
-        ">= 0",
-    )
-    noise_seed: int = opt(
-        -1,
-        "-1: noise from the OS's randomness (the guarantee); >= 0: reproducible noise from this seed, for "
-        "experiments only (anyone who knows the seed can remove the noise)",
-        lambda x: x >= -1,
-        "an integer >= -1",
-    )
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    federation: FederationConfig = field(default_factory=FederationConfig)
-    client: ClientConfig = field(default_factory=ClientConfig)
-    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    flower: FlowerConfig = field(default_factory=FlowerConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

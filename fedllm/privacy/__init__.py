@@ -45,98 +45,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult
+from fedllm.aggregation.base import STRATEGIES, ClientUpdate, GlobalState, RoundResult
 from fedllm.factors import Adapter, LoraFactors, init_factors
 from fedllm.lowrank import pad_rank
-from fedllm.protocol import sample_size
+from fedllm.options import Rule
+from fedllm.privacy.accountant import default_delta, epsilon, noise_for_epsilon
+from fedllm.privacy.options import PrivacyOptions
+from fedllm.protocol import Feature, sample_size
 
 log = logging.getLogger(__name__)
-
-CENTRAL_STRATEGIES = ("fedit", "ffa")  # whose aggregate is a sum of the clients' changes
-LOCAL_REFUSED = ("floral",)  # router-weighted averages: sensitivity not bounded here
-
-
-def default_delta(num_clients: int) -> float:
-    return 1.0 / num_clients**1.1
-
-
-def epsilon(
-    mode: str, num_clients: int, per_round: int, noise_multiplier: float, rounds: int, delta: float
-) -> float:
-    """Epsilon spent after ``rounds`` rounds at ``delta`` (see the module docstring for the analysis)."""
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    if rounds <= 0:
-        return 0.0
-    if noise_multiplier <= 0:
-        return math.inf
-    rel = dp_accounting.NeighboringRelation.REPLACE_ONE
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier / 2)  # sensitivity 2C under replace-one
-    if mode == "central" and per_round < num_clients:
-        event = dp_accounting.SampledWithoutReplacementDpEvent(num_clients, per_round, gaussian)
-    else:
-        event = gaussian
-    spent = []
-    for e in {event, gaussian}:  # both bound the same mechanism: the sampled bound is not always tighter
-        accountant = RdpAccountant(neighboring_relation=rel)
-        accountant.compose(dp_accounting.SelfComposedDpEvent(e, rounds))
-        spent.append(float(accountant.get_epsilon(delta)))
-    return min(spent)
-
-
-def noise_for_epsilon(
-    target: float, mode: str, num_clients: int, per_round: int, rounds: int, delta: float
-) -> float:
-    """The smallest noise multiplier whose ``rounds`` rounds spend at most ``target`` epsilon, to a relative
-    1e-6 (bisection on the accountant above, always keeping a multiplier that meets the target;
-    dp-accounting's own calibration does the same search). Each step runs the accountant, so the
-    search stops at that precision instead of a fixed, much finer, number of steps."""
-    lo, hi = 1e-3, 1.0
-    while epsilon(mode, num_clients, per_round, hi, rounds, delta) > target:
-        lo, hi = hi, hi * 2
-        if hi > 1e4:
-            raise ValueError(f"no noise multiplier below 1e4 reaches epsilon {target}")
-    while hi - lo > 1e-6 * hi:
-        mid = (lo + hi) / 2
-        if epsilon(mode, num_clients, per_round, mid, rounds, delta) > target:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
-def check_config(cfg) -> None:
-    """Refuse what would break or silently weaken the guarantee, before any work starts (ValueError; the
-    config check reports it as a config error)."""
-    p = cfg.privacy
-    if p.mode == "none":
-        return
-    name = cfg.aggregation.name
-    if p.mode == "central" and name not in CENTRAL_STRATEGIES:
-        raise ValueError(
-            f"privacy.mode=central needs a strategy whose aggregate is a sum of the clients' changes "
-            f"({', '.join(CENTRAL_STRATEGIES)}); aggregation.name={name} needs each client's own factors: "
-            "use privacy.mode=local"
-        )
-    if p.mode == "local" and name in LOCAL_REFUSED:
-        raise ValueError(f"privacy.mode=local: aggregation.name={name} is not analysed for DP here")
-    if cfg.client.algorithm == "scaffold":
-        raise ValueError("privacy: client.algorithm=scaffold uploads control-variate changes without noise")
-    if cfg.federation.dropout > 0:
-        raise ValueError("privacy: federation.dropout > 0 changes the sampling the accountant assumes")
-    if cfg.aggregation.robust != "none":
-        raise ValueError("privacy: aggregation.robust is data-dependent; the fixed clip bounds each client")
-    if p.target_epsilon > 0:
-        n, m = cfg.federation.num_clients, per_round(cfg)
-        eps = epsilon(p.mode, n, m, p.noise_multiplier, cfg.federation.rounds, delta_of(cfg))
-        if eps > p.target_epsilon:
-            need = noise_for_epsilon(p.target_epsilon, p.mode, n, m, cfg.federation.rounds, delta_of(cfg))
-            raise ValueError(
-                f"privacy.target_epsilon={p.target_epsilon}: {cfg.federation.rounds} rounds at "
-                f"noise_multiplier={p.noise_multiplier} spend epsilon {eps:.3g}; use "
-                f"privacy.noise_multiplier={need:.3f} or fewer rounds"
-            )
 
 
 def per_round(cfg) -> int:
@@ -335,3 +252,74 @@ class DPRules:
             trains_a="A" in server.hook.uploads,
         )
         return RoundResult(state, info=info)
+
+
+def _on(cfg) -> bool:
+    return cfg.privacy.mode != "none"
+
+
+class PrivacyFeature(Feature):
+    """Differential privacy as a feature: the ``privacy`` section and the combinations it refuses."""
+
+    section = "privacy"
+    options = PrivacyOptions
+
+    def rules(self) -> list[Rule]:
+        return [
+            Rule(
+                "central DP needs a linear aggregate",
+                lambda cfg, s, a: cfg.privacy.mode == "central" and not s.linear,
+                lambda cfg, s, a: (
+                    "privacy.mode=central needs a strategy whose aggregate is a weighted sum of the uploads ("
+                    + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.linear))
+                    + f"); aggregation.name={cfg.aggregation.name} needs each client's own factors: use "
+                    "privacy.mode=local"
+                ),
+            ),
+            Rule(
+                "local DP noises every upload",
+                lambda cfg, s, a: cfg.privacy.mode == "local" and s.hook.uploads_statistics,
+                lambda cfg, s, a: (
+                    f"privacy.mode=local: aggregation.name={cfg.aggregation.name} uploads statistics of the "
+                    "data beside the factors (router probabilities), which no noise covers"
+                ),
+            ),
+            Rule(
+                "DP noises every upload",
+                lambda cfg, s, a: _on(cfg) and a.uploads_extras,
+                lambda cfg, s, a: (
+                    f"privacy: client.algorithm={cfg.client.algorithm} uploads tensors beside the model "
+                    "update (control-variate changes) without noise"
+                ),
+            ),
+            Rule(
+                "DP's sampling",
+                lambda cfg, s, a: _on(cfg) and cfg.federation.dropout > 0,
+                lambda cfg, s, a: (
+                    "privacy: federation.dropout > 0 changes the sampling the accountant assumes"
+                ),
+            ),
+            Rule(
+                "DP's fixed clip",
+                lambda cfg, s, a: _on(cfg) and cfg.aggregation.robust != "none",
+                lambda cfg, s, a: (
+                    "privacy: aggregation.robust is data-dependent; the fixed clip bounds each client"
+                ),
+            ),
+        ]
+
+    def check_config(self, p, cfg) -> None:
+        if p.mode == "none" or p.target_epsilon <= 0:
+            return
+        n, m = cfg.federation.num_clients, per_round(cfg)
+        eps = epsilon(p.mode, n, m, p.noise_multiplier, cfg.federation.rounds, delta_of(cfg))
+        if eps > p.target_epsilon:
+            need = noise_for_epsilon(p.target_epsilon, p.mode, n, m, cfg.federation.rounds, delta_of(cfg))
+            raise ValueError(
+                f"privacy.target_epsilon={p.target_epsilon}: {cfg.federation.rounds} rounds at "
+                f"noise_multiplier={p.noise_multiplier} spend epsilon {eps:.3g}; use "
+                f"privacy.noise_multiplier={need:.3f} or fewer rounds"
+            )
+
+
+PRIVACY = PrivacyFeature()

@@ -114,7 +114,7 @@ def adapter_from_run(
     run_dir: Path, round_idx: int | None = None
 ) -> tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Global adapter (+ residual), dense modules and LoRA biases of a run's round (latest if None)."""
-    from fedllm.aggregation import STRATEGIES
+    from fedllm.aggregation import strategy_from_config
     from fedllm.run import checkpoint as ckpt
     from fedllm.server import global_state
 
@@ -135,7 +135,7 @@ def adapter_from_run(
         tensors, meta = ckpt.load_checkpoint(path)
     cfg = run_config(run_dir)
     state = global_state(tensors, meta)
-    strategy = STRATEGIES[meta["strategy"]].from_config(cfg.aggregation)
+    strategy = strategy_from_config(cfg.aggregation)
     adapter = concat(strategy.global_adapter(state), state.residual)
     if not adapter:
         raise ExportError(

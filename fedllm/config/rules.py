@@ -1,0 +1,89 @@
+"""The one table of refused combinations, written against declared capabilities, never against names.
+
+A strategy declares what its aggregate is (``averages_parameters``, ``same_weights``, ``supports_robust``,
+``linear``) and its client hook what it does on the client (``local_params``, ``frozen``); a client
+algorithm declares what it needs (``needs_parameter_averaging``, ``trains_local_params``,
+``server_state_per_parameter``). Each :class:`~fedllm.options.Rule` below refuses one combination of those,
+with the reason and what to change; a feature (``fedllm/features.py``: differential privacy) adds its own
+rules. Then each method checks what it alone requires (``check_config``: FLoRAL's single rank). The docs'
+table of rules is this table (``docs/rules.md``, checked by a test).
+"""
+
+from __future__ import annotations
+
+from fedllm.aggregation import STRATEGIES
+from fedllm.client import ALGORITHMS
+from fedllm.features import FEATURES
+from fedllm.options import Rule
+
+
+def _pair(cfg) -> str:
+    return f"client.algorithm = {cfg.client.algorithm} with aggregation.name = {cfg.aggregation.name}"
+
+
+RULES: list[Rule] = [
+    Rule(
+        "state that refers to persisting parameters",
+        lambda cfg, s, a: a.needs_parameter_averaging and not s.averages_parameters,
+        lambda cfg, s, a: (
+            f"{_pair(cfg)}: the algorithm needs a strategy that averages parameters (fedit, floral); this "
+            "one changes the parameter space every round (merged, stacked or re-factorized updates), so the "
+            "algorithm's state would refer to parameters that no longer exist"
+        ),
+    ),
+    Rule(
+        "one weight per client",
+        lambda cfg, s, a: a.needs_parameter_averaging and not s.same_weights,
+        lambda cfg, s, a: (
+            f"{_pair(cfg)}: the algorithm keeps its server state as sum_k p_k c_k, but the strategy averages "
+            "each parameter with weights of its own, so the state would correct towards another objective; "
+            "use fedit"
+        ),
+    ),
+    Rule(
+        "client-only parameters",
+        lambda cfg, s, a: s.hook.local_params and not a.trains_local_params,
+        lambda cfg, s, a: (
+            f"{_pair(cfg)}: the algorithm's objective covers the shared parameters only, and the strategy's "
+            "clients also train parameters of their own (routers); use client.algorithm=sft, fedprox or "
+            "scaffold"
+        ),
+    ),
+    Rule(
+        "frozen factors",
+        lambda cfg, s, a: bool(s.hook.frozen) and a.server_state_per_parameter,
+        lambda cfg, s, a: (
+            f"{_pair(cfg)}: the algorithm keeps server state for every trainable tensor, but the strategy "
+            f"freezes {'/'.join(s.hook.frozen)} on the clients (never trained or sent); use "
+            "client.algorithm=sft or fedprox"
+        ),
+    ),
+    Rule(
+        "robust average",
+        lambda cfg, s, a: cfg.aggregation.robust != "none" and not s.supports_robust,
+        lambda cfg, s, a: (
+            f"aggregation.robust = {cfg.aggregation.robust} replaces a plain average, which "
+            f"aggregation.name = {cfg.aggregation.name} does not compute; use it with "
+            + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.supports_robust))
+        ),
+    ),
+]
+
+
+def all_rules() -> list[Rule]:
+    """The table above and every feature's rules, in the order they are checked."""
+    return [*RULES, *(r for f in FEATURES for r in f.rules())]
+
+
+def refusal(cfg) -> str | None:
+    """Why ``cfg`` cannot run (the first rule that applies), else None after each method's and feature's own
+    checks (which raise ValueError)."""
+    strategy, algorithm = STRATEGIES[cfg.aggregation.name], ALGORITHMS[cfg.client.algorithm]
+    for rule in all_rules():
+        if rule.applies(cfg, strategy, algorithm):
+            return rule.why(cfg, strategy, algorithm)
+    strategy.check_config(cfg)
+    algorithm.check_config(cfg)
+    for feature in FEATURES:
+        feature.check_config(getattr(cfg, feature.section), cfg)
+    return None
