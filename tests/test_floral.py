@@ -187,7 +187,7 @@ def test_floral_needs_one_rank_and_refuses_perfedavg():
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=perfedavg"])
     with pytest.raises(
         ConfigError,
-        match="scaffold with aggregation.name = floral: the algorithm keeps its server state as sum_k p_k c_k",
+        match="scaffold with aggregation.name = floral: the algorithm keeps its server state as sum_k",
     ):
         load_config(None, ["aggregation.name=floral", "lora.ranks=[4]", "client.algorithm=scaffold"])
 
