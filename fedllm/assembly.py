@@ -35,9 +35,9 @@ from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.config import Config, ConfigError
 from fedllm.data import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
 from fedllm.factors import lora_scale
+from fedllm.features import FEATURES
 from fedllm.model.modeling import context_length, is_quantized, load_base
 from fedllm.model.parallel import Layout, uses_deepspeed, zero_stage
-from fedllm.privacy import DPRules
 from fedllm.protocol import ClientInfo, derive_seed
 from fedllm.server import Rules, Sampling, Server
 
@@ -193,7 +193,7 @@ def build_runtime(
         hook=strategy.client_hook(),
         residual_merges=residual,
         client_timeout_s=cfg.federation.client_timeout_s,
-        dp=DPRules.from_config(cfg),
+        transforms=[t for f in FEATURES for t in f.upload_transforms(getattr(cfg, f.section), cfg)],
         **kw,
     )
 
@@ -272,22 +272,28 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
             cfg.lora.trainable_modules,
             n_dense / 1e6,
         )
+    rules = Rules(
+        min_clients=fed.min_clients,
+        clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
+        client_timeout_s=fed.client_timeout_s,
+        catchup_window=fed.catchup_window,
+        weighting=fed.weighting,
+        max_client_weight=fed.max_client_weight,
+    )
+    sampling = Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout)
+    for feature in FEATURES:  # each cross-cutting feature hooks the server from outside
+        options = getattr(cfg, feature.section)
+        strategy = feature.wrap_strategy(strategy, options, cfg)
+        rules = feature.server_rules(rules, options, cfg)
+        sampling = feature.sampling(sampling, options, cfg)
     return Server(
         strategy=strategy,
         clients=infos,
         modules=runtime.module_shapes(),
         algorithm=ALGORITHMS[cfg.client.algorithm].server_half.from_config(cfg.client),
-        sampling=Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout),
+        sampling=sampling,
         dense=dense,
-        rules=Rules(
-            min_clients=fed.min_clients,
-            clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
-            client_timeout_s=fed.client_timeout_s,
-            catchup_window=fed.catchup_window,
-            weighting=fed.weighting,
-            max_client_weight=fed.max_client_weight,
-        ),
-        dp=DPRules.from_config(cfg),
+        rules=rules,
     )
 
 

@@ -141,13 +141,8 @@ def print_summary(s: dict) -> None:
         f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)"
     )
     print(f"failed client calls {s['failed_client_calls']}, skipped rounds {s['skipped_rounds']}")
-    dp = s.get("privacy")
-    if dp:
-        print(
-            f"privacy            ({dp['epsilon']:.3g}, {dp['delta']:.2g})-DP after {dp['rounds']} rounds, "
-            f"{dp['mode']} (clip {dp['clip_norm']:g}, noise multiplier {dp['noise_multiplier']:g}; "
-            f"{dp['sampling']})"
-        )
+    for line in s.get("guarantees", []):  # what a feature guarantees
+        print(f"guarantee          {line}")
     print(f"wall time          {s['wall_s']:.1f} s")
     if s.get("note"):
         print(f"note               {s['note']}")
@@ -169,29 +164,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         args.model, args.adapter, args.run, args.round, args.client, args.dtype, accelerator.device
     )
     run_job(args, bench, model, tokenizer, accelerator)
-    return 0
-
-
-def cmd_privacy(args: argparse.Namespace) -> int:
-    """The noise multiplier a target epsilon needs, or the epsilon a noise multiplier spends."""
-    import json
-
-    from fedllm.privacy import default_delta, epsilon, noise_for_epsilon
-
-    if args.per_round > args.clients or min(args.clients, args.per_round, args.rounds) < 1:
-        raise ValueError("--clients, --per-round and --rounds must be >= 1, with --per-round <= --clients")
-    delta = args.delta or default_delta(args.clients)
-    if args.target_epsilon is not None:
-        sigma = noise_for_epsilon(
-            args.target_epsilon, args.mode, args.clients, args.per_round, args.rounds, delta
-        )
-        eps = epsilon(args.mode, args.clients, args.per_round, sigma, args.rounds, delta)
-        print(f"privacy.noise_multiplier={sigma:.4f} gives epsilon {eps:.3f} at delta {delta:.3g}")
-    else:
-        sigma = args.noise_multiplier
-        eps = epsilon(args.mode, args.clients, args.per_round, sigma, args.rounds, delta)
-        print(f"noise multiplier {sigma:g} spends epsilon {eps:.3f} at delta {delta:.3g}")
-    print(json.dumps({"mode": args.mode, "noise_multiplier": sigma, "epsilon": eps, "delta": delta}))
     return 0
 
 
@@ -313,18 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(e, with_runs=True)
     e.set_defaults(func=cmd_eval)
 
-    pv = sub.add_parser(
-        "privacy", help="noise multiplier for a target epsilon (or epsilon for a noise multiplier)"
-    )
-    pv.add_argument("--clients", type=int, required=True, help="federation.num_clients (N)")
-    pv.add_argument("--per-round", type=int, required=True, help="clients sampled per round (m)")
-    pv.add_argument("--rounds", type=int, required=True, help="federation.rounds")
-    pv.add_argument("--mode", choices=["central", "local"], default="central")
-    pv.add_argument("--delta", type=float, default=0.0, help="0: 1 / N^1.1")
-    pvx = pv.add_mutually_exclusive_group(required=True)
-    pvx.add_argument("--target-epsilon", type=float)
-    pvx.add_argument("--noise-multiplier", type=float)
-    pv.set_defaults(func=cmd_privacy)
+    from fedllm.features import FEATURES
+
+    for feature in FEATURES:  # the cross-cutting features' own commands
+        feature.add_commands(sub)
 
     g = sub.add_parser("generate", help="answers of the base, a run's global adapter or a client's adapter")
     g.add_argument("--model", help="base model (default: builtin); with --run: the run's own base")

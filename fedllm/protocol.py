@@ -84,6 +84,7 @@ class ClientStart:
     extras: dict[str, Tensor] = field(default_factory=dict)
     algo: dict[str, Tensor] = field(default_factory=dict)
     accepted: int = 0
+    plan: str = ""  # the plan this start belongs to: the update answering it names it
 
     def numel(self) -> int:
         """Parameters this download carries (the communication ledger counts these)."""
@@ -114,6 +115,8 @@ class ClientUpdate:
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    round: int | None = None  # the round and plan it answers (the server refuses another round's)
+    plan: str = ""
 
     def numel(self) -> int:
         return adapter_numel(self.factors) + _numel(self.dense) + _numel(self.extras)
@@ -237,6 +240,9 @@ class ClientHook:
     local_params: ClassVar[bool] = False
     frozen: ClassVar[tuple[str, ...]] = ()  # factors its clients never train (FFA-LoRA: A)
     uploads_statistics: ClassVar[bool] = False  # extras that are statistics of the data (FLoRAL's routers)
+    # extras that are parameters trained like the adapter (FLoRAL's bias adaptors, FedSA-LoRA's shared B):
+    # clipped and noised with the update; their change is measured from the download of the same name
+    shared_extras: ClassVar[tuple[str, ...]] = ()
     uploads: ClassVar[tuple[str, ...]] = ("A", "B")  # the factors that travel (FedSA-LoRA: A alone)
     init_round: ClassVar[int | None] = None  # fresh factors from this round's seed, not the current one's
 
@@ -248,6 +254,30 @@ class ClientHook:
     def start_factors(self, download: Adapter | None, fresh: Adapter) -> Adapter:
         """The factors a client trains from: its download with dead directions revived, or ``fresh``."""
         return revive_empty_directions(download, fresh) if download else fresh
+
+    def outgoing(self, trained: Adapter) -> Adapter:
+        """What of a client's trained factors leaves it: the factors in :attr:`uploads`; one left out travels
+        empty (an ``out x 0`` B, a ``0 x in`` A), counted as nothing."""
+        return {
+            k: LoraFactors(
+                f.A if "A" in self.uploads else f.A[:0], f.B if "B" in self.uploads else f.B[:, :0], f.scale
+            )
+            for k, f in trained.items()
+        }
+
+    def incoming(self, received: Adapter, reference: Adapter) -> Adapter:
+        """The server's view of an accepted upload: what did not travel because it is frozen and shared is
+        the reference's (FFA-LoRA's A); what stays on the client stays empty (FedSA-LoRA's B)."""
+        if not self.frozen:
+            return received
+        return {
+            k: LoraFactors(
+                reference[k].A.clone() if "A" in self.frozen else f.A,
+                reference[k].with_scale(f.scale).B.clone() if "B" in self.frozen else f.B,
+                f.scale,
+            )
+            for k, f in received.items()
+        }
 
     def session(
         self, model, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
@@ -276,6 +306,7 @@ def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
         "has_factors": start.factors is not None,
         "catchup": [start.catchup.from_round, start.catchup.to_round] if start.catchup else None,
         "accepted": start.accepted,
+        "plan": start.plan,
     }
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
@@ -292,6 +323,7 @@ def decode_start(tensors: dict[str, Tensor], meta: dict) -> ClientStart:
         extras=unprefixed(tensors, "extras."),
         algo=unprefixed(tensors, "algo."),
         accepted=int(meta.get("accepted", 0)),
+        plan=str(meta.get("plan", "")),
     )
 
 
@@ -304,6 +336,8 @@ def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict]:
         "num_examples": update.num_examples,
         "scales": scales,
         "metrics": update.metrics,
+        "round": update.round,
+        "plan": update.plan,
     }
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
@@ -317,7 +351,32 @@ def decode_update(tensors: dict[str, Tensor], meta: dict) -> ClientUpdate:
         dense=unprefixed(tensors, "dense."),
         extras=unprefixed(tensors, "extras."),
         metrics=dict(meta["metrics"]),
+        round=meta.get("round"),
+        plan=str(meta.get("plan", "")),
     )
+
+
+# ---- what a client uploads, transformed on its way out (a clip, noise, a quantizer) ----------------------
+
+
+@dataclass
+class UploadContext:
+    """What an upload transform may read: the client's download (``start``), the factors it started from
+    (``started``: its download completed, or its fresh init), its own state (a transform keeps what it needs
+    there under its own prefix, e.g. an error-feedback residual) and which extras are parameters."""
+
+    start: ClientStart
+    started: Adapter
+    state: dict[str, Tensor]
+    shared_extras: tuple[str, ...] = ()
+
+
+class UploadTransform:
+    """One change of what a client uploads, declared by a feature and applied in order by the client runtime
+    after training; the client algorithm never knows of it."""
+
+    def apply(self, update: ClientUpdate, ctx: UploadContext) -> ClientUpdate:
+        return update
 
 
 # ---- a cross-cutting feature (fedllm/features.py lists them) ----------------------------------------------
@@ -342,3 +401,22 @@ class Feature:
 
     def check_config(self, options, cfg) -> None:
         """What this feature alone requires of a config (ValueError naming the key)."""
+
+    def wrap_strategy(self, strategy, options, cfg):
+        """The server's strategy with this feature around it (default: as it is)."""
+        return strategy
+
+    def server_rules(self, rules, options, cfg):
+        """The server's rules (``fedllm.server.Rules``) this feature needs (default: as they are)."""
+        return rules
+
+    def sampling(self, sampling, options, cfg):
+        """How the server draws each round's clients under this feature (default: as it does)."""
+        return sampling
+
+    def upload_transforms(self, options, cfg) -> list[UploadTransform]:
+        """What this feature does to every upload, on the client (default: nothing)."""
+        return []
+
+    def add_commands(self, subparsers) -> None:
+        """Subcommands of ``fedllm`` this feature brings."""

@@ -17,6 +17,7 @@ import abc
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class Round:
 
     row: dict[str, Any]
     report: RoundReport
+    plan: RoundPlan
 
 
 class RoundLoop(abc.ABC):
@@ -69,7 +71,8 @@ class RoundLoop(abc.ABC):
         self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
         self.start_round, self.wall_before = 1, 0.0
         self.store: ClientStore | None = None  # simulated clients' state on disk (a site keeps its own)
-        self.checkpoint_times: list[float] = []  # seconds per checkpoint written (scripts/bench_scale.py)
+        # callbacks (phase, seconds) after each timed phase, e.g. a benchmark's (scripts/bench_scale.py)
+        self.on_phase: list[Callable[[str, float], None]] = []
         self.t_start = time.perf_counter()
         self.writer = RunWriter(
             self.run_dir,
@@ -104,10 +107,12 @@ class RoundLoop(abc.ABC):
     def personal_clients(self, sampled: list[int]) -> list[int]:
         """Whom personalized evaluation visits: the round's sampled clients (``eval.personalized_clients =
         0``), or the same seeded subset of N clients every time; visiting all 1,000 clients every evaluation
-        round would cost far more than the round's training."""
+        round would cost far more than the round's training. A sample that is not public is never named
+        by whom the evaluation visits: a fixed seeded subset of as many clients stands in for it."""
         n = self.cfg.eval.personalized_clients
-        if n <= 0:
+        if n <= 0 and self.server.sampling.public:
             return sorted(sampled)
+        n = n if n > 0 else len(sampled)
         everyone = sorted(self.server.clients)
         if n >= len(everyone):
             return everyone
@@ -116,8 +121,10 @@ class RoundLoop(abc.ABC):
     def personal_scope(self) -> str:
         """What the summary says personalized evaluation covered."""
         n = self.cfg.eval.personalized_clients
-        if n <= 0:
+        if n <= 0 and self.server.sampling.public:
             return "each evaluation round's sampled clients"
+        if n <= 0:
+            return "a fixed seeded subset as large as a round's sample (the sample itself is not public)"
         return f"a fixed seeded subset of {min(n, len(self.server.clients))} clients"
 
     def local_clients(self) -> list[ClientData]:
@@ -130,6 +137,10 @@ class RoundLoop(abc.ABC):
     def quiet(self) -> bool | None:
         """tqdm's ``disable``: bars on the main process's terminal only (None: tqdm checks for a TTY)."""
         return None if self.acc.is_main_process else True
+
+    def phase_done(self, phase: str, seconds: float) -> None:
+        for callback in self.on_phase:
+            callback(phase, seconds)
 
     def elapsed(self) -> float:
         """Seconds this run has spent so far, over every attempt (resumes add to it)."""
@@ -152,7 +163,7 @@ class RoundLoop(abc.ABC):
             "time_server_s": t3 - t2,  # acceptance, clipping and aggregation (time_aggregate_s: the last)
             "time_merge_s": time.perf_counter() - t3,
         }
-        return Round({**report.row, **times}, report)
+        return Round({**report.row, **times}, report, plan)
 
     def evaluate(self) -> dict[str, Any]:
         return evaluate_global(
@@ -179,7 +190,7 @@ class RoundLoop(abc.ABC):
         self.writer.checkpoint(round_idx, tensors, meta)
         if self.store is not None and self.acc.is_main_process:
             self.store.prune(self.run_dir)
-        self.checkpoint_times.append(time.perf_counter() - t0)
+        self.phase_done("checkpoint", time.perf_counter() - t0)
 
     def restore(self) -> None:
         """Continue after the newest intact checkpoint of the run directory (a damaged newer one is passed
@@ -215,11 +226,12 @@ class RoundLoop(abc.ABC):
         for r in tqdm(
             range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.quiet()
         ):
-            row = self.run_round(r).row
+            done = self.run_round(r)
+            row = done.row
             if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
                 row.update(self.evaluate())
                 if cfg.eval.personalized:
-                    row.update(self.personalized(r, self.personal_clients(row["sampled"])))
+                    row.update(self.personalized(r, self.personal_clients(done.plan.sampled)))
             row["cumulative"] = {k: v for k, v in self.server.ledger.totals().items() if k != "per_client"}
             self.writer.log(row)
             self.checkpoint(r)
@@ -255,8 +267,7 @@ class RoundLoop(abc.ABC):
         }
         if cfg.eval.personalized:
             summary["personalized_on"] = self.personal_scope()
-        if self.server.dp is not None:  # every configured round has run (skipped ones spend too)
-            summary["privacy"] = self.server.dp.summary(cfg.federation.rounds)
+        summary.update(self.strategy.run_summary(cfg.federation.rounds))  # what a wrapper reports
         if layout.deepspeed:
             summary["deepspeed_zero_stage"] = layout.zero_stage
         if cfg.model.quantization != "none":

@@ -17,7 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fedllm import assembly
-from fedllm.client.runtime import ClientData, ClientFault
+from fedllm.client.runtime import ClientData
 from fedllm.client.store import ClientStore
 from fedllm.config import Config, token_modules
 from fedllm.round_loop import RoundLoop, personal_summary
@@ -29,9 +29,7 @@ log = logging.getLogger(__name__)
 class Simulation(RoundLoop):
     """Every client simulated by this job (see module docstring).
 
-    ``fault`` injects faults for tests: ``(round, client, update) -> update``
-    runs on every update a client produces. ``federation`` gives prebuilt
-    pieces (benchmarks on in-memory models) instead of :meth:`setup`'s.
+    ``federation`` gives prebuilt pieces (benchmarks on in-memory models) instead of :meth:`setup`'s.
     """
 
     def __init__(
@@ -39,11 +37,9 @@ class Simulation(RoundLoop):
         cfg: Config,
         run_dir: Path,
         accelerator=None,
-        fault: ClientFault | None = None,
         federation: assembly.Federation | None = None,
     ):
         super().__init__(cfg, run_dir, accelerator)
-        self.fault = fault
         if federation is not None:
             self._use(federation)
 
@@ -86,7 +82,7 @@ class Simulation(RoundLoop):
             client = self.clients[k]
             self.store.load(client)
             try:
-                got: Any = self.runtime.train(client, plan.starts[k], self.fault)
+                got: Any = self.runtime.train(client, plan.starts[k])
             except Exception as e:  # a faulty client must not take the round down
                 log.warning("round %d: client %d left out: %s", plan.round, k, e)
                 log.debug("client %d traceback", k, exc_info=True)

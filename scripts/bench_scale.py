@@ -74,6 +74,8 @@ def point(strategy: str, clients: int, rounds: int, run_dir: Path) -> dict:
     )
     t0 = time.perf_counter()
     sim = Simulation(cfg, run_dir)
+    checkpoint_s: list[float] = []
+    sim.on_phase.append(lambda phase, s: checkpoint_s.append(s) if phase == "checkpoint" else None)
     sim.setup()
     setup_s = time.perf_counter() - t0
     sim.run()
@@ -90,7 +92,7 @@ def point(strategy: str, clients: int, rounds: int, run_dir: Path) -> dict:
         "train_s": median("time_train_s"),
         "server_s": median("time_server_s"),
         "merge_s": median("time_merge_s"),
-        "checkpoint_s": statistics.median(sim.checkpoint_times[len(sim.checkpoint_times) // 2 :]),
+        "checkpoint_s": statistics.median(checkpoint_s[len(checkpoint_s) // 2 :]),
     }
     ckpt = latest_checkpoint(run_dir)
     return {

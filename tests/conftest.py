@@ -101,3 +101,25 @@ def heldout_of(sim, data):
     from fedllm.model.evaluation import heldout
 
     return heldout(sim.runtime.model, sim.runtime.tokenizer, data, sim.cfg.eval.batch_size)
+
+
+def faulty(cls):
+    """A driver class whose clients' updates pass through ``fault(round, client, update) -> update`` (a test's
+    stand-in for a buggy or hostile client), e.g. ``faulty(Simulation)(cfg, run_dir, fault=f)``."""
+
+    class Faulty(cls):
+        def __init__(self, *args, fault=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fault = fault
+
+        def setup(self):
+            super().setup()
+            train = self.runtime.train
+
+            def train_with_fault(client, start):
+                update = train(client, start)
+                return self.fault(start.round, client.client_id, update) if self.fault else update
+
+            self.runtime.train = train_with_fault
+
+    return Faulty

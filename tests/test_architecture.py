@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +204,84 @@ def test_no_module_imports_a_driver():
     graph = import_graph()
     users = {m: sorted(deps & drivers) for m, deps in graph.items() if deps & drivers and m != "fedllm.cli"}
     assert users == {}
+
+
+PRIVACY_WORDS = re.compile(r"privacy|differential|(^|_)dp($|_)|epsilon|noise_multiplier", re.IGNORECASE)
+
+
+def code_words(path: Path) -> set[str]:
+    """Identifiers, attribute and keyword names, imported modules and non-docstring string constants of a
+    module: what its code says (comments and docstrings aside)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.add(node.attr)
+        elif (isinstance(node, ast.keyword) and node.arg) or isinstance(node, ast.arg):
+            words.add(node.arg)
+        elif isinstance(node, ast.alias):
+            words.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            words.add(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words.add(node.value)
+    return words
+
+
+def test_only_the_privacy_room_speaks_of_privacy():
+    """Differential privacy lives in fedllm/privacy/ (the strategy wrapper, the upload transform, the
+    accountant, its options and command); the registry of features names it; no other module's code does."""
+    found = {}
+    for path in sorted((ROOT / "fedllm").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] == "privacy" or rel == Path("fedllm/features.py"):
+            continue
+        bad = sorted(w for w in code_words(path) if PRIVACY_WORDS.search(w))
+        if bad:
+            found[str(rel)] = bad
+    assert found == {}
+
+
+def test_no_module_compares_a_method_name_outside_its_own_file():
+    """The round loop, server, runtime, config and drivers never branch on which strategy or algorithm
+    runs: a comparison with a registered name happens only in that method's own file."""
+    from fedllm.aggregation import STRATEGIES
+    from fedllm.client import ALGORITHMS
+
+    names = set(STRATEGIES) | set(ALGORITHMS)
+    found = []
+    for path in sorted((ROOT / "fedllm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            subject = [
+                n
+                for side in sides
+                for n in ast.walk(side)
+                if (isinstance(n, ast.Attribute) and n.attr in ("name", "algorithm"))
+                or (isinstance(n, ast.Name) and n.id in ("name", "algorithm"))
+            ]
+            if not subject:  # e.g. privacy.mode == "local" names a mode, not the local-only strategy
+                continue
+            consts = [
+                c.value
+                for side in sides
+                for c in ast.walk(side)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            ]
+            for name in set(consts) & names:
+                if path.stem != name:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} compares with {name!r}")
+    assert found == []

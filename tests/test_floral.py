@@ -17,7 +17,7 @@ from fedllm.config import ConfigError, LoraConfig, load_config
 from fedllm.factors import LoraFactors, fresh_factors, read_factors, write_factors
 from fedllm.model.modeling import attach_lora, install_adapter
 from fedllm.simulation import Simulation
-from tests.conftest import random_factors, switch_in, tiny_overrides
+from tests.conftest import faulty, random_factors, switch_in, tiny_overrides
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -205,7 +205,7 @@ def floral_run(tmp_path, *extra, hook=None):
             *extra,
         ),
     )
-    fed = Simulation(cfg, tmp_path / "r", fault=hook)
+    fed = faulty(Simulation)(cfg, tmp_path / "r", fault=hook)
     fed.setup()
     fed.run()
     return fed

@@ -11,10 +11,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, example_weights
+from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, RoundContext, example_weights
 from fedllm.config import ConfigError, load_config
 from fedllm.factors import LoraFactors, init_factors
-from fedllm.privacy import epsilon, noise_for_epsilon, noisy_mean, privatize_update
+from fedllm.privacy import epsilon, noise_for_epsilon
+from fedllm.privacy.strategy import DPStrategy
+from fedllm.privacy.transform import ClipAndNoise
+from fedllm.protocol import ClientStart, UploadContext
 from tests.conftest import tiny_overrides
 
 SHAPES = {"l0.q_proj": (48, 32), "l0.v_proj": (48, 32), "l1.q_proj": (48, 32)}
@@ -54,44 +57,27 @@ def test_epsilon_is_dp_accountings():
     assert epsilon("central", n, m, sigma4, rounds, delta) == pytest.approx(4.0, rel=1e-3)
 
 
-def test_a_hostile_update_contributes_at_most_the_clip():
-    """A client whose change is 1e4 times an honest one's moves the noiseless mean by at most C / m."""
-    gen = torch.Generator().manual_seed(0)
-    base = {k: f.folded() for k, f in init_factors(SHAPES, 8, 1.0, seed=3).items()}
-    ref = {k: LoraFactors(f.A, f.B / 2.0, 2.0) for k, f in base.items()}  # rank 8 at scale 2
-    hostile = ClientUpdate(0, 10, moved(ref, gen, 1e4))
-    for m in (1, 4):
-        state, info = noisy_mean(GlobalState(), [hostile], [ref], m, 0.5, 0.0, gen, base)
-        change = torch.cat(
-            [
-                torch.cat(
-                    [(state.factors[k].A - base[k].A).flatten(), (state.factors[k].B - base[k].B).flatten()]
-                )
-                for k in base
-            ]
-        )
-        assert float(change.norm()) <= 0.5 / m * (1 + 1e-5) and float(change.norm()) > 0.4 / m
-        assert info["dp_clipped"] == 1
-    # a site that clipped its own change (as every fedllm client does) is not counted as re-clipped
-    clipped, _, norm = privatize_update(hostile.factors, {}, ref, {}, 0.5, 0.0, gen)
-    assert norm > 0.5
-    _, info = noisy_mean(GlobalState(), [ClientUpdate(0, 10, clipped)], [ref], 1, 0.5, 0.0, gen, base)
-    assert info["dp_clipped"] == 0
+def central(clip: float, sigma: float) -> DPStrategy:
+    """FedIT wrapped for central DP (reproducible noise, the clip statistics reported)."""
+    return DPStrategy(
+        STRATEGIES["fedit"](),
+        mode="central",
+        clip_norm=clip,
+        noise_multiplier=sigma,
+        noise_seed=0,
+        epsilon_after=lambda rounds: 0.0,
+        summary=lambda rounds: {},
+        report_clip_stats=True,
+    )
 
 
-def test_zero_changes_release_pure_noise_of_the_stated_size():
-    """All clients send back what they were given: the global change is Gaussian noise with standard
-    deviation noise_multiplier * C / m on every coordinate (a fixed-seed statistical check)."""
-    gen = torch.Generator().manual_seed(1)
-    base = {k: f.folded() for k, f in init_factors(SHAPES, 8, 1.0, seed=3).items()}
-    ref = {k: LoraFactors(f.A, f.B / 2.0, 2.0) for k, f in base.items()}
-    ups = [
-        ClientUpdate(k, 10, {m: LoraFactors(f.A.clone(), f.B.clone(), 2.0) for m, f in ref.items()})
-        for k in range(5)
-    ]
-    sigma, clip, m = 1.3, 0.7, 5
-    state, _ = noisy_mean(GlobalState(), ups, [ref] * 5, m, clip, sigma * clip, gen, base)
-    noise = torch.cat(
+def round1(m: int, refs: list) -> RoundContext:
+    """Round 1 of clients of rank 8 that started from the shared initialization (seed 3)."""
+    return RoundContext(1, m, refs, 8, lambda: init_factors(SHAPES, 8, 1.0, seed=3))
+
+
+def released_change(state: GlobalState, base: dict) -> torch.Tensor:
+    return torch.cat(
         [
             torch.cat(
                 [(state.factors[k].A - base[k].A).flatten(), (state.factors[k].B - base[k].B).flatten()]
@@ -99,24 +85,65 @@ def test_zero_changes_release_pure_noise_of_the_stated_size():
             for k in base
         ]
     )
+
+
+def clip_on_site(update: ClientUpdate, ref: dict, clip: float, std: float = 0.0) -> ClientUpdate:
+    """What a site's upload transform makes of ``update`` (it started round 1 from ``ref``)."""
+    ctx = UploadContext(ClientStart(round=1), ref, {})
+    return ClipAndNoise(clip, std, noise_seed=0).apply(update, ctx)
+
+
+def test_a_hostile_update_contributes_at_most_the_clip():
+    """A client whose change is 1e4 times an honest one's moves the noiseless mean by at most C / m."""
+    gen = torch.Generator().manual_seed(0)
+    base = {k: f.folded() for k, f in init_factors(SHAPES, 8, 1.0, seed=3).items()}
+    ref = {k: LoraFactors(f.A, f.B / 2.0, 2.0) for k, f in base.items()}  # rank 8 at scale 2
+    hostile = ClientUpdate(0, 10, moved(ref, gen, 1e4))
+    for m in (1, 4):
+        result = central(0.5, 0.0).aggregate([hostile], GlobalState(), None, round1(m, [ref]))
+        change = released_change(result.state, base)
+        assert float(change.norm()) <= 0.5 / m * (1 + 1e-5) and float(change.norm()) > 0.4 / m
+        assert result.info["dp_clipped"] == 1
+    # a site that clipped its own change (as every fedllm client does) is not counted as re-clipped
+    clipped = clip_on_site(ClientUpdate(0, 10, moved(ref, gen, 1e4)), ref, 0.5)
+    result = central(0.5, 0.0).aggregate([clipped], GlobalState(), None, round1(1, [ref]))
+    assert result.info["dp_clipped"] == 0
+
+
+def test_zero_changes_release_pure_noise_of_the_stated_size():
+    """All clients send back what they were given: the global change is Gaussian noise with standard
+    deviation noise_multiplier * C / m on every coordinate (a fixed-seed statistical check)."""
+    base = {k: f.folded() for k, f in init_factors(SHAPES, 8, 1.0, seed=3).items()}
+    ref = {k: LoraFactors(f.A, f.B / 2.0, 2.0) for k, f in base.items()}
+    ups = [
+        ClientUpdate(k, 10, {m: LoraFactors(f.A.clone(), f.B.clone(), 2.0) for m, f in ref.items()})
+        for k in range(5)
+    ]
+    sigma, clip, m = 1.3, 0.7, 5
+    result = central(clip, sigma).aggregate(ups, GlobalState(), None, round1(m, [ref] * 5))
+    noise = released_change(result.state, base)
     assert noise.numel() > 1500
     assert float(noise.std()) == pytest.approx(sigma * clip / m, rel=0.05)
     assert abs(float(noise.mean())) < 4 * sigma * clip / m / math.sqrt(noise.numel())
 
 
 def test_a_client_clips_its_change_and_in_local_mode_noises_it():
-    gen = torch.Generator().manual_seed(2)
     start = init_factors(SHAPES, 4, 2.0, seed=5)
-    trained = moved(start, gen, 0.5)
     dense0 = {"embed": torch.zeros(10, 4)}
-    dense1 = {"embed": torch.ones(10, 4)}
-    f, d, norm = privatize_update(trained, dense1, start, dense0, 0.3, 0.0, gen)
-    change = [f[k].A - start[k].A for k in f] + [(f[k].B - start[k].B) * 2.0 for k in f] + [d["embed"]]
-    assert norm > 0.3 and math.sqrt(sum(float(c.pow(2).sum()) for c in change)) == pytest.approx(
-        0.3, rel=1e-5
-    )
-    f2, _, _ = privatize_update(trained, dense1, start, dense0, 0.3, 0.1, gen)
-    noise = torch.cat([(f2[k].A - f[k].A).flatten() for k in f])
+    ctx = UploadContext(ClientStart(round=1, dense=dense0), start, {})
+
+    def upload():
+        g = torch.Generator().manual_seed(7)
+        return ClientUpdate(0, 10, moved(start, g, 0.5), {"embed": torch.ones(10, 4)})
+
+    f = ClipAndNoise(0.3, 0.0, noise_seed=0).apply(upload(), ctx)
+    change = [f.factors[k].A - start[k].A for k in start] + [
+        (f.factors[k].B - start[k].B) * 2.0 for k in start
+    ]
+    change.append(f.dense["embed"])
+    assert math.sqrt(sum(float(c.pow(2).sum()) for c in change)) == pytest.approx(0.3, rel=1e-5)
+    f2 = ClipAndNoise(0.3, 0.1, noise_seed=0).apply(upload(), ctx)
+    noise = torch.cat([(f2.factors[k].A - f.factors[k].A).flatten() for k in start])
     assert float(noise.std()) == pytest.approx(0.1, rel=0.1)
 
 
@@ -172,7 +199,7 @@ def test_a_dp_run_reports_epsilon_and_a_resumed_run_spends_the_same(tmp_path, bu
         == 0
     )
     out = capsys.readouterr().out
-    assert "-DP after 3 rounds, central" in out
+    assert "-DP at the user level after 3 rounds, central" in out
     resumed = json.loads((tmp_path / "a" / "summary.json").read_text())["privacy"]
     straight = json.loads((tmp_path / "b" / "summary.json").read_text())["privacy"]
     assert resumed["epsilon"] == straight["epsilon"] == epsilon("central", 8, 4, 1.2, 3, default_delta(8))
@@ -181,7 +208,7 @@ def test_a_dp_run_reports_epsilon_and_a_resumed_run_spends_the_same(tmp_path, bu
     assert eps == sorted(eps) and eps[-1] == straight["epsilon"]
     card_dir = tmp_path / "card"
     assert main(["export", str(tmp_path / "b"), "--output", str(card_dir)]) == 0
-    assert "differential privacy (central, user level)" in (card_dir / "README.md").read_text()
+    assert "| guarantee | (" in (card_dir / "README.md").read_text()
 
 
 def test_ffa_run_sends_b_only_and_never_changes_a(tmp_path, builtin_base):

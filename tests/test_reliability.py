@@ -16,12 +16,12 @@ from fedllm.config import load_config
 from fedllm.factors import LoraFactors
 from fedllm.run import checkpoint as ckpt
 from fedllm.simulation import Simulation
-from tests.conftest import tiny_overrides
+from tests.conftest import faulty, tiny_overrides
 
 
 def run_with_hook(tmp_path, hook, *extra):
     cfg = load_config(None, tiny_overrides(tmp_path / "r", *extra))
-    fed = Simulation(cfg, tmp_path / "r", fault=hook)
+    fed = faulty(Simulation)(cfg, tmp_path / "r", fault=hook)
     fed.setup()
     summary = fed.run()
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -88,7 +88,7 @@ def test_round_below_min_clients_is_skipped_and_state_unchanged(tmp_path):
         return all_fail_round_2(r, k, u)
 
     cfg = load_config(None, tiny_overrides(tmp_path / "r", "federation.min_clients=2"))
-    fed = Simulation(cfg, tmp_path / "r", fault=record)
+    fed = faulty(Simulation)(cfg, tmp_path / "r", fault=record)
     fed.setup()
     original = fed.run_round
 

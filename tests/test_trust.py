@@ -48,7 +48,9 @@ def honest(server: Server, plan, k: int, size: float = 0.01, seed: int = 0) -> C
     }
     dense = {n: t + size * torch.randn(t.shape, generator=gen) for n, t in plan.starts[k].dense.items()}
     metrics = {"loss_first": 2.0, "loss_last": 1.0, "loss_mean": 1.5, "train_s": 0.1, "steps": 3}
-    return ClientUpdate(k, server.clients[k].num_examples, factors, dense, {}, metrics)
+    return ClientUpdate(
+        k, server.clients[k].num_examples, factors, dense, {}, metrics, round=plan.round, plan=plan.token
+    )
 
 
 def round_with(server: Server, r: int, bad: dict[int, object]):
@@ -111,7 +113,7 @@ def test_clipping_measures_the_change_from_what_the_server_sent():
         k: LoraFactors(ref[k].A + 1e4 * (f.A - ref[k].A), ref[k].B + 1e4 * (f.B - ref[k].B), f.scale)
         for k, f in ups[3].factors.items()
     }
-    changes = {k: server._change(plan, server.accept(u, server.expected(k))) for k, u in ups.items()}
+    changes = {k: server.change(plan, server.accept(u, server.expected(k))) for k, u in ups.items()}
     norms = {k: math.sqrt(sum(float((v - r).pow(2).sum()) for v, r in c)) for k, c in changes.items()}
     report = server.finish_round(plan, ups)
     assert report.row["agg_clipped"] == 1 and not report.row["failed"]
@@ -279,7 +281,7 @@ def test_floral_router_probabilities_must_be_on_the_simplex(probs):
 def tiny_run(tmp_path, name, fault=None, *extra):
     from fedllm.config import load_config
     from fedllm.simulation import Simulation
-    from tests.conftest import tiny_overrides
+    from tests.conftest import faulty, tiny_overrides
 
     cfg = load_config(
         None,
@@ -292,7 +294,7 @@ def tiny_run(tmp_path, name, fault=None, *extra):
             *extra,
         ),
     )
-    sim = Simulation(cfg, tmp_path / name, fault=fault)
+    sim = faulty(Simulation)(cfg, tmp_path / name, fault=fault)
     sim.setup()
     summary = sim.run()
     rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

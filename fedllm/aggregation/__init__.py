@@ -15,6 +15,7 @@ from fedllm.aggregation import (  # noqa: F401  (registers the strategies)
 from fedllm.aggregation.base import (
     STRATEGIES,
     GlobalState,
+    RoundContext,
     RoundResult,
     Strategy,
     example_weights,
@@ -26,6 +27,7 @@ __all__ = [
     "STRATEGIES",
     "ClientUpdate",
     "GlobalState",
+    "RoundContext",
     "RoundResult",
     "Strategy",
     "example_weights",

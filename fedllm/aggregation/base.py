@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -49,6 +50,24 @@ class RoundResult:
     state: GlobalState
     merged: Adapter = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RoundContext:
+    """What the server knows of a round beside the updates, for a strategy (or a wrapper) that needs it.
+
+    ``references``: what each update's client started from (the server's own derivation, in the order of
+    the updates); ``sampled``: how many clients the round sampled; ``max_rank``: the largest adapter rank
+    of the federation; ``fresh()``: the round's shared fresh initialization at that rank (computed on
+    demand); ``max_weight``: the server's cap on one client's share of an average.
+    """
+
+    round: int
+    sampled: int
+    references: list[Adapter]
+    max_rank: int
+    fresh: Callable[[], Adapter]
+    max_weight: float = 1.0
 
 
 def example_weights(updates: list[ClientUpdate]) -> list[float]:
@@ -111,14 +130,19 @@ class Strategy(abc.ABC):
         return self.hook()
 
     def aggregate(
-        self, updates: list[ClientUpdate], state: GlobalState, weights: list[float] | None = None
+        self,
+        updates: list[ClientUpdate],
+        state: GlobalState,
+        weights: list[float] | None = None,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         """The new global state from the round's updates; ``weights``: each update's share (the server's,
-        from the counts it knows; default here: the updates' own counts, for plain use of the math)."""
+        from the counts it knows; default here: the updates' own counts, for plain use of the math);
+        ``context``: what the server knows of the round besides (see :class:`RoundContext`)."""
         if not updates:
             raise ValueError("aggregate() needs at least one client update")
         weights = example_weights(updates) if weights is None else list(weights)
-        result = self.aggregate_factors(updates, weights, state)
+        result = self.aggregate_factors(updates, weights, state, context)
         names = updates[0].dense.keys()
         result.state.dense = {k: self.average([u.dense[k] for u in updates], weights) for k in names}
         if not result.state.dense:
@@ -149,15 +173,30 @@ class Strategy(abc.ABC):
         return {}
 
     def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
-        """Extras that are parameters averaged like the adapter (FLoRAL's bias adaptors): clipped with it,
-        their change measured from what the client downloaded under the same name (else from zero)."""
-        return {}
+        """Extras that are parameters averaged like the adapter (the client hook's ``shared_extras``:
+        FLoRAL's bias adaptors, FedSA-LoRA's shared B): clipped with it, their change measured from what the
+        client downloaded under the same name (else from zero)."""
+        prefixes = self.hook.shared_extras
+        return {k: v for k, v in update.extras.items() if prefixes and k.startswith(prefixes)}
 
     @abc.abstractmethod
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         """Combine the round's adapters (``weights`` are the p_k) into a new state."""
+
+    def round_report(self, round_idx: int) -> dict[str, Any]:
+        """Numbers this strategy (or a wrapper of it) adds to round ``round_idx``'s metrics row."""
+        return {}
+
+    def run_summary(self, rounds: int) -> dict[str, Any]:
+        """What it adds to the run's summary: sections, ``metrics`` (numbers ``fedllm compare`` reports)
+        and ``guarantees`` (one-line statements the printed summary and the model card show)."""
+        return {}
 
     def adapter_rank(self, rank: int) -> int:
         """Rank of the peft adapter a client of LoRA rank ``rank`` trains (FLoRAL: C * rank)."""

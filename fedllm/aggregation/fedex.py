@@ -24,7 +24,14 @@ stays in the global model it is evaluated on, not in its own start).
 
 from __future__ import annotations
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
+from fedllm.aggregation.base import (
+    ClientUpdate,
+    GlobalState,
+    RoundContext,
+    RoundResult,
+    Strategy,
+    leading_factors,
+)
 from fedllm.factors import Adapter, LoraFactors, concat
 from fedllm.lowrank import add_to_residual, pad_rank, smallest_exact, stack
 
@@ -40,7 +47,11 @@ class FedExLoRA(Strategy):
     merges_into_base = True  # the remainder: under a quantized base it stays a frozen residual adapter
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         factors: Adapter = {}
         merged: Adapter = {}

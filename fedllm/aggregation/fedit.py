@@ -9,7 +9,14 @@ error is part of the method). With heterogeneous ranks every client's
 
 from __future__ import annotations
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
+from fedllm.aggregation.base import (
+    ClientUpdate,
+    GlobalState,
+    RoundContext,
+    RoundResult,
+    Strategy,
+    leading_factors,
+)
 from fedllm.factors import Adapter, LoraFactors
 from fedllm.lowrank import pad_rank
 
@@ -26,7 +33,11 @@ class FedIT(Strategy):
     linear = True  # the new A and B are weighted sums of the clients': central DP can noise those sums
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         out: Adapter = {}
         for key in updates[0].factors:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.factors import Adapter, LoraFactors, lora_modules, unprefixed
 from fedllm.options import opt
 from fedllm.protocol import ClientHook, HookSession
@@ -95,6 +95,7 @@ class FedSAClient(ClientHook):
 
     personalizes = True  # its personalized model is its own B on the global A
     uploads: ClassVar[tuple[str, ...]] = ("A",)
+    shared_extras: ClassVar[tuple[str, ...]] = (B_SHARED,)  # its B on sharing rounds: clipped with A
 
     def start_factors(self, download: Adapter | None, fresh: Adapter) -> Adapter:
         """The downloaded A (its empty B completed with the fresh zero B; the session puts the client's own
@@ -138,6 +139,9 @@ class FedSALoRA(Strategy):
         shared = unprefixed(extras, B_SHARED)
         if not shared:
             return {}
+        asked = exp.asked.get(SHARE)
+        if exp.round is not None and not (isinstance(asked, Tensor) and bool(asked.item())):
+            raise ClientFailure("it sends a shared B in a round that asked for none")
         if set(shared) != set(exp.modules):
             raise ClientFailure(
                 f"its shared B's cover {len(shared)} modules, not the adapter's {len(exp.modules)}"
@@ -148,7 +152,11 @@ class FedSALoRA(Strategy):
         }
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         extras: dict[str, Any] = dict(state.extras)
         extras["rounds"] = int(extras.get("rounds", 0)) + 1

@@ -23,7 +23,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
+from fedllm.aggregation.base import (
+    ClientUpdate,
+    GlobalState,
+    RoundContext,
+    RoundResult,
+    Strategy,
+    leading_factors,
+)
 from fedllm.factors import Adapter, LoraFactors, init_factors, lora_modules
 from fedllm.lowrank import pad_rank
 from fedllm.protocol import ClientHook, HookSession
@@ -71,7 +78,11 @@ class FFALoRA(Strategy):
         return init_factors(modules, rank, 1.0, seed)
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         out: Adapter = {}
         for key, g in state.factors.items():

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
+from fedllm.aggregation.base import (
+    ClientUpdate,
+    GlobalState,
+    RoundContext,
+    RoundResult,
+    Strategy,
+    leading_factors,
+)
 from fedllm.factors import Adapter
 from fedllm.lowrank import low_rank_svd, stack, svd_factors
 from fedllm.options import one_of, opt
@@ -51,7 +58,11 @@ class FlexLoRA(Strategy):
         return cls(split=options.split)
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         out: Adapter = {}
         for key in updates[0].factors:

@@ -10,7 +10,7 @@ the sum of the round's ranks.
 
 from __future__ import annotations
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.lowrank import add_to_residual, stack
 
 
@@ -26,7 +26,11 @@ class FLoRA(Strategy):
     averages_parameters = False
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         merged = {key: stack([u.factors[key] for u in updates], weights) for key in updates[0].factors}
         return RoundResult(

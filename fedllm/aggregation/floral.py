@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.aggregation.floral_mixture import MixtureOptions, MixtureSession
 from fedllm.factors import Adapter, LoraFactors, unprefixed
 from fedllm.lowrank import weighted_mean
@@ -61,7 +61,9 @@ class FloralOptions:
         "reference's server ignores the temperature)",
     )
     stateful_routers: bool = opt(True, "keep routers across rounds (else re-learn each round)")
-    precondition_eps: float = opt(0.0, "LoRA preconditioning epsilon (0: off)", nonneg, ">= 0")
+    precondition_eps: float = opt(
+        0.0, "LoRA preconditioning: the eps added to B^T B and A A^T (0: off)", nonneg, ">= 0"
+    )
     bias_adaptors: bool = opt(False, "also C bias adaptors per target module, mixed by the router")
 
 
@@ -91,6 +93,7 @@ class FloralClient(ClientHook):
     personalizes = True
     local_params = True
     uploads_statistics = True  # its router probabilities
+    shared_extras = ("bias.",)  # its bias adaptors: averaged like the adaptors
 
     def __init__(self, options: MixtureOptions) -> None:
         self.options = options
@@ -165,14 +168,15 @@ class FLoRAL(Strategy):
                 out[BIAS + key] = as_float32(BIAS + key, extras.get(BIAS + key), (c, out_f))
         return out
 
-    def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
-        return {k: v for k, v in update.extras.items() if k.startswith(BIAS)}
-
     def adapter_rank(self, rank: int) -> int:
         return self.num_adaptors * rank
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         c = self.num_adaptors
         out: Adapter = {}

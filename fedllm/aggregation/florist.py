@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.factors import Adapter
 from fedllm.lowrank import add_to_residual, energy_rank, low_rank_svd, stack, svd_factors
 from fedllm.options import fraction, nonneg, opt
@@ -54,7 +54,11 @@ class FLoRIST(Strategy):
         return cls(tau=options.tau, fixed_rank=options.fixed_rank)
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         merged: Adapter = {}
         kept: dict[str, int] = {}

@@ -12,7 +12,8 @@ large one. The paper publishes no code; this follows its Section 3 and
 weights per module. The weights come from the updates themselves, so they
 are computed after the server's norm clipping (``aggregation.clip_norm_ratio``)
 has bounded every update: a client cannot buy a larger share with a larger
-update than the clip allows.
+update than the clip allows, and the server's cap on one client's share
+(``federation.max_client_weight``) applies to them as to example weights.
 
 Local rank self-pruning (the paper's Section 3.2, ``aggregation.hetlora.prune_gamma``
 = gamma > 0): each client adds ``lambda * ||s B_tail A_tail||_F`` per module to
@@ -40,11 +41,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy, leading_factors
+from fedllm.aggregation.base import (
+    ClientUpdate,
+    GlobalState,
+    RoundContext,
+    RoundResult,
+    Strategy,
+    leading_factors,
+)
 from fedllm.factors import Adapter, LoraFactors, lora_modules
 from fedllm.lowrank import low_rank_svd, pad_rank
 from fedllm.options import nonneg, opt
 from fedllm.protocol import ClientHook, HookSession
+from fedllm.server.trust import cap_weights
 
 
 @dataclass
@@ -203,7 +212,11 @@ class HetLoRA(Strategy):
         return ClientHook()
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         out: Adapter = {}
         shares: dict[str, list[float]] = {}
@@ -212,6 +225,8 @@ class HetLoRA(Strategy):
             norms = [update_norm(f) for f in folded]
             total = sum(norms)
             p = [n / total for n in norms] if total > 0 else list(weights)
+            if context is not None:  # the server's cap on one client's share holds for norm shares too
+                p = cap_weights(p, context.max_weight)
             rmax = max(f.rank for f in folded)
             padded = [pad_rank(f, rmax) for f in folded]
             out[key] = LoraFactors(

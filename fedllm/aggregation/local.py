@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundResult, Strategy
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.aggregation.fedit import FedIT
 from fedllm.factors import Adapter, LoraFactors
 
@@ -26,7 +26,11 @@ class LocalOnly(Strategy):
     averages_parameters = False
 
     def aggregate_factors(
-        self, updates: list[ClientUpdate], weights: list[float], state: GlobalState
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
     ) -> RoundResult:
         extras = dict(state.extras)
         for u in updates:

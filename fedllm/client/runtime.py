@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +41,6 @@ from data_prep.prompts import TokenizedExample
 from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_stream
 from fedllm.factors import (
     Adapter,
-    LoraFactors,
     concat,
     dense_param_names,
     fresh_factors,
@@ -69,11 +68,19 @@ from fedllm.model.modeling import (
     set_trainable_modules,
 )
 from fedllm.model.parallel import Layout, full_tensors
-from fedllm.protocol import Catchup, ClientHook, ClientStart, ClientUpdate, HookSession, derive_seed
+from fedllm.protocol import (
+    Catchup,
+    ClientHook,
+    ClientStart,
+    ClientUpdate,
+    HookSession,
+    UploadContext,
+    UploadTransform,
+    derive_seed,
+)
 
 log = logging.getLogger(__name__)
 
-ClientFault = Callable[[int, int, ClientUpdate], ClientUpdate]  # (round, client, update) -> update; tests
 ALGO, HOOK = "algo.", "hook."  # where a client's state keeps its algorithm's and its strategy's part
 PENDING, PENDING_ROUND = "pending.", "pending-round"  # algorithm state that waits for the server's acceptance
 
@@ -112,7 +119,7 @@ class ClientRuntime:
         residual_merges: bool = False,
         client_timeout_s: float = 0.0,
         progress: bool = False,
-        dp=None,
+        transforms: list[UploadTransform] | None = None,
     ) -> None:
         self.tokenizer, self.lora_cfg, self.client_cfg = tokenizer, lora_cfg, client_cfg
         self.seed, self.layout, self.acc = seed, layout, accelerator
@@ -126,7 +133,7 @@ class ClientRuntime:
         self.residual_rank = 0
         self.applied_round = 0  # merges of rounds up to this one are in the base
         self.timings: dict[str, float] = {}  # the last client's switch-in and read-out seconds (benchmarks)
-        self.dp = dp  # fedllm.privacy.DPRules: the upload's change clipped (and noised, in local mode)
+        self.transforms = list(transforms or [])  # features' transforms of each upload, in order
 
     # ---------------------------------------------------------------- the base
     def whole_adapters(self, modify: bool = False):
@@ -273,7 +280,7 @@ class ClientRuntime:
             if session is not None:
                 session.close()
 
-    def train(self, client: ClientData, start: ClientStart, fault: ClientFault | None = None) -> ClientUpdate:
+    def train(self, client: ClientData, start: ClientStart) -> ClientUpdate:
         """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
         params, started = self.switch_in(client, start)
         plan = self.plan_for(client, start.round)
@@ -306,15 +313,6 @@ class ClientRuntime:
         name = adapter_name(client.rank)
         with self.whole_adapters():
             trained, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
-        if self.dp is not None:
-            trained, dense, _ = self.dp.client_update(
-                trained, dense, started, start.dense, start.round, client.client_id
-            )
-        if "B" not in self.hook.uploads:  # B stays on the client (FedSA-LoRA): an empty out x 0 travels
-            trained = {k: LoraFactors(f.A, f.B[:, :0], f.scale) for k, f in trained.items()}
-        if "A" not in self.hook.uploads:  # A is frozen and shared (FFA-LoRA): an empty 0 x in travels
-            trained = {k: LoraFactors(f.A[:0], f.B, f.scale) for k, f in trained.items()}
-        self.timings["read_out_s"] = time.perf_counter() - t1
         log.info(
             "round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s",
             start.round,
@@ -328,7 +326,7 @@ class ClientRuntime:
         update = ClientUpdate(
             client_id=client.client_id,
             num_examples=client.num_examples,
-            factors=trained,
+            factors=self.hook.outgoing(trained),  # what stays on the client travels empty
             dense=dense,
             extras=result.extras,
             metrics={
@@ -338,8 +336,14 @@ class ClientRuntime:
                 "train_s": train_s,
                 "steps": plan.steps,
             },
+            round=start.round,
+            plan=start.plan,
         )
-        return fault(start.round, client.client_id, update) if fault is not None else update
+        ctx = UploadContext(start, started, client.state, self.hook.shared_extras)
+        for transform in self.transforms:
+            update = transform.apply(update, ctx)
+        self.timings["read_out_s"] = time.perf_counter() - t1
+        return update
 
     # ------------------------------------------------------- evaluation
     def install_global(self, adapter: Adapter, dense: dict[str, Tensor], biases: dict[str, Tensor]) -> bool:

@@ -1,63 +1,52 @@
-"""User-level differential privacy: DP-FedAvg (McMahan et al., ICLR 2018) and its accountant.
+"""User-level differential privacy: DP-FedAvg (McMahan et al., ICLR 2018) as a feature in its own room.
 
-What is protected: a client's whole contribution to a round (user-level),
-i.e. the change of everything it uploads (LoRA factors at its rank, in the
-aggregation space where the scale is folded into B, and the dense modules the
-config shares), bounded to L2 norm ``C = privacy.clip_norm``.
+What is protected: a client's whole contribution to a round (user-level), i.e. the change of everything it
+uploads (LoRA factors at its rank, in the aggregation space where the scale is folded into B, the dense
+modules the config shares, and the extras that are parameters), bounded to L2 norm ``C =
+privacy.clip_norm``.
 
-* **central** (FedIT, FFA-LoRA): each client clips its change to C; the
-  server clips again (a client that does not is bounded all the same), sums
-  the clipped changes, adds Gaussian noise of standard deviation ``sigma * C``
-  (``privacy.noise_multiplier``) to the sum and divides by the number of
-  clients sampled, ``m`` (fixed: never the example counts). The released
-  global factors (FedIT: A and B, each the noisy mean of the clients' changes
-  added to the previous global; FFA-LoRA: B, A being frozen and public) are
-  then differentially private, and so is every model built from them.
-* **local** (any strategy but FLoRAL): each client adds that noise to its own
-  clipped change before it leaves; the server aggregates the noisy updates
-  as the strategy does (uniform weights). No trust in the server is needed,
-  and no amplification by the sum either: the noise per client is m times
-  larger relative to the average than in the central mode.
+* **central** (a strategy whose aggregate is linear in the uploads: FedIT, FFA-LoRA): each client clips its
+  change to C (:class:`~fedllm.privacy.transform.ClipAndNoise`, an upload transform); the server's
+  strategy is wrapped (:class:`~fedllm.privacy.strategy.DPStrategy`): it clips again, lets the inner
+  strategy aggregate with uniform weights over the m clients sampled, and adds Gaussian noise of standard
+  deviation ``sigma C / m`` to the result.
+* **local** (any strategy whose uploads are all parameters): each client adds noise of standard deviation
+  ``sigma C`` to its own clipped change before it leaves; the server aggregates as the strategy does.
 
-Sampling is fedllm's: m of the N clients, uniformly without replacement,
-each round. The accountant is Google's dp-accounting (RDP, the
-sampled-without-replacement Gaussian of Wang, Balle and Kasiviswanathan,
-AISTATS 2019) under the "replace one client" neighbouring relation, where N
-is public. Replacing one client changes the sum of clipped changes by up to
-2C, and dp-accounting's noise multiplier is the noise's standard deviation
-over that L2 sensitivity, so the accountant is given ``sigma / 2``. Local
-mode is accounted per client as the Gaussian mechanism composed over every
-round (a client may be sampled in each; the server sees who is).
+The sample: by default (``privacy.sampling=secret``) each round's clients are drawn from the operating
+system's randomness, the run folder never names them (rows carry counts only; the ledger totals only),
+and the accountant amplifies by sampling (m of N without replacement, the sampled Gaussian of Wang, Balle
+and Kasiviswanathan, AISTATS 2019). With ``privacy.sampling=public`` the run's seeded sample is used and
+written as usual, and the reported epsilon is the unamplified Gaussian over the rounds the most-sampled
+client took part in, which is what an adversary who knows ``federation.seed`` faces. Accounting:
+Google's dp-accounting (RDP), "replace one client" (sensitivity 2C). Local mode is accounted per client
+as the Gaussian composed over every round.
 
-Noise comes from the operating system's randomness unless
-``privacy.noise_seed`` >= 0 makes it reproducible (for experiments: anyone
-who knows the seed can subtract it).
+The feature hooks the core only from outside (``fedllm/features.py``): it wraps the strategy, sets the
+server's rules (uniform weights; the fixed clip instead of the data-dependent median one in central
+mode), replaces the sampling, adds the clients' upload transform, and adds the ``fedllm privacy``
+command; the server, the runtime and the round loop do not know it exists.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import secrets
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
-import torch
-from torch import Tensor
-
-from fedllm.aggregation.base import STRATEGIES, ClientUpdate, GlobalState, RoundResult
-from fedllm.factors import Adapter, LoraFactors, init_factors
-from fedllm.lowrank import pad_rank
+from fedllm.aggregation.base import STRATEGIES
 from fedllm.options import Rule
-from fedllm.privacy.accountant import default_delta, epsilon, noise_for_epsilon
+from fedllm.privacy.accountant import default_delta, epsilon, noise_for_epsilon, round_up, unamplified
 from fedllm.privacy.options import PrivacyOptions
+from fedllm.privacy.sampling import SecretSampling, max_participation
+from fedllm.privacy.strategy import DPStrategy
+from fedllm.privacy.transform import ClipAndNoise
 from fedllm.protocol import Feature, sample_size
 
-log = logging.getLogger(__name__)
+__all__ = ["PRIVACY", "PrivacyFeature", "PrivacyOptions", "default_delta", "epsilon", "noise_for_epsilon"]
 
 
 def per_round(cfg) -> int:
-    """Clients sampled each round (the sampling the server does; see fedllm.server.Sampling)."""
+    """Clients sampled each round (the sampling the server does)."""
     fed = cfg.federation
     return sample_size(fed.clients_per_round, fed.client_fraction, fed.num_clients)
 
@@ -66,192 +55,15 @@ def delta_of(cfg) -> float:
     return cfg.privacy.delta or default_delta(cfg.federation.num_clients)
 
 
-def generator(seed: int, *parts: int) -> torch.Generator:
-    """OS randomness (``seed`` -1) or, for experiments, a generator seeded by ``seed`` and ``parts``."""
-    if seed < 0:
-        return torch.Generator().manual_seed(secrets.randbits(62))
-    mixed = seed
-    for p in parts:
-        mixed = (mixed * 1_000_003 + p + 1) % (1 << 62)
-    return torch.Generator().manual_seed(mixed)
-
-
-def clip_(changes: list[Tensor], clip_norm: float) -> float:
-    """Scale the change tensors in place to a joint L2 norm of at most ``clip_norm``; returns the norm they
-    had."""
-    norm = math.sqrt(sum(float(c.double().pow(2).sum()) for c in changes))
-    if norm > clip_norm:
-        for c in changes:
-            c.mul_(clip_norm / norm)
-    return norm
-
-
-def privatize_update(
-    trained: Adapter,
-    dense: dict[str, Tensor],
-    start: Adapter,
-    start_dense: dict[str, Tensor],
-    clip_norm: float,
-    noise_std: float,
-    gen: torch.Generator,
-) -> tuple[Adapter, dict[str, Tensor], float]:
-    """A client's upload with its change clipped to ``clip_norm`` (and, for local DP, Gaussian noise of
-    ``noise_std`` added to the change), measured in the aggregation space (B with its scale folded in).
-    Returns the factors, the dense modules and the change's norm before clipping."""
-    dA = {k: f.A - start[k].A for k, f in trained.items()}
-    dB = {k: (f.B - start[k].with_scale(f.scale).B) * f.scale for k, f in trained.items()}
-    dD = {k: t - start_dense[k] for k, t in dense.items()}
-    changes = [*dA.values(), *dB.values(), *dD.values()]
-    norm = clip_(changes, clip_norm)
-    if noise_std > 0:
-        for c in changes:
-            c.add_(torch.randn(c.shape, generator=gen) * noise_std)
-    factors = {
-        k: LoraFactors(start[k].A + dA[k], start[k].with_scale(f.scale).B + dB[k] / f.scale, f.scale)
-        for k, f in trained.items()
-    }
-    return factors, {k: start_dense[k] + dD[k] for k in dense}, norm
-
-
-def noisy_mean(
-    state: GlobalState,
-    updates: list[ClientUpdate],
-    references: list[Adapter],
-    per_round: int,
-    clip_norm: float,
-    noise_std: float,
-    gen: torch.Generator,
-    base: Adapter,
-    trains_a: bool = True,
-) -> tuple[GlobalState, dict]:
-    """Central DP-FedAvg on LoRA factors: ``global + (sum_k clip(change_k) + N(0, noise_std^2)) / m``.
-
-    ``references``: what each client started from (the server's own derivation);
-    ``base``: the global factors the changes are added to (the previous global,
-    or the round-1 initialization every client started from), at the largest
-    rank. A client's change covers its leading ``r_k`` components; the others
-    it does not change. Dense modules the same way. Every update is clipped here
-    again, so a client that did not clip is bounded all the same. ``trains_a`` False (FFA-LoRA): A is
-    frozen and public, nothing is added to it.
-    """
-    sums = {k: [torch.zeros_like(f.A), torch.zeros_like(f.B)] for k, f in base.items()}
-    dsum = {k: torch.zeros_like(t) for k, t in state.dense.items()}
-    norms = []
-    for u, ref in zip(updates, references, strict=True):
-        parts: list[Tensor] = []
-        for k, f in u.factors.items():
-            r = ref[k].with_scale(f.scale)
-            parts += [(f.A - r.A).double(), ((f.B - r.B) * f.scale).double()]
-        parts += [(t - state.dense[k]).double() for k, t in u.dense.items()]
-        norms.append(clip_(parts, clip_norm))
-        it = iter(parts)
-        for k, f in u.factors.items():
-            da, db = next(it), next(it)
-            sums[k][0][: f.rank] += da.float()
-            sums[k][1][:, : f.rank] += db.float()
-        for k in u.dense:
-            dsum[k] += next(it).float()
-
-    def noisy(t: Tensor) -> Tensor:
-        return (t + torch.randn(t.shape, generator=gen) * noise_std) / per_round
-
-    factors = {
-        k: LoraFactors(
-            base[k].A + noisy(sums[k][0]) if trains_a else base[k].A, base[k].B + noisy(sums[k][1]), 1.0
-        )
-        for k in base
-    }
-    dense = {k: state.dense[k] + noisy(dsum[k]) for k in dsum}
-    info = {
-        # updates the server had to clip: a site that did not clip (an honest site's clipped change
-        # measures C up to float32 rounding, which is not counted)
-        "dp_clipped": sum(n > clip_norm * (1 + 1e-4) for n in norms),
-        "dp_update_norm_median": float(torch.tensor(norms).median()) if norms else 0.0,
-    }
-    return GlobalState(factors, dict(state.residual), dense=dense, extras=dict(state.extras)), info
-
-
-def base_factors(state: GlobalState, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
-    """The global factors (folded) padded to ``rank``, or the round's shared initialization when there are
-    none yet (every client of round 1 started from its leading rows)."""
-    if state.factors:
-        return {k: pad_rank(f.folded(), rank) for k, f in state.factors.items()}
-    return {k: f.folded() for k, f in init_factors(modules, rank, 1.0, seed).items()}
-
-
-@dataclass
-class DPRules:
-    """The privacy settings both halves apply (``privacy.*``, with the sampling's N and m)."""
-
-    mode: str
-    clip_norm: float
-    noise_multiplier: float
-    num_clients: int
-    per_round: int
-    delta: float
-    noise_seed: int = -1
-
-    @classmethod
-    def from_config(cls, cfg) -> DPRules | None:
-        p = cfg.privacy
-        if p.mode == "none":
-            return None
-        return cls(
-            p.mode,
-            p.clip_norm,
-            p.noise_multiplier,
-            cfg.federation.num_clients,
-            per_round(cfg),
-            delta_of(cfg),
-            p.noise_seed,
-        )
-
-    @property
-    def noise_std(self) -> float:
-        return self.noise_multiplier * self.clip_norm
-
-    def spent(self, rounds: int) -> float:
-        """Epsilon at ``delta`` after ``rounds`` rounds (skipped rounds count: the clients were sampled)."""
-        return epsilon(self.mode, self.num_clients, self.per_round, self.noise_multiplier, rounds, self.delta)
-
-    def summary(self, rounds: int) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "clip_norm": self.clip_norm,
-            "noise_multiplier": self.noise_multiplier,
-            "delta": self.delta,
-            "epsilon": self.spent(rounds),
-            "rounds": rounds,
-            "sampling": f"{self.per_round} of {self.num_clients} clients per round, without replacement",
-            "accountant": "dp-accounting RDP, replace-one (sensitivity 2C)",
-        }
-
-    def client_update(self, trained, dense, start, start_dense, round_idx: int, client_id: int):
-        """A client's upload under DP: clipped (and, in local mode, noised) change."""
-        gen = generator(self.noise_seed, round_idx, client_id, 1)
-        std = self.noise_std if self.mode == "local" else 0.0
-        return privatize_update(trained, dense, start, start_dense, self.clip_norm, std, gen)
-
-    def aggregate(self, server, plan, updates: list[ClientUpdate]) -> RoundResult:
-        """Central mode: the noisy mean of the clients' clipped changes (see :func:`noisy_mean`)."""
-        refs = [server.reference(plan.round, u.client_id, plan.starts[u.client_id]) for u in updates]
-        rank = max(server.strategy.adapter_rank(c.rank) for c in server.clients.values())
-        base = base_factors(
-            server.state, server.modules, rank, server.hook.fresh_seed(server.sampling.seed, plan.round)
-        )
-        gen = generator(self.noise_seed, plan.round, 0)
-        state, info = noisy_mean(
-            server.state,
-            updates,
-            refs,
-            len(plan.sampled),
-            self.clip_norm,
-            self.noise_std,
-            gen,
-            base,
-            trains_a="A" in server.hook.uploads,
-        )
-        return RoundResult(state, info=info)
+def spent(cfg, rounds: int) -> float:
+    """Epsilon at ``delta`` after ``rounds`` rounds (skipped rounds count: their clients were sampled)."""
+    p = cfg.privacy
+    if p.mode == "central" and p.sampling == "public":  # the adversary knows who took part in which round
+        k = max_participation(cfg.federation.seed, cfg.federation.num_clients, per_round(cfg), rounds)
+        return unamplified(p.noise_multiplier, k, delta_of(cfg))
+    return epsilon(
+        p.mode, cfg.federation.num_clients, per_round(cfg), p.noise_multiplier, rounds, delta_of(cfg)
+    )
 
 
 def _on(cfg) -> bool:
@@ -259,11 +71,12 @@ def _on(cfg) -> bool:
 
 
 class PrivacyFeature(Feature):
-    """Differential privacy as a feature: the ``privacy`` section and the combinations it refuses."""
+    """Differential privacy as a feature (see module docstring)."""
 
     section = "privacy"
     options = PrivacyOptions
 
+    # ------------------------------------------------------------------ config
     def rules(self) -> list[Rule]:
         return [
             Rule(
@@ -308,18 +121,115 @@ class PrivacyFeature(Feature):
             ),
         ]
 
-    def check_config(self, p, cfg) -> None:
-        if p.mode == "none" or p.target_epsilon <= 0:
+    def check_config(self, p: PrivacyOptions, cfg) -> None:
+        if p.mode == "none":
+            default = PrivacyOptions()
+            ignored = [
+                f.name for f in dataclasses.fields(p) if getattr(p, f.name) != getattr(default, f.name)
+            ]
+            if ignored:
+                raise ValueError(
+                    "privacy.mode=none ignores "
+                    + ", ".join(f"privacy.{k}" for k in ignored)
+                    + ": the run would not be private; set privacy.mode=central or local, or leave them out"
+                )
             return
+        if p.target_epsilon > 0:
+            eps = spent(cfg, cfg.federation.rounds)
+            if eps > p.target_epsilon:
+                if p.mode == "central" and p.sampling == "public":
+                    k = max_participation(
+                        cfg.federation.seed, cfg.federation.num_clients, per_round(cfg), cfg.federation.rounds
+                    )
+                    need = noise_for_epsilon(p.target_epsilon, "local", 1, 1, k, delta_of(cfg))
+                else:
+                    need = noise_for_epsilon(
+                        p.target_epsilon,
+                        p.mode,
+                        cfg.federation.num_clients,
+                        per_round(cfg),
+                        cfg.federation.rounds,
+                        delta_of(cfg),
+                    )
+                raise ValueError(
+                    f"privacy.target_epsilon={p.target_epsilon}: {cfg.federation.rounds} rounds at "
+                    f"noise_multiplier={p.noise_multiplier} spend epsilon {eps:.6g}; use "
+                    f"privacy.noise_multiplier={round_up(need, 4):.4f} or fewer rounds"
+                )
+
+    # ------------------------------------------------------------------ the core's hooks
+    def wrap_strategy(self, strategy, p: PrivacyOptions, cfg):
+        if p.mode == "none":
+            return strategy
+        return DPStrategy(
+            strategy,
+            mode=p.mode,
+            clip_norm=p.clip_norm,
+            noise_multiplier=p.noise_multiplier,
+            noise_seed=p.noise_seed,
+            epsilon_after=lambda rounds: spent(cfg, rounds),
+            summary=lambda rounds: self.summary(cfg, rounds),
+            report_clip_stats=p.report_clip_stats,
+        )
+
+    def server_rules(self, rules, p: PrivacyOptions, cfg):
+        if p.mode == "none":
+            return rules
+        # uniform weights (never the example counts); in central mode the fixed clip of the wrapper
+        # replaces the median-relative one, whose cap depends on the other clients' data
+        ratio = 0.0 if p.mode == "central" else rules.clip_norm_ratio
+        return dataclasses.replace(rules, weighting="uniform", clip_norm_ratio=ratio)
+
+    def sampling(self, sampling, p: PrivacyOptions, cfg):
+        if p.mode == "none" or p.sampling == "public":
+            return sampling
+        return SecretSampling(
+            seed=sampling.seed,
+            clients_per_round=sampling.clients_per_round,
+            fraction=sampling.fraction,
+            dropout=sampling.dropout,
+            noise_seed=p.noise_seed,
+        )
+
+    def upload_transforms(self, p: PrivacyOptions, cfg) -> list:
+        if p.mode == "none":
+            return []
+        std = p.noise_multiplier * p.clip_norm if p.mode == "local" else 0.0
+        return [ClipAndNoise(p.clip_norm, std, p.noise_seed)]
+
+    def add_commands(self, subparsers) -> None:
+        from fedllm.privacy.cli import add_privacy_command
+
+        add_privacy_command(subparsers)
+
+    # ------------------------------------------------------------------ what a run reports
+    def summary(self, cfg, rounds: int) -> dict[str, Any]:
+        p = cfg.privacy
+        eps, delta = spent(cfg, rounds), delta_of(cfg)
         n, m = cfg.federation.num_clients, per_round(cfg)
-        eps = epsilon(p.mode, n, m, p.noise_multiplier, cfg.federation.rounds, delta_of(cfg))
-        if eps > p.target_epsilon:
-            need = noise_for_epsilon(p.target_epsilon, p.mode, n, m, cfg.federation.rounds, delta_of(cfg))
-            raise ValueError(
-                f"privacy.target_epsilon={p.target_epsilon}: {cfg.federation.rounds} rounds at "
-                f"noise_multiplier={p.noise_multiplier} spend epsilon {eps:.3g}; use "
-                f"privacy.noise_multiplier={need:.3f} or fewer rounds"
-            )
+        sample = (
+            f"{m} of {n} clients per round, without replacement, from the OS's randomness (not written to "
+            "the run folder)"
+            if p.sampling == "secret"
+            else f"{m} of {n} clients per round from federation.seed (public: no amplification)"
+        )
+        return {
+            "privacy": {
+                "mode": p.mode,
+                "clip_norm": p.clip_norm,
+                "noise_multiplier": p.noise_multiplier,
+                "delta": delta,
+                "epsilon": eps,
+                "rounds": rounds,
+                "sampling": sample,
+                "accountant": "dp-accounting RDP, replace-one (sensitivity 2C)",
+            },
+            "metrics": {"epsilon": eps},
+            "guarantees": [
+                f"({eps:.4g}, {delta:.2g})-DP at the user level after {rounds} rounds, {p.mode} (clip "
+                f"{p.clip_norm:g}, noise multiplier {p.noise_multiplier:g}; {sample})"
+            ],
+        }
 
 
 PRIVACY = PrivacyFeature()

@@ -60,3 +60,16 @@ def noise_for_epsilon(
         else:
             hi = mid
     return hi
+
+
+def unamplified(noise_multiplier: float, rounds: int, delta: float) -> float:
+    """Epsilon of the Gaussian mechanism composed over ``rounds`` rounds, without amplification by sampling:
+    the bound for a client whose participation is known (a public sample) or for local noise."""
+    return epsilon("local", 1, 1, noise_multiplier, rounds, delta)
+
+
+def round_up(x: float, digits: int) -> float:
+    """``x`` rounded up at ``digits`` decimals: a noise multiplier printed for a target never falls below
+    the one that meets it."""
+    scale = 10**digits
+    return math.ceil(x * scale - 1e-9) / scale

@@ -89,7 +89,6 @@ METRICS = {
     "up_params": ("comm:total_up_params", "count"),
     "down_params": ("comm:total_down_params", "count"),
     "wall_s": ("summary:wall_s", "seconds"),
-    "epsilon": ("dp:epsilon", "eps"),
 }
 FORMATS = {
     "points": (100.0, ".1f", " points"),
@@ -97,7 +96,7 @@ FORMATS = {
     "loss": (1.0, ".4f", ""),
     "count": (1.0, ",.0f", ""),
     "seconds": (1.0, ".1f", " s"),
-    "eps": (1.0, ".2f", ""),
+    "number": (1.0, ".3g", ""),  # a number a feature reports in the summary's ``metrics`` (e.g. its bound)
 }
 
 
@@ -178,8 +177,6 @@ def run_metrics(run_dir: Path) -> dict[str, float | None]:
             out[name] = summary.get(key)
         elif kind == "last":
             out[name] = last.get(key)
-        elif kind == "dp":  # differential privacy spent (None without DP)
-            out[name] = (summary.get("privacy") or {}).get(key)
         elif kind == "comm":
             out[name] = summary.get("communication", {}).get(key)
         elif kind == "gain":  # after minus before
@@ -188,6 +185,7 @@ def run_metrics(run_dir: Path) -> dict[str, float | None]:
         elif kind == "drop":  # relative fall, 1 - after / before
             a, b = summary.get(f"{key}_after"), summary.get(f"{key}_before")
             out[name] = None if a is None or not b else 1 - a / b
+    out.update(summary.get("metrics", {}))  # what a feature reports (a guarantee's bound, ...)
     return out
 
 
@@ -223,7 +221,8 @@ def summarize(results: dict[str, dict[int, dict[str, float | None]]]) -> dict:
     base = names[0]
     seeds = sorted(set.intersection(*(set(r) for r in results.values())))
     table: dict = {}
-    for metric in METRICS:
+    reported = [m for r in results.values() for per_seed in r.values() for m in per_seed]
+    for metric in dict.fromkeys([*METRICS, *reported]):  # the built-in metrics first, then the features'
         per = {}
         for name in names:
             vals = [results[name][s].get(metric) for s in seeds]  # (a metric some runs lack: skipped)
@@ -256,7 +255,7 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
     for metric, per in summary["metrics"].items():
         if metrics and metric not in metrics:
             continue
-        scale, spec, unit = FORMATS[METRICS[metric][1]]
+        scale, spec, unit = FORMATS[METRICS.get(metric, ("", "number"))[1]]
 
         def num(x: float, signed: bool = False, scale=scale, spec=spec) -> str:
             return "n/a" if math.isnan(x) else format(x * scale, ("+" if signed else "") + spec)

@@ -147,13 +147,8 @@ def write_model_card(
             f"| {bench} accuracy of the {'global model' if client is not None else 'model'} (before round 1 "
             f"-> round {facts['eval_round']}) | {num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |"
         )
-    dp = json.loads(summary_path.read_text()).get("privacy") if summary_path.exists() else None
-    if dp:
-        body.append(
-            f"| differential privacy ({dp['mode']}, user level) | epsilon {dp['epsilon']:.3g} at delta "
-            f"{dp['delta']:.2g} after {dp['rounds']} rounds (clip {dp['clip_norm']:g}, noise multiplier "
-            f"{dp['noise_multiplier']:g}) |"
-        )
+    guarantees = json.loads(summary_path.read_text()).get("guarantees", []) if summary_path.exists() else []
+    body += [f"| guarantee | {line} |" for line in guarantees]  # what a feature states of the run
     body += [
         f"| communication up to round {facts['round']} | up {num(facts['up_params'], ',')} params "
         f"({num(facts['up_bytes'] and facts['up_bytes'] / 1e6, '.2f')} MB), "

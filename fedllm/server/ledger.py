@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Ledger:
+    """``by_client`` False: totals only, no per-client counts (a secret sample must not be recoverable from
+    how often each client uploaded)."""
+
     bytes_per_param: int = 4
+    by_client: bool = True
     up_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     down_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     round_up: int = 0
@@ -23,11 +27,11 @@ class Ledger:
         self.round_up = self.round_down = 0
 
     def download(self, client: int, params: int) -> None:
-        self.down_params[client] += params
+        self.down_params[client if self.by_client else -1] += params
         self.round_down += params
 
     def upload(self, client: int, params: int) -> None:
-        self.up_params[client] += params
+        self.up_params[client if self.by_client else -1] += params
         self.round_up += params
 
     def round_summary(self) -> dict:
@@ -47,10 +51,19 @@ class Ledger:
             "total_down_params": down,
             "total_up_bytes": up * b,
             "total_down_bytes": down * b,
-            "per_client": {
-                str(c): {"up_params": self.up_params.get(c, 0), "down_params": self.down_params.get(c, 0)}
-                for c in sorted(set(self.up_params) | set(self.down_params))
-            },
+            **(
+                {
+                    "per_client": {
+                        str(c): {
+                            "up_params": self.up_params.get(c, 0),
+                            "down_params": self.down_params.get(c, 0),
+                        }
+                        for c in sorted(set(self.up_params) | set(self.down_params))
+                    }
+                }
+                if self.by_client
+                else {}
+            ),
         }
 
     def state(self) -> dict:
@@ -58,11 +71,12 @@ class Ledger:
             "up": dict(self.up_params),
             "down": dict(self.down_params),
             "bytes_per_param": self.bytes_per_param,
+            "by_client": self.by_client,
         }
 
     @classmethod
     def from_state(cls, state: dict) -> Ledger:
-        led = cls(bytes_per_param=state.get("bytes_per_param", 4))
+        led = cls(bytes_per_param=state.get("bytes_per_param", 4), by_client=state.get("by_client", True))
         led.up_params.update({int(k): v for k, v in state["up"].items()})
         led.down_params.update({int(k): v for k, v in state["down"].items()})
         return led

@@ -7,12 +7,13 @@ factors, one exact catch-up for the merges its base missed, the dense modules, s
 algorithm state); ``finish_round`` takes back the round's
 :class:`~fedllm.protocol.ClientUpdate` s (or why a client failed), accepts
 them against what it knows (``fedllm/server/trust.py``: it believes no count, scale,
-shape or starting point a client claims), clips them, aggregates them when at
+shape, round or starting point a client claims), clips them, aggregates them when at
 least ``min_clients`` are valid, and returns the round's metrics. Nothing a
 client sends can raise out of it. Every number it draws derives from
 ``(seed, round)``, so any driver (one process, several, Flower) gets the same
 rounds. Flower's Message-API strategies read the same way
-(``configure_train`` / ``aggregate_train``).
+(``configure_train`` / ``aggregate_train``). A cross-cutting feature changes the
+server only from outside: it wraps the strategy, sets the rules, replaces the sampling.
 """
 
 from __future__ import annotations
@@ -21,22 +22,28 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedllm.aggregation import GlobalState, Strategy
+from fedllm.aggregation import GlobalState, RoundContext, Strategy
 from fedllm.factors import (
     Adapter,
-    LoraFactors,
     adapter_from_tensors,
     adapter_tensors,
     init_factors,
     prefixed,
     unprefixed,
 )
-from fedllm.protocol import AlgorithmServer, ClientInfo, ClientStart, ClientUpdate, derive_seed, sample_size
+from fedllm.protocol import (
+    AlgorithmServer,
+    ClientInfo,
+    ClientStart,
+    ClientUpdate,
+    derive_seed,
+    sample_size,
+)
 from fedllm.server.catchup import MergeLog
 from fedllm.server.ledger import Ledger
 from fedllm.server.trust import (
@@ -48,11 +55,10 @@ from fedllm.server.trust import (
     change_norm,
     check_finite,
     clean_metrics,
+    finite_tensors,
+    one_line,
     upload_numel,
 )
-
-if TYPE_CHECKING:
-    from fedllm.privacy import DPRules
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +66,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class RoundPlan:
     """A round as the server planned it: who was sampled, who dropped out, what each active client
-    downloads.
+    downloads. ``token``: names this plan in every ClientStart (derived from the run's seed and the round,
+    so every process of a launch names it alike): an update answers one plan, and the server takes no
+    update made for another round or another run.
     """
 
     round: int
     sampled: list[int]
     dropped: list[int]
     starts: dict[int, ClientStart] = field(default_factory=dict)
+    token: str = ""
 
     @property
     def active(self) -> list[int]:
@@ -83,12 +92,29 @@ class RoundReport:
 
 @dataclass
 class Sampling:
-    """How clients are drawn each round (``federation.*``)."""
+    """How clients are drawn each round (``federation.*``): from ``(seed, round)``, so every driver and a
+    resumed run draw the same rounds. ``public``: the sample may be written to the run folder (a
+    feature that needs the sample kept secret replaces this sampling and sets it False)."""
 
     seed: int = 0
     clients_per_round: int = 0  # 0: use fraction
     fraction: float = 1.0
     dropout: float = 0.0  # share of the sampled clients that never report
+    public: bool = True
+
+    def size(self, num_clients: int) -> int:
+        return sample_size(self.clients_per_round, self.fraction, num_clients)
+
+    def rng(self, round_idx: int, stream: int) -> random.Random:
+        """The generator of one draw (``stream`` 1: the sample, 2: who drops out)."""
+        return random.Random(derive_seed(self.seed, round_idx, stream))
+
+    def draw(self, round_idx: int, clients: list[int]) -> tuple[list[int], list[int]]:
+        """The round's sampled clients and, among them, those that drop out (never report)."""
+        sampled = sorted(self.rng(round_idx, 1).sample(sorted(clients), self.size(len(clients))))
+        n_drop = round(self.dropout * len(sampled))
+        dropped = sorted(self.rng(round_idx, 2).sample(sampled, n_drop)) if n_drop else []
+        return sampled, dropped
 
 
 @dataclass
@@ -124,40 +150,33 @@ class Server:
         sampling: Sampling | None = None,
         dense: dict[str, Tensor] | None = None,
         rules: Rules | None = None,
-        dp: DPRules | None = None,
     ) -> None:
         self.strategy = strategy
-        self.dp = dp  # differential privacy (fedllm/privacy/__init__.py): fixed clip, uniform weights, noise
         self.hook = strategy.client_hook()  # to derive what each client starts from, as it does
         self.clients = {c.client_id: c for c in clients}
         self.modules = dict(modules)
         self.algorithm = algorithm or AlgorithmServer()
         self.sampling = sampling or Sampling()
         self.rules = rules or Rules()
-        max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
+        self.max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
         self.state = GlobalState(
-            strategy.initial_factors(self.modules, max_rank, self.hook.fresh_seed(self.sampling.seed, 1)),
+            strategy.initial_factors(
+                self.modules, self.max_rank, self.hook.fresh_seed(self.sampling.seed, 1)
+            ),
             dense=dict(dense or {}),
         )
-        self.ledger = Ledger()
+        self.ledger = Ledger(by_client=self.sampling.public)
         self.merges = MergeLog(list(self.clients), self.rules.catchup_window)
         self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
-        self.algorithm.bind(self.expected(next(iter(self.clients)), rank=max_rank).param_shapes())
+        self.algorithm.bind(self.expected(next(iter(self.clients)), rank=self.max_rank).param_shapes())
 
     # ------------------------------------------------------------- a round
     def sample(self, round_idx: int) -> tuple[list[int], list[int]]:
         """The round's sampled clients and, among them, those that drop out (never report)."""
-        s, n = self.sampling, len(self.clients)
-        m = sample_size(s.clients_per_round, s.fraction, n)
-        sampled = sorted(random.Random(derive_seed(s.seed, round_idx, 1)).sample(sorted(self.clients), m))
-        n_drop = round(s.dropout * len(sampled))
-        dropped = (
-            sorted(random.Random(derive_seed(s.seed, round_idx, 2)).sample(sampled, n_drop)) if n_drop else []
-        )
-        return sampled, dropped
+        return self.sampling.draw(round_idx, list(self.clients))
 
-    def client_start(self, round_idx: int, client_id: int) -> ClientStart:
+    def client_start(self, round_idx: int, client_id: int, token: str = "") -> ClientStart:
         """What ``client_id`` downloads for ``round_idx`` (pure: changes nothing, counts nothing)."""
         c = self.clients[client_id]
         rank = self.strategy.adapter_rank(c.rank)
@@ -170,17 +189,20 @@ class Server:
             extras=self.strategy.client_extras(self.state, client_id),
             algo=self.algorithm.download(rank),
             accepted=self.accepted[client_id],
+            plan=token,
         )
 
     def plan_round(self, round_idx: int) -> RoundPlan:
         """Sample the round and hand out each active client's start; counts their downloads."""
         sampled, dropped = self.sample(round_idx)
         self.ledger.start_round()
-        plan = RoundPlan(round_idx, sampled, dropped)
+        plan = RoundPlan(
+            round_idx, sampled, dropped, token=f"{derive_seed(self.sampling.seed, round_idx, 31):016x}"
+        )
         for k in sampled:
             if k in dropped:
                 continue
-            plan.starts[k] = self.client_start(round_idx, k)
+            plan.starts[k] = self.client_start(round_idx, k, plan.token)
             self.ledger.download(k, plan.starts[k].numel())
         return plan
 
@@ -212,26 +234,42 @@ class Server:
                 self.merges.replied(k, plan.starts[k].catchup)
         row = {
             "round": plan.round,
-            "sampled": plan.sampled,
-            "dropped": plan.dropped,
-            "failed": failures,
+            **self._who(plan, failures, updates),
             "n_updates": len(updates),
             "skipped": skipped,
-            **self._client_metrics(updates),
             **{f"agg_{k}": v for k, v in info.items()},
+            "n_sampled": len(plan.sampled),
             "n_failed": len(failures),
             "n_dropped": len(plan.dropped),
             **self.ledger.round_summary(),
             "time_aggregate_s": time.perf_counter() - t0,
-            **({"epsilon": self.dp.spent(plan.round)} if self.dp is not None else {}),
+            **self.strategy.round_report(plan.round),
         }
         return RoundReport(row, merged)
 
+    def _who(self, plan: RoundPlan, failures: dict[str, str], updates: list[ClientUpdate]) -> dict[str, Any]:
+        """The round's clients by id, when the sampling is public; else only how many, and the failures'
+        reasons without ids (a secret sample must not be written where its adversary reads it)."""
+        losses = [u.metrics["loss_mean"] for u in updates if "loss_mean" in u.metrics]
+        out: dict[str, Any] = {"train_loss": sum(losses) / len(losses) if losses else None}
+        if not self.sampling.public:
+            return {**out, "failed": sorted(failures.values())}
+        return {
+            **out,
+            "sampled": plan.sampled,
+            "dropped": plan.dropped,
+            "failed": failures,
+            "client_loss": {
+                str(u.client_id): [u.metrics.get("loss_first"), u.metrics.get("loss_last")] for u in updates
+            },
+        }
+
     # ------------------------------------------------- what the server believes
-    def expected(self, client_id: int, rank: int | None = None) -> Expected:
+    def expected(self, client_id: int, rank: int | None = None, plan: RoundPlan | None = None) -> Expected:
         """What an update of ``client_id`` must be, from what the server knows (``rank``: another adapter
-        rank, for shapes at the largest one)."""
+        rank, for shapes at the largest one; ``plan``: the round it must answer, and what it was asked)."""
         c = self.clients[client_id]
+        start = plan.starts.get(client_id) if plan is not None else None
         return Expected(
             client_id=client_id,
             num_examples=c.num_examples,
@@ -240,6 +278,9 @@ class Server:
             modules=self.modules,
             dense={k: v.shape for k, v in self.state.dense.items()},
             timeout_s=self.rules.client_timeout_s,
+            round=plan.round if plan is not None else None,
+            plan=plan.token if plan is not None else None,
+            asked=dict(start.extras) if start is not None else {},
         )
 
     def _accept(
@@ -252,17 +293,15 @@ class Server:
         for k in plan.active:
             got = results.get(k, "no reply")
             if isinstance(got, str):
-                failures[str(k)] = got
+                failures[str(k)] = one_line(got)
                 continue
             self.ledger.upload(k, upload_numel(got))
             try:
-                u = self.accept(got, self.expected(k))
-                if "A" not in self.hook.uploads:  # FFA-LoRA: A is the frozen one the client was sent
-                    ref = self.reference(plan.round, k, plan.starts[k])
-                    u.factors = {m: LoraFactors(ref[m].A.clone(), f.B, f.scale) for m, f in u.factors.items()}
+                u = self.accept(got, self.expected(k, plan=plan))
+                u.factors = self.hook.incoming(u.factors, self.reference(plan.round, k, plan.starts[k]))
                 updates.append(u)
             except Exception as e:  # whatever a client sends, it is that client's failure only
-                why = (
+                why = one_line(
                     str(e) if isinstance(e, ClientFailure) else f"unreadable update ({type(e).__name__}: {e})"
                 )
                 log.warning("round %d: client %d left out: %s", plan.round, k, why)
@@ -275,6 +314,11 @@ class Server:
             raise ClientFailure(f"the reply is a {type(update).__name__}, not a client update")
         if update.client_id != exp.client_id:
             raise ClientFailure(f"it claims to be client {update.client_id!r}")
+        if exp.round is not None and (update.round != exp.round or update.plan != exp.plan):
+            raise ClientFailure(
+                f"it answers round {update.round!r} (plan {str(update.plan)[:16]!r}), not this round's plan "
+                f"({exp.round}): a replayed or stale update"
+            )
         if update.num_examples != exp.num_examples:
             raise ClientFailure(
                 f"it claims {update.num_examples!r} examples; {exp.num_examples} are registered for it"
@@ -296,6 +340,8 @@ class Server:
             dense=accept_dense(update.dense, exp),
             extras=accepted,
             metrics=metrics,
+            round=update.round,
+            plan=update.plan,
         )
 
     def reference(self, round_idx: int, client_id: int, start: ClientStart) -> Adapter:
@@ -310,9 +356,9 @@ class Server:
         """Scale each update's change (from the server's reference) to at most ``clip_norm_ratio`` x the
         round's median change: one client cannot move the model more than a few honest ones do."""
         ratio = self.rules.clip_norm_ratio
-        if not (ratio and updates) or self.dp is not None:  # under DP: the fixed clip (fedllm/privacy/)
+        if not (ratio and updates):
             return {}
-        changes = [self._change(plan, u) for u in updates]
+        changes = [self.change(plan, u) for u in updates]
         norms = [change_norm(pairs) for pairs in changes]
         cap = ratio * float(torch.tensor(norms).median())
         clipped = 0
@@ -328,9 +374,9 @@ class Server:
             "algo_clipped": self.algorithm.clip(updates, ratio),
         }
 
-    def _change(self, plan: RoundPlan, u: ClientUpdate) -> list[tuple[Tensor, Tensor]]:
+    def change(self, plan: RoundPlan, u: ClientUpdate) -> list[tuple[Tensor, Tensor]]:
         """``(value, reference)`` pairs of everything ``u`` changes: its factors, dense modules and the
-        strategy's shared extras (FLoRAL's bias adaptors)."""
+        strategy's shared extras (FLoRAL's bias adaptors, FedSA-LoRA's shared B)."""
         start = plan.starts[u.client_id]
         ref = self.reference(plan.round, u.client_id, start)
         pairs = []
@@ -345,7 +391,7 @@ class Server:
 
     def weights(self, updates: list[ClientUpdate]) -> list[float]:
         """Each update's share of the round's average, from the server's own counts (or uniform), capped."""
-        if self.rules.weighting == "uniform" or self.dp is not None:  # DP: never the example counts
+        if self.rules.weighting == "uniform":
             raw = [1.0] * len(updates)
         else:
             raw = [float(self.clients[u.client_id].num_examples) for u in updates]
@@ -356,44 +402,51 @@ class Server:
     def population_weights(self) -> dict[int, float]:
         """Every client's share of the objective ``sum_k p_k f_k`` (SCAFFOLD's control variate keeps
         ``c = sum_k p_k c_k`` with these)."""
-        if self.rules.weighting == "uniform" or self.dp is not None:  # DP: never the example counts
+        if self.rules.weighting == "uniform":
             return {k: 1 / len(self.clients) for k in self.clients}
         total = sum(c.num_examples for c in self.clients.values())
         return {k: c.num_examples / total for k, c in self.clients.items()}
 
+    def context(self, plan: RoundPlan, updates: list[ClientUpdate]) -> RoundContext:
+        """What the strategy (or a wrapper of it) may know of the round besides the updates."""
+        return RoundContext(
+            round=plan.round,
+            sampled=len(plan.sampled),
+            references=[self.reference(plan.round, u.client_id, plan.starts[u.client_id]) for u in updates],
+            max_rank=self.max_rank,
+            fresh=lambda: init_factors(
+                self.modules, self.max_rank, 1.0, self.hook.fresh_seed(self.sampling.seed, plan.round)
+            ),
+            max_weight=self.rules.max_client_weight,
+        )
+
     def _aggregate(self, plan: RoundPlan, updates: list[ClientUpdate], info: dict) -> tuple[Adapter, bool]:
         """The strategy's new global state and the algorithm's server update; returns what is merged, and
-        whether the round had to be skipped (an aggregate that fails or is not finite changes nothing)."""
+        whether the round had to be skipped (an aggregate or a server state that fails or is not finite
+        changes nothing)."""
         round_idx = plan.round
+        before = self.algorithm.state_dict()
         try:
-            if self.dp is not None and self.dp.mode == "central":
-                result = self.dp.aggregate(self, plan, updates)
-            else:
-                result = self.strategy.aggregate(updates, self.state, self.weights(updates))
+            result = self.strategy.aggregate(
+                updates, self.state, self.weights(updates), self.context(plan, updates)
+            )
             check_finite(result.state, result.merged)
+            self.algorithm.update(updates, self.population_weights())
+            if not finite_tensors(self.algorithm.state_dict().values()):
+                raise ValueError("the client algorithm's server state would hold non-finite values")
         except (ValueError, RuntimeError) as e:  # e.g. an SVD that does not converge
+            self.algorithm.load_state_dict(before)
             log.error(
                 "round %d skipped: the aggregate failed (%s); the global state is unchanged", round_idx, e
             )
-            info["error"] = f"{type(e).__name__}: {e}"
+            info["error"] = one_line(f"{type(e).__name__}: {e}")
             return {}, True
-        self.algorithm.update(updates, self.population_weights())
         self.state = result.state
         self.updated_rounds += 1
         info.update(result.info)
         for u in updates:
             self.accepted[u.client_id] = round_idx
         return result.merged, False
-
-    @staticmethod
-    def _client_metrics(updates: list[ClientUpdate]) -> dict[str, Any]:
-        losses = [u.metrics["loss_mean"] for u in updates if "loss_mean" in u.metrics]
-        return {
-            "train_loss": sum(losses) / len(losses) if losses else None,
-            "client_loss": {
-                str(u.client_id): [u.metrics.get("loss_first"), u.metrics.get("loss_last")] for u in updates
-            },
-        }
 
     # ------------------------------------------------------ the global model
     def global_adapter(self) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:

@@ -55,6 +55,9 @@ class Expected:
     modules: dict[str, tuple[int, int]]  # module -> (out, in)
     dense: dict[str, torch.Size] = field(default_factory=dict)
     timeout_s: float = 0.0
+    round: int | None = None  # the round the update must answer (None: not checked, plain use of the math)
+    plan: str | None = None  # and that round's plan token
+    asked: dict[str, Any] = field(default_factory=dict)  # the strategy extras the client downloaded
 
     def param_shapes(self) -> dict[str, torch.Size]:
         """The client's trainable tensors by name (``<module>.A/.B`` and the dense modules), at its rank."""
@@ -65,10 +68,21 @@ class Expected:
         return {**out, **self.dense}
 
 
+MAX_REASON = 300  # characters of a failure's reason kept in the log and in metrics.jsonl
+
+
+def one_line(text: str) -> str:
+    """A failure's reason as one short line (an exception's message can be pages long)."""
+    first = " ".join(str(text).strip().splitlines()[:1]) if str(text).strip() else ""
+    return first if len(first) <= MAX_REASON else first[: MAX_REASON - 3] + "..."
+
+
 def as_float32(name: str, t: Any, shape: torch.Size | tuple | None = None) -> Tensor:
     """``t`` as a finite float32 tensor of ``shape``; ClientFailure naming ``name`` otherwise."""
     if not isinstance(t, Tensor):
         raise ClientFailure(f"{name} is not a tensor ({type(t).__name__})")
+    if t.layout != torch.strided or t.is_quantized:
+        raise ClientFailure(f"{name} is a {t.layout} tensor: expected a dense (strided) one")
     if not (t.is_floating_point() and not t.is_complex()):
         raise ClientFailure(f"{name} has dtype {t.dtype}: expected a floating-point tensor")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -79,14 +93,20 @@ def as_float32(name: str, t: Any, shape: torch.Size | tuple | None = None) -> Te
     return out
 
 
+MAX_METRIC = 1e15  # beyond any real loss, step count or second; a mean of such numbers stays finite
+
+
 def clean_metrics(metrics: Any) -> dict[str, float]:
-    """The metrics that are finite numbers; anything else a client sends is dropped."""
+    """The metrics that are finite numbers of a sane size; anything else a client sends is dropped."""
     if not isinstance(metrics, dict):
         return {}
     return {
-        str(k): float(v)
-        for k, v in metrics.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        str(k)[:64]: float(v)
+        for k, v in list(metrics.items())[:32]
+        if isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and abs(v) <= MAX_METRIC
     }
 
 
@@ -168,9 +188,13 @@ def upload_numel(update: ClientUpdate) -> int:
         return 0
 
 
+def finite_tensors(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def check_finite(state: GlobalState, merged: Adapter) -> None:
     factors = [*state.factors.values(), *merged.values()]
     tensors = [t for f in factors for t in ((f.D,) if isinstance(f, DenseDelta) else (f.A, f.B))]
     tensors += list(state.dense.values()) + [v for v in state.extras.values() if isinstance(v, Tensor)]
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+    if not finite_tensors(tensors):
         raise ValueError("the aggregate holds non-finite values")

@@ -1,0 +1,139 @@
+"""The server side of DP-FedAvg: a wrapper around any linear strategy, as Flower's
+``DifferentialPrivacyServerSideFixedClipping`` wraps a strategy.
+
+Central mode: each update's change, measured from the reference the server passes (what that client
+started from, derived by the server, never what it claims), is clipped to ``C``; the inner strategy
+aggregates the clipped updates with uniform weights ``1/m`` over the ``m`` clients sampled (a sampled client
+that failed contributes no change, so the denominator does not depend on who failed); Gaussian noise of
+standard deviation ``sigma C / m`` is added to every coordinate the inner strategy computed from the uploads
+(``hook.uploads``: FedIT's A and B, FFA-LoRA's B) and to the dense modules. That is
+``global + (sum_k clip(change_k) + N(0, (sigma C)^2)) / m`` exactly when the inner aggregate is a weighted
+sum of the uploads, which a strategy declares with ``linear = True`` (the config refuses the others).
+A client's change covers its leading ``r_k`` components; the wrapper hands the inner strategy every
+update at the largest rank, the components a client does not train left at the base point.
+
+Local mode: the sites noised their own updates; the inner strategy aggregates them as it always does.
+
+In both modes the wrapper accounts: ``round_report`` gives the epsilon spent after a round, and
+``run_summary`` the run's guarantee, which the round row, the summary, the printed summary, the model card
+and ``fedllm compare`` show without knowing what they show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult
+from fedllm.factors import LoraFactors
+from fedllm.lowrank import pad_rank
+from fedllm.privacy.transform import clip_, generator
+
+
+class DPStrategy:
+    """``inner`` with user-level DP (see module docstring); everything but aggregation and reporting is the
+    inner strategy's own (its name, client side, downloads, global model)."""
+
+    def __init__(
+        self,
+        inner,
+        *,
+        mode: str,
+        clip_norm: float,
+        noise_multiplier: float,
+        noise_seed: int,
+        epsilon_after: Callable[[int], float],
+        summary: Callable[[int], dict[str, Any]],
+        report_clip_stats: bool = False,
+    ) -> None:
+        self.inner, self.mode = inner, mode
+        self.clip_norm, self.noise_multiplier, self.noise_seed = clip_norm, noise_multiplier, noise_seed
+        self.epsilon_after, self.summary, self.report_clip_stats = epsilon_after, summary, report_clip_stats
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    # ------------------------------------------------------------------ aggregation
+    def aggregate(
+        self,
+        updates: list[ClientUpdate],
+        state: GlobalState,
+        weights: list[float] | None = None,
+        context: RoundContext | None = None,
+    ) -> RoundResult:
+        if self.mode != "central":
+            return self.inner.aggregate(updates, state, weights, context)
+        if context is None:
+            raise ValueError("central DP needs the round's context (references, sample size)")
+        m = max(context.sampled, len(updates))
+        base = self._base(state, context)
+        clipped, norms = [], []
+        for u, ref in zip(updates, context.references, strict=True):
+            moved, norm = self._clipped(u, ref, base, state)
+            clipped.append(moved)
+            norms.append(norm)
+        weights = [1.0 / m] * len(clipped)
+        if len(clipped) < m:  # the sampled clients that sent nothing: no change, at their share
+            rest = ClientUpdate(-1, 0, dict(base), dict(state.dense))
+            clipped.append(rest)
+            weights.append((m - len(updates)) / m)
+        result = self.inner.aggregate(clipped, state, weights, context)
+        self._add_noise(result.state, context.round, m)
+        if self.report_clip_stats:  # exact functions of the data: outside the guarantee (docs/privacy.md)
+            result.info["dp_clipped"] = sum(n > self.clip_norm * (1 + 1e-4) for n in norms)
+            result.info["dp_update_norm_median"] = float(torch.tensor(norms).median()) if norms else 0.0
+        return result
+
+    def _base(self, state: GlobalState, context: RoundContext):
+        """The point the round's changes are added to, at the largest rank: the global factors, or the
+        round's shared initialization that every client started from when there are none yet."""
+        if state.factors:
+            return {k: pad_rank(f.folded(), context.max_rank) for k, f in state.factors.items()}
+        return {k: f.folded() for k, f in context.fresh().items()}
+
+    def _clipped(self, u: ClientUpdate, ref, base, state: GlobalState) -> tuple[ClientUpdate, float]:
+        """``u`` as base + its clipped change, at the largest rank (scale folded); and the change's norm."""
+        parts: list[Tensor] = []
+        for k, f in u.factors.items():
+            r = ref[k].with_scale(f.scale)
+            parts += [(f.A - r.A).double(), ((f.B - r.B) * f.scale).double()]
+        parts += [(t - state.dense[k]).double() for k, t in u.dense.items()]
+        norm = clip_(parts, self.clip_norm)
+        it = iter(parts)
+        factors = {}
+        for k, f in u.factors.items():
+            da, db = next(it).float(), next(it).float()
+            A, B = base[k].A.clone(), base[k].B.clone()
+            A[: f.rank] += da
+            B[:, : f.rank] += db
+            factors[k] = LoraFactors(A, B, 1.0)
+        dense = {k: state.dense[k] + next(it).float() for k in u.dense}
+        return ClientUpdate(
+            u.client_id, u.num_examples, factors, dense, dict(u.extras), dict(u.metrics)
+        ), norm
+
+    def _add_noise(self, state: GlobalState, round_idx: int, m: int) -> None:
+        """N(0, (sigma C / m)^2) on every released coordinate the uploads determine, in a fixed order."""
+        std = self.noise_multiplier * self.clip_norm
+        gen = generator(self.noise_seed, round_idx, 0)
+
+        def noisy(t: Tensor) -> Tensor:
+            return t + torch.randn(t.shape, generator=gen) * std / m
+
+        uploads = self.inner.hook.uploads
+        state.factors = {
+            k: LoraFactors(noisy(f.A) if "A" in uploads else f.A, noisy(f.B), f.scale)
+            for k, f in state.factors.items()
+        }
+        state.dense = {k: noisy(t) for k, t in state.dense.items()}
+
+    # ------------------------------------------------------------------ reporting
+    def round_report(self, round_idx: int) -> dict[str, Any]:
+        """The epsilon spent once round ``round_idx``'s result is released (skipped rounds count)."""
+        return {"epsilon": self.epsilon_after(round_idx)}
+
+    def run_summary(self, rounds: int) -> dict[str, Any]:
+        return self.summary(rounds)

@@ -1,0 +1,84 @@
+"""The client side of DP-FedAvg: an upload transform that clips what leaves a site (and noises it in local
+mode).
+
+What is clipped is the whole change the site uploads, in the aggregation space (B with its scale folded
+in): every factor it sends (FedSA-LoRA: A; FFA-LoRA: B), its dense modules, and every extra that is a
+parameter of the model (the hook's ``shared_extras``: FedSA-LoRA's shared B, measured from zero since the
+server never saw it). An extra that is not a parameter would leave without noise: the transform refuses
+it (that client's failure for the round), whatever the config rules let through.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+import torch
+from torch import Tensor
+
+from fedllm.factors import LoraFactors
+from fedllm.protocol import ClientUpdate, UploadContext, UploadTransform
+
+
+def generator(seed: int, *parts: int) -> torch.Generator:
+    """OS randomness (``seed`` -1) or, for experiments, a generator seeded by ``seed`` and ``parts``."""
+    if seed < 0:
+        return torch.Generator().manual_seed(secrets.randbits(62))
+    mixed = seed
+    for p in parts:
+        mixed = (mixed * 1_000_003 + p + 1) % (1 << 62)
+    return torch.Generator().manual_seed(mixed)
+
+
+def clip_(changes: list[Tensor], clip_norm: float) -> float:
+    """Scale the change tensors in place to a joint L2 norm of at most ``clip_norm``; returns the norm they
+    had."""
+    norm = math.sqrt(sum(float(c.double().pow(2).sum()) for c in changes))
+    if norm > clip_norm:
+        for c in changes:
+            c.mul_(clip_norm / norm)
+    return norm
+
+
+class ClipAndNoise(UploadTransform):
+    """Clip the upload's change to ``clip_norm`` (and add Gaussian noise of ``noise_std``: local mode).
+
+    Noise is drawn in one fixed order (every A, every B, the dense modules, the shared extras) from a
+    generator of ``noise_seed`` (OS randomness when -1), the round and the client.
+    """
+
+    def __init__(self, clip_norm: float, noise_std: float = 0.0, noise_seed: int = -1) -> None:
+        self.clip_norm, self.noise_std, self.noise_seed = clip_norm, noise_std, noise_seed
+
+    def apply(self, update: ClientUpdate, ctx: UploadContext) -> ClientUpdate:
+        start, started = ctx.start, ctx.started
+        unknown = sorted(k for k in update.extras if not k.startswith(ctx.shared_extras))
+        if unknown:
+            raise RuntimeError(
+                f"privacy: extra {unknown[0]!r} would leave the site without noise; it is not a parameter "
+                "that the clip covers"
+            )
+        dA = {k: f.A - started[k].A for k, f in update.factors.items() if f.A.numel()}
+        dB = {
+            k: (f.B - started[k].with_scale(f.scale).B) * f.scale
+            for k, f in update.factors.items()
+            if f.B.numel()
+        }
+        dD = {k: t - start.dense[k] for k, t in update.dense.items()}
+        dE = {k: t - start.extras.get(k, torch.zeros_like(t)) for k, t in update.extras.items()}
+        changes = [*dA.values(), *dB.values(), *dD.values(), *dE.values()]
+        clip_(changes, self.clip_norm)
+        if self.noise_std > 0:
+            gen = generator(self.noise_seed, start.round, update.client_id, 1)
+            for c in changes:
+                c.add_(torch.randn(c.shape, generator=gen) * self.noise_std)
+        factors = {}
+        for k, f in update.factors.items():
+            ref = started[k].with_scale(f.scale)
+            A = ref.A + dA[k] if k in dA else f.A
+            B = ref.B + dB[k] / f.scale if k in dB else f.B
+            factors[k] = LoraFactors(A, B, f.scale)
+        update.factors = factors
+        update.dense = {k: start.dense[k] + d for k, d in dD.items()}
+        update.extras = {k: start.extras.get(k, torch.zeros_like(d)) + d for k, d in dE.items()}
+        return update
