@@ -33,10 +33,12 @@ def friendly_errors() -> Iterator[None]:
     from fedllm.model.modeling import ModelError
     from fedllm.run.checkpoint import CheckpointError
     from fedllm.run.export import ExportError
+    from fedllm.run.reader import RunReadError
 
+    expected = (ConfigError, DataError, MMLUDataError, ModelError, CheckpointError, ExportError, RunReadError)
     try:
         yield
-    except (ConfigError, DataError, MMLUDataError, ModelError, CheckpointError, ExportError, ValueError) as e:
+    except (*expected, ValueError) as e:
         print(f"fedllm: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     except OSError as e:  # disk full, permissions, ...: one line naming the file, the traceback at DEBUG
@@ -56,13 +58,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from accelerate.utils import parse_flag_from_env
 
     from fedllm.run import folder as rundir
+    from fedllm.run.reader import ROWS, RunFolder
 
     if args.resume:
         run_dir = Path(args.resume)
         if not rundir.is_run_dir(run_dir):
             raise rundir.RunDirError(f"--resume {run_dir}: no config.yaml there (not a fedllm run directory)")
-        stored = load_config(run_dir / "config.yaml")
-        cfg = load_config(run_dir / "config.yaml", args.overrides)
+        stored, cfg = RunFolder(run_dir).config(), RunFolder(run_dir).config(args.overrides)
     else:
         stored = None
         cfg = load_config(args.config, args.overrides)
@@ -102,7 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.get("global_adapter") is None:
         print(
             "fedllm: error: no round produced a global update (every round was skipped: see 'failed' in "
-            f"{run_dir / 'metrics.jsonl'}); no adapter was written",
+            f"{run_dir / ROWS}); no adapter was written",
             file=sys.stderr,
         )
         return 1
@@ -155,7 +157,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from accelerate import Accelerator
 
     from eval.mmlu import load_benchmark, run_job
-    from fedllm.run.export import load_for_eval
+    from fedllm.run.artifacts import load_for_eval
 
     # bad data fails before the model loads
     bench = load_benchmark(args.data, args.shots, args.subjects, args.limit, args.overflow)
@@ -175,10 +177,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from fedllm.data import prompt_template
     from fedllm.model.generate import generate, read_prompts
-    from fedllm.run.export import load_for_eval, run_base, run_config
+    from fedllm.run.artifacts import load_for_eval, run_base
+    from fedllm.run.reader import RunFolder
 
     examples = read_prompts(args.prompt or [], args.prompts_file)  # bad input fails before the model loads
-    cfg = run_config(Path(args.run)) if args.run else None
+    cfg = RunFolder(args.run).config() if args.run else None
     template = args.template or (prompt_template(cfg) if cfg else "alpaca")
     device = Accelerator(cpu=not torch.cuda.is_available()).device
     if args.run and args.base:  # the run's own base, without any adapter
@@ -223,7 +226,8 @@ def default_export_dir(run_dir: Path, round_idx: int | None, merge: bool, client
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fedllm.run.export import export_run, push_to_hub
+    from fedllm.run.artifacts import export_run
+    from fedllm.run.export import push_to_hub
 
     out = Path(args.output or default_export_dir(Path(args.run_dir), args.round, args.merge, args.client))
     export_run(Path(args.run_dir), out, args.round, args.merge, args.client, args.overwrite)

@@ -285,3 +285,19 @@ def test_no_module_compares_a_method_name_outside_its_own_file():
                 if path.stem != name:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} compares with {name!r}")
     assert found == []
+
+
+def test_the_run_folder_is_read_through_its_reader():
+    """Report, compare, model card, export and the CLI read a run through fedllm/run/reader.py; only it
+    and the writer (fedllm/run/folder.py) name the run's files."""
+    files = ("config.yaml", "metrics.jsonl", "summary.json", "run_info.json", "partition.json")
+    owners = {Path("fedllm/run/reader.py"), Path("fedllm/run/folder.py")}
+    found = {}
+    for path in sorted((ROOT / "fedllm").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel in owners:
+            continue
+        named = sorted(w for w in code_words(path) if w in files)
+        if named:
+            found[str(rel)] = named
+    assert found == {}

@@ -31,7 +31,8 @@ def test_adapter_export_loads_both_ways(finished_run, tmp_path):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from fedllm.run.export import base_model_reference, export_run
+    from fedllm.run.artifacts import export_run
+    from fedllm.run.export import base_model_reference
 
     out = export_run(finished_run, tmp_path / "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {
@@ -53,7 +54,8 @@ def test_merged_export_equals_base_plus_adapter(finished_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fedllm.run.export import base_model_reference, export_run
+    from fedllm.run.artifacts import export_run
+    from fedllm.run.export import base_model_reference
 
     merged = export_run(finished_run, tmp_path / "merged", merge=True)
     names = {p.name for p in merged.iterdir()}
@@ -77,7 +79,7 @@ def test_merged_export_equals_base_plus_adapter(finished_run, tmp_path):
 def test_model_card_parses_and_carries_metrics(finished_run, tmp_path, caplog):
     from huggingface_hub import ModelCard
 
-    from fedllm.run.export import export_run
+    from fedllm.run.artifacts import export_run
 
     out = export_run(finished_run, tmp_path / "card")
     card = ModelCard.load(out / "README.md")
@@ -99,7 +101,7 @@ def test_model_card_parses_and_carries_metrics(finished_run, tmp_path, caplog):
 def test_model_card_of_an_earlier_round_describes_that_round(finished_run, tmp_path):
     from huggingface_hub import ModelCard
 
-    from fedllm.run.export import export_run
+    from fedllm.run.artifacts import export_run
 
     rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
     card = ModelCard.load(export_run(finished_run, tmp_path / "r1", round_idx=1) / "README.md")
@@ -114,18 +116,20 @@ def test_model_card_names_hub_ids_only(finished_run, tmp_path):
     from huggingface_hub import ModelCard
 
     from fedllm.config import load_config
-    from fedllm.run.model_card import write_model_card
+    from fedllm.run.model_card import card_text
+    from fedllm.run.reader import RunFolder
 
+    run = RunFolder(finished_run)
     cfg = load_config(finished_run / "config.yaml")
     cfg.model.name, cfg.data.dataset = "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "dolly"
-    write_model_card(tmp_path, finished_run, cfg, cfg.model.name, merged=True)
+    (tmp_path / "README.md").write_text(card_text(run, cfg, cfg.model.name, merged=True))
     card = ModelCard.load(tmp_path / "README.md")
     data = card.data.to_dict()
     assert data["base_model"] == "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
     assert data["datasets"] == ["databricks/databricks-dolly-15k"] and data["library_name"] == "transformers"
     assert "# fedllm fedit merged model" in card.text
     cfg.model.name, cfg.data.dataset = str(tmp_path), str(tmp_path / "d.jsonl")  # local paths: left out
-    write_model_card(tmp_path, finished_run, cfg, cfg.model.name, merged=False)
+    (tmp_path / "README.md").write_text(card_text(run, cfg, cfg.model.name, merged=False))
     data = ModelCard.load(tmp_path / "README.md").data.to_dict()
     assert "base_model" not in data and "datasets" not in data
 
@@ -170,7 +174,8 @@ def test_push_uses_exact_repo_and_files_and_never_writes_the_token(finished_run,
 def test_personalized_client_export(finished_run, tmp_path):
     from peft import AutoPeftModelForCausalLM
 
-    from fedllm.run.export import ExportError, export_run
+    from fedllm.run.artifacts import export_run
+    from fedllm.run.export import ExportError
 
     out = export_run(finished_run, tmp_path / "client1", client=1)
     model = AutoPeftModelForCausalLM.from_pretrained(out)
@@ -194,7 +199,7 @@ def test_eval_job_on_run_dir(finished_run, tmp_path):
 
 def _acc_limit2(run_dir):
     """Independent check: score the run's global model with eval.mmlu.evaluate directly."""
-    from fedllm.run.export import load_for_eval
+    from fedllm.run.artifacts import load_for_eval
 
     model, tok = load_for_eval("builtin", None, str(run_dir), None, None, "float32", "cpu")
     from eval.mmlu import evaluate

@@ -300,7 +300,7 @@ def assert_export_matches_mixture(fed, out, client_id: int) -> None:
 
 
 def test_bias_adaptors_are_averaged_and_exported(tmp_path):
-    from fedllm.run.export import export_run
+    from fedllm.run.artifacts import export_run
 
     uploads = []
     fed = floral_run(
@@ -324,7 +324,7 @@ def test_bias_adaptors_are_averaged_and_exported(tmp_path):
 
 
 def test_personalized_export_matches_mixture(tmp_path):
-    from fedllm.run.export import export_run
+    from fedllm.run.artifacts import export_run
 
     cfg = load_config(
         None,

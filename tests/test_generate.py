@@ -83,9 +83,9 @@ def test_cli_generates_from_a_runs_global_client_and_base(tmp_path, builtin_base
     assert "### Is 95 even or odd ?" in capsys.readouterr().out
     # --base is the run's own base (its pretraining steps), not the default built-in base
     from fedllm.data import prompt_template
-    from fedllm.run.export import run_config
+    from fedllm.run.reader import RunFolder
 
-    cfg = run_config(run)
+    cfg = RunFolder(run).config()
     base, tok = load_base(cfg.model, "cpu")
     prompts = read_prompts(["Is 95 even or odd ?", "Is 4 even or odd ?"], None)
     direct = generate(base, tok, prompts, prompt_template(cfg), 4)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fedllm import __version__
+from fedllm.run.reader import RunFolder
 
 NOT_NUMBERS = ("output.", "flower.")  # config keys that change neither the trajectory nor the numbers
 
@@ -143,12 +144,13 @@ def config_digest(cfg) -> str:
 
 def stale_reason(run_dir: Path, wanted) -> str | None:
     """Why the run in ``run_dir`` is not the one ``wanted`` describes (None: it is, or there is none)."""
-    from fedllm.config import ConfigError, load_config
+    from fedllm.config import ConfigError
 
-    if not (run_dir / "config.yaml").exists():
+    run = RunFolder(run_dir)
+    if not run.is_run():
         return None
     try:
-        have = numbers_config(load_config(str(run_dir / "config.yaml"), []))
+        have = numbers_config(run.config())
     except ConfigError as e:
         return f"its config.yaml no longer loads ({e})"
     want = numbers_config(wanted)
@@ -156,8 +158,7 @@ def stale_reason(run_dir: Path, wanted) -> str | None:
     if differ:
         shown = ", ".join(f"{k}: {have.get(k)!r} there, {want.get(k)!r} asked" for k in differ[:4])
         return f"other settings ({shown}{', ...' if len(differ) > 4 else ''})"
-    info = run_dir / "run_info.json"
-    version = json.loads(info.read_text()).get("fedllm_version") if info.exists() else None
+    version = run.version()
     if version != __version__:
         return f"another fedllm version ({version or 'unknown'} there, {__version__} here)"
     return None
@@ -165,10 +166,8 @@ def stale_reason(run_dir: Path, wanted) -> str | None:
 
 def run_metrics(run_dir: Path) -> dict[str, float | None]:
     """The comparison metrics of one finished run (None where the run does not have them)."""
-    from fedllm.run.checkpoint import read_jsonl
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    run = RunFolder(run_dir)
+    summary, rows = run.summary(), run.rows()
     last = next((r for r in reversed(rows) if "eval_loss" in r or "accuracy" in r), rows[-1] if rows else {})
     out: dict[str, float | None] = {}
     for name, (where, _) in METRICS.items():
@@ -278,12 +277,12 @@ def _run_one(
     """One run (continued if interrupted, skipped if finished: checked equal beforehand); its output goes
     to ``<run_dir>.log``. Returns the folder and the seconds it took here."""
     t0 = time.perf_counter()
-    if (run_dir / "summary.json").exists():  # finished earlier with these settings: reuse
+    if RunFolder(run_dir).is_finished():  # finished earlier with these settings: reuse
         return run_dir, 0.0
     cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "INFO", "run", "--output-dir", str(run_dir)]
     if config:
         cmd += ["--config", config]
-    if (run_dir / "config.yaml").exists():  # interrupted earlier with these settings: continue it
+    if RunFolder(run_dir).is_run():  # interrupted earlier with these settings: continue it
         cmd = [sys.executable, "-m", "fedllm.cli", "--log-level", "INFO", "run", "--resume", str(run_dir)]
     else:
         cmd += [*extra, *variant.overrides, f"federation.seed={seed}"]

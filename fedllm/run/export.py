@@ -1,4 +1,5 @@
-"""Export: peft adapter folders, merged models, model cards, Hub push; loading for eval.
+"""Export: peft adapter folders, merged models and their cards, the Hub push. It writes what it is given
+(a run's models are read by ``fedllm/run/reader.py``; ``fedllm/run/artifacts.py`` composes the two).
 
 The exported adapter is the *whole* global model on top of the original base:
 the global adapter plus everything a strategy merged into the base (the
@@ -23,7 +24,6 @@ import torch
 from fedllm.factors import PEFT_PREFIX, Adapter, concat
 from fedllm.lowrank import compact, pad_rank
 from fedllm.run.checkpoint import atomic_write_text, honour_umask, save_tensors_atomic
-from fedllm.run.model_card import write_model_card
 
 log = logging.getLogger(__name__)
 
@@ -101,76 +101,6 @@ def save_global_adapter(server, cfg, path: Path) -> None:
     )
 
 
-def run_config(run_dir: Path):
-    from fedllm.config import load_config
-
-    path = Path(run_dir) / "config.yaml"
-    if not path.exists():
-        raise ExportError(f"{run_dir} is not a fedllm run directory (no config.yaml)")
-    return load_config(path)
-
-
-def adapter_from_run(
-    run_dir: Path, round_idx: int | None = None
-) -> tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Global adapter (+ residual), dense modules and LoRA biases of a run's round (latest if None)."""
-    from fedllm.aggregation import strategy_from_config
-    from fedllm.run import checkpoint as ckpt
-    from fedllm.server import global_state
-
-    run_dir = Path(run_dir)
-    have = [ckpt.checkpoint_round(p) for p in ckpt.round_checkpoints(run_dir)]
-    if round_idx is None:
-        found = ckpt.load_latest(run_dir)
-        if found is None:
-            raise ExportError(f"{run_dir}: no checkpoint yet (no round finished)")
-        path, tensors, meta = found
-    else:
-        path = run_dir / "checkpoints" / f"round-{round_idx:04d}"
-        if round_idx < 1 or not (path / "meta.json").exists():
-            raise ExportError(
-                f"{run_dir}: no checkpoint for round {round_idx} (kept: rounds {have}; rounds start at "
-                "1 and only the newest output.keep_checkpoints are kept)"
-            )
-        tensors, meta = ckpt.load_checkpoint(path)
-    cfg = run_config(run_dir)
-    state = global_state(tensors, meta)
-    strategy = strategy_from_config(cfg.aggregation)
-    adapter = concat(strategy.global_adapter(state), state.residual)
-    if not adapter:
-        raise ExportError(
-            f"{path}: the run has no global update at round {meta['round']} (every round so far was "
-            "skipped): nothing to export"
-        )
-    return adapter, state.dense, strategy.global_biases(state)
-
-
-def personalized_adapter(
-    run_dir: Path, client: int
-) -> tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A client's personalized model: the global model plus its algorithm's personalization steps.
-
-    The run is rebuilt from its directory (same data split, same seed) and the
-    client's k personalization steps (``client.personalize_steps``) are taken
-    on its own training data, as in the run's personalized evaluation.
-    """
-    from accelerate import Accelerator
-
-    from fedllm import assembly
-
-    cfg = run_config(run_dir)
-    if not 0 <= client < cfg.federation.num_clients:
-        raise ExportError(f"--client {client}: the run has clients 0..{cfg.federation.num_clients - 1}")
-    from fedllm.client.store import ClientStore
-
-    fed = assembly.assemble(cfg, Accelerator(cpu=not torch.cuda.is_available()))
-    store = ClientStore(Path(run_dir) / "clients", writes=False)
-    meta = assembly.restore(fed.server, fed.runtime, fed.clients, Path(run_dir), store)
-    start = fed.server.client_start((meta["round"] if meta else 0) + 1, client)
-    store.load(fed.clients[client])
-    return fed.runtime.personalized_adapter(fed.clients[client], start)
-
-
 def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
     """Refuse an ``--output`` that would destroy the run or a user's files (see ``fedllm export --help``)."""
     from fedllm.run.folder import RUN_ENTRIES, check_writable_folder
@@ -195,29 +125,22 @@ def check_export_target(run_dir: Path, out: Path, overwrite: bool) -> None:
         )
 
 
-def export_run(
-    run_dir: Path,
+def write_export(
     out: Path,
-    round_idx: int | None = None,
+    model: tuple[Adapter, dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    cfg,
+    card: str,
     merge: bool = False,
-    client: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """``fedllm export``: adapter folder (or merged model) + model card.
+    """Write ``model`` (adapter, dense modules, LoRA biases) as a peft adapter folder, or as a merged model,
+    with ``card`` as its ``README.md``: everything it writes is given to it.
 
-    Written into a temporary sibling of ``out`` and renamed into place, so a
-    failed export leaves ``out`` as it was; an existing ``out`` is replaced
-    only with ``overwrite`` and never when it is (or holds) the run itself.
+    Written into a temporary sibling of ``out`` and renamed into place, so a failed export leaves ``out``
+    as it was; an existing ``out`` is replaced only with ``overwrite`` (the caller checks the target with
+    :func:`check_export_target` first).
     """
-    check_export_target(run_dir, out, overwrite)
-    cfg = run_config(run_dir)
-    if client is not None and round_idx is not None:
-        raise ExportError(
-            "--client exports a client's personalization of the latest round: leave --round out"
-        )
-    adapter, dense, biases = (
-        personalized_adapter(run_dir, client) if client is not None else adapter_from_run(run_dir, round_idx)
-    )
+    adapter, dense, biases = model
     if merge and biases:
         raise ExportError(
             "--merge cannot fold FLoRAL's bias adaptors into a base whose layers have no bias: export "
@@ -237,9 +160,9 @@ def export_run(
             _merge(base, tmp, merged_dir, cfg)
             shutil.rmtree(tmp)
             tmp = merged_dir
-        write_model_card(tmp, run_dir, cfg, base, merged=merge, client=client, round_idx=round_idx)
+        atomic_write_text(tmp / "README.md", card)
         honour_umask(tmp, directory=True)
-        if out.exists():  # only with overwrite (checked above): swap, then remove the old export
+        if out.exists():  # only with overwrite (checked before): swap, then remove the old export
             old = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
             os.replace(out, old / out.name)
         os.replace(tmp, out)
@@ -295,84 +218,4 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
     return repo_id
 
 
-def load_for_eval(
-    model: str | None,
-    adapter: str | None,
-    run: str | None,
-    round_idx: int | None,
-    client: int | None,
-    dtype: str,
-    device,
-):
-    """A model for ``fedllm eval``: base, base + adapter, merged folder, or a run's global model.
-
-    With ``run`` the base is the run's own (``model.name`` in its config.yaml);
-    a different ``model`` is refused, since the run's adapter means nothing on
-    another base. The run's adapter goes through a temporary folder that is
-    removed once peft has read it.
-    """
-    from peft import PeftModel
-
-    from fedllm.config import ModelConfig
-    from fedllm.model.modeling import load_base
-
-    if run is not None:
-        cfg = run_config(Path(run))
-        if (
-            model is not None
-            and model != cfg.model.name
-            and resolve_base(model, cfg) != base_model_reference(cfg)
-        ):
-            raise ExportError(
-                f"--model {model} is not the base of run {run} ({cfg.model.name!r}, model.name in its "
-                "config.yaml): leave --model out to evaluate the run on its own base"
-            )
-        adapter_, dense, biases = (
-            personalized_adapter(Path(run), client)
-            if client is not None
-            else adapter_from_run(Path(run), round_idx)
-        )
-        base, tokenizer = run_base(cfg, dtype, device)
-        with tempfile.TemporaryDirectory(prefix="fedllm-eval-") as tmp:
-            write_peft_adapter(
-                Path(tmp),
-                adapter_,
-                dense,
-                base_model_reference(cfg),
-                cfg.lora.target_modules,
-                cfg.lora.trainable_modules,
-                biases,
-            )
-            base = PeftModel.from_pretrained(base, tmp).to(device)
-        return base.eval(), tokenizer
-    if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():
-        raise ExportError(f"--adapter {adapter}: no adapter_config.json there")
-    base, tokenizer = load_base(ModelConfig(name=model or "builtin", dtype=dtype), device)
-    if adapter is not None:
-        base = PeftModel.from_pretrained(base, adapter).to(device).eval()
-    return base, tokenizer
-
-
-def run_base(cfg, dtype: str, device):
-    """A run's own base model and tokenizer in ``dtype``, from its whole model config (the built-in base
-    with the run's pretraining steps, its quantization), never a default of the same name."""
-    from fedllm.model.modeling import load_base
-
-    cfg.model.dtype = dtype
-    return load_base(cfg.model, device)
-
-
-def resolve_base(model: str, cfg) -> str:
-    """What ``--model`` names, resolved the way the run's base was (the built-in base by its cache path)."""
-    from fedllm.model.modeling import resolve_model_path
-
-    return (
-        resolve_model_path(model, cfg.model.builtin_pretrain_steps)
-        if model == "builtin"
-        else str(Path(model).expanduser().resolve())
-        if Path(model).expanduser().exists()
-        else model
-    )
-
-
-__all__ = ["export_run", "load_for_eval", "push_to_hub", "save_global_adapter", "write_peft_adapter"]
+__all__ = ["check_export_target", "push_to_hub", "save_global_adapter", "write_export", "write_peft_adapter"]

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -24,16 +25,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedllm.run.reader import CONFIG, INFO, PARTITION, ROWS, SUMMARY, RunFolder
+
 log = logging.getLogger(__name__)
 
 LOCK = ".lock"
 # what a run writes at the top of its folder (export refuses to write over these)
 RUN_ENTRIES = (
-    "config.yaml",
-    "run_info.json",
-    "partition.json",
-    "metrics.jsonl",
-    "summary.json",
+    CONFIG,
+    INFO,
+    PARTITION,
+    ROWS,
+    SUMMARY,
     "checkpoints",
     "global_adapter",
     LOCK,
@@ -54,7 +57,7 @@ class RunDirError(ValueError):
 
 
 def is_run_dir(path: Path) -> bool:
-    return (Path(path) / "config.yaml").is_file()
+    return RunFolder(path).is_run()
 
 
 def _owned(entry: Path) -> bool:
@@ -99,10 +102,7 @@ def refused_changes(changes: dict[str, tuple[Any, Any]], rounds_done: int) -> li
 
 def rounds_done(run_dir: Path) -> int:
     """The newest round with a checkpoint (0 when none)."""
-    from fedllm.run.checkpoint import checkpoint_round, latest_checkpoint
-
-    latest = latest_checkpoint(run_dir)
-    return checkpoint_round(latest) if latest is not None else 0
+    return RunFolder(run_dir).rounds_done()
 
 
 def check_resume(run_dir: Path, stored, given) -> bool:
@@ -124,7 +124,6 @@ def check_new_run(run_dir: Path, cfg, overwrite: bool) -> str:
     """What ``fedllm run --output-dir`` should do with ``run_dir``: 'new', 'continue', 'done' or
     'overwrite'.
     """
-    from fedllm.config import load_config
 
     check_writable_folder(run_dir, "--output-dir")
     if not run_dir.exists() or all(_owned(p) for p in run_dir.iterdir()):
@@ -136,7 +135,7 @@ def check_new_run(run_dir: Path, cfg, overwrite: bool) -> str:
         )
     if overwrite:
         return "overwrite"
-    stored = load_config(run_dir / "config.yaml")
+    stored = RunFolder(run_dir).config()
     changes = config_changes(stored, cfg)
     done = rounds_done(run_dir)
     if changes:
@@ -152,11 +151,8 @@ def is_finished(run_dir: Path, rounds: int) -> bool:
     """The run has finished ``rounds`` rounds: its ``summary.json`` says so (written after the global
     adapter of its last round), not merely that some summary exists (a resume that adds rounds and is
     killed after its last checkpoint has the old one)."""
-    path = Path(run_dir) / "summary.json"
-    if not path.exists():
-        return False
     try:
-        summary = json.loads(path.read_text())
+        summary = RunFolder(run_dir).summary()
     except (OSError, ValueError):
         return False
     return summary.get("rounds_done", -1) >= rounds and rounds_done(run_dir) >= rounds
@@ -188,7 +184,7 @@ def open_run(run_dir: Path, cfg, *, stored=None, overwrite: bool = False) -> tup
             clear_run(run_dir)
         clean_temporaries(run_dir)
         if rewrite:
-            save_config(cfg, run_dir / "config.yaml")
+            save_config(cfg, run_dir / CONFIG)
     except BaseException:
         lock.release()
         raise
@@ -312,6 +308,22 @@ class RunLock:
         self.release()
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float as None (JSON has no Infinity or NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def standard_json(obj: Any, indent: int | None = None) -> str:
+    """Standard JSON, as every reader of a run folder expects: a non-finite number is written as null."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
 class RunWriter:
     """Everything a run writes into its folder, for every driver (simulation, accelerate, Flower).
 
@@ -336,7 +348,7 @@ class RunWriter:
             save_every_round,
             tracker,
         )
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics_path = self.run_dir / ROWS
 
     def start(self, cfg, partition_stats: list[dict]) -> None:
         from fedllm.config import save_config
@@ -345,12 +357,12 @@ class RunWriter:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
+        save_config(cfg, self.run_dir / CONFIG)
         from fedllm import __version__
 
         # which code made the run (fedllm compare reuses a run only if it is this version)
-        atomic_write_text(self.run_dir / "run_info.json", json.dumps({"fedllm_version": __version__}))
-        atomic_write_text(self.run_dir / "partition.json", json.dumps(partition_stats, indent=1))
+        atomic_write_text(self.run_dir / INFO, json.dumps({"fedllm_version": __version__}))
+        atomic_write_text(self.run_dir / PARTITION, standard_json(partition_stats, indent=1))
         for s in partition_stats:  # a Flower site shares its test size and categories only if asked to
             log.info(
                 "client %d: rank %d, %d train / %s test examples, categories %s",
@@ -372,7 +384,7 @@ class RunWriter:
 
         rows = [r for r in self.rows() if r["round"] < round_idx]
         if self.enabled:
-            atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write_text(self.metrics_path, "".join(standard_json(r) + "\n" for r in rows))
         return rows
 
     def log(self, row: dict) -> None:
@@ -380,7 +392,7 @@ class RunWriter:
 
         if not self.enabled:
             return
-        append_line(self.metrics_path, json.dumps(row))
+        append_line(self.metrics_path, standard_json(row))
         if self.tracker is not None:
             self.tracker(
                 {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)},
@@ -438,5 +450,5 @@ class RunWriter:
         if self.enabled:
             if summary.get("global_adapter"):
                 write_adapter(self.run_dir / "global_adapter")
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+            atomic_write_text(self.run_dir / SUMMARY, standard_json(summary, indent=1))
         return summary

@@ -7,14 +7,13 @@ the Hub.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import yaml
 
 from eval.mmlu import benchmark_name
-from fedllm.run.checkpoint import atomic_write_text
+from fedllm.run.reader import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -26,41 +25,15 @@ def hub_id(name: str) -> str | None:
     return name if name.count("/") == 1 and all(name.split("/")) else None
 
 
-def card_facts(run_dir: Path, cfg, round_idx: int | None) -> dict:
-    """What the card says about the exported round: metrics of that round, cumulative traffic up to it."""
-    from fedllm.run import checkpoint as ckpt
-    from fedllm.run.folder import rounds_done
-
-    rows = ckpt.read_jsonl(Path(run_dir) / "metrics.jsonl")
-    upto = round_idx if round_idx is not None else rounds_done(run_dir)
-    rows = [r for r in rows if r["round"] <= upto]
-    evals = [r for r in rows if r.get("eval_loss") is not None or r.get("accuracy") is not None]
-    first, last = (evals[0], evals[-1]) if evals else ({}, {})
-    comm = next((r["cumulative"] for r in reversed(rows) if "cumulative" in r), {})
-    return {
-        "round": upto,
-        "eval_round": last.get("round"),
-        "accuracy_before": first.get("accuracy"),
-        "accuracy": last.get("accuracy"),
-        "loss_before": first.get("eval_loss"),
-        "loss": last.get("eval_loss"),
-        "up_params": comm.get("total_up_params"),
-        "down_params": comm.get("total_down_params"),
-        "up_bytes": comm.get("total_up_bytes"),
-        "down_bytes": comm.get("total_down_bytes"),
-    }
-
-
-def write_model_card(
-    folder: Path,
-    run_dir: Path,
+def card_text(
+    run: RunFolder,
     cfg,
     base: str,
     merged: bool,
     client: int | None = None,
     round_idx: int | None = None,
-) -> None:
-    """README.md with the Hub's metadata and what was exported (the round, its metrics and traffic).
+) -> str:
+    """An export's README.md: the Hub's metadata and what was exported (the round, its metrics and traffic).
 
     ``base_model`` and ``datasets`` name Hub ids only: a base or data set that
     was a local path (or the built-in one) is left out, with a warning, since a
@@ -69,7 +42,8 @@ def write_model_card(
     from data_prep.loaders import HUB_IDS
     from fedllm.assembly import assign_ranks, describe_ranks
 
-    facts = card_facts(run_dir, cfg, round_idx)
+    facts = run.facts(round_idx)
+    summary = run.summary()
     kind = "merged model" if merged else "LoRA adapter"
     base_id = hub_id(cfg.model.name)
     if base_id is None:
@@ -86,10 +60,9 @@ def write_model_card(
         "tags": ["federated-learning", "lora", "fedllm", cfg.aggregation.name, cfg.client.algorithm],
     }
     meta = {k: v for k, v in meta.items() if v is not None}
-    summary_path = Path(run_dir) / "summary.json"
-    source = json.loads(summary_path.read_text()).get("benchmark") if summary_path.exists() else None
+    source = summary.get("benchmark")
     bench = benchmark_name(source) if source else None
-    own = client_facts(run_dir, client) if client is not None else None
+    own = run.client_facts(client) if client is not None else None
     if bench and facts["accuracy"] is not None and client is None:  # a client's model was not benchmarked
         meta["model-index"] = [
             {
@@ -147,8 +120,8 @@ def write_model_card(
             f"| {bench} accuracy of the {'global model' if client is not None else 'model'} (before round 1 "
             f"-> round {facts['eval_round']}) | {num(facts['accuracy_before'])} -> {num(facts['accuracy'])} |"
         )
-    guarantees = json.loads(summary_path.read_text()).get("guarantees", []) if summary_path.exists() else []
-    body += [f"| guarantee | {line} |" for line in guarantees]  # what a feature states of the run
+    # what a feature states of the run
+    body += [f"| guarantee | {line} |" for line in summary.get("guarantees", [])]
     body += [
         f"| communication up to round {facts['round']} | up {num(facts['up_params'], ',')} params "
         f"({num(facts['up_bytes'] and facts['up_bytes'] / 1e6, '.2f')} MB), "
@@ -163,16 +136,4 @@ def write_model_card(
             "the base)."
         ),
     ]
-    text = "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(body) + "\n"
-    atomic_write_text(folder / "README.md", text)
-
-
-def client_facts(run_dir: Path, client: int) -> dict | None:
-    """Client ``client``'s own held-out numbers from the newest evaluation that visited it (None: none)."""
-    from fedllm.run.checkpoint import read_jsonl
-
-    for row in reversed(read_jsonl(Path(run_dir) / "metrics.jsonl")):
-        mine = row.get("personal", {}).get(str(client))
-        if mine:
-            return {"round": row["round"], **mine}
-    return None
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n\n" + "\n".join(body) + "\n"

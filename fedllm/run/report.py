@@ -16,21 +16,18 @@ import json
 import statistics
 from pathlib import Path
 
-import yaml
-
-from fedllm.run.checkpoint import atomic_write_text, read_jsonl
+from fedllm.run.checkpoint import atomic_write_text
+from fedllm.run.reader import RunFolder
 
 
 def load_run(run_dir: Path) -> dict:
-    rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    run = RunFolder(run_dir)
+    rows = run.rows()
     if not rows:
         raise ValueError(
             f"{run_dir}: no metrics.jsonl rows (not a fedllm run directory, or no round finished)"
         )
-    summary_path = Path(run_dir) / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    config_path = Path(run_dir) / "config.yaml"
-    config = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
+    summary, config = run.summary(), run.raw_config
     evals = [r for r in rows if r.get("accuracy") is not None]
     comm = 0
     curve_comm = []
