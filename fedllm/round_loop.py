@@ -70,6 +70,7 @@ class RoundLoop(abc.ABC):
         # the launch decides the device, the process group, DeepSpeed and mixed precision
         self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
         self.start_round, self.wall_before = 1, 0.0
+        self.restored: dict | None = None  # the checkpoint a resume continues from
         self.store: ClientStore | None = None  # simulated clients' state on disk (a site keeps its own)
         # callbacks (phase, seconds) after each timed phase, e.g. a benchmark's (scripts/bench_scale.py)
         self.on_phase: list[Callable[[str, float], None]] = []
@@ -175,7 +176,17 @@ class RoundLoop(abc.ABC):
         )
 
     # -------------------------------------------------------- checkpointing
-    def checkpoint(self, round_idx: int) -> None:
+    def complete(self, row: dict[str, Any], visit: list[int]) -> None:
+        """Evaluate the model of ``row``'s round (when the schedule says so) and log the row."""
+        r = row["round"]
+        if r % self.cfg.eval.every == 0 or r == self.cfg.federation.rounds:
+            row.update(self.evaluate())
+            if self.cfg.eval.personalized:
+                row.update(self.personalized(r, visit))
+        self.writer.log(row)
+
+    def checkpoint(self, round_idx: int, pending: dict | None = None) -> None:
+        """The server's state after ``round_idx`` (and the round's row, to finish it after a crash)."""
         t0 = time.perf_counter()
         tensors, meta = self.server.state_dict()
         if self.store is not None:  # the index of each client's state file, not the states themselves
@@ -185,6 +196,7 @@ class RoundLoop(abc.ABC):
                 "seed": self.cfg.federation.seed,
                 "rng": "derived from (seed, round, client)",
                 "wall_s": self.elapsed(),
+                **({"pending": pending} if pending is not None else {}),
             }
         )
         self.writer.checkpoint(round_idx, tensors, meta)
@@ -196,6 +208,7 @@ class RoundLoop(abc.ABC):
         """Continue after the newest intact checkpoint of the run directory (a damaged newer one is passed
         over)."""
         meta = assembly.restore(self.server, self.runtime, self.local_clients(), self.run_dir, self.store)
+        self.restored = meta
         if meta is None:
             log.info("no checkpoint in %s: starting from round 1", self.run_dir)
             return
@@ -212,6 +225,11 @@ class RoundLoop(abc.ABC):
         if resume:
             self.restore()
             rows = self.writer.keep_rows_before(self.start_round)
+            pending = (self.restored or {}).get("pending")
+            if pending and pending["row"]["round"] > max((r["round"] for r in rows), default=-1):
+                # the run stopped after this round's checkpoint, before its row: finish that row now
+                self.complete(pending["row"], pending["visit"])
+                rows.append(pending["row"])
         else:
             self.writer.start(cfg, self.partition_stats)
         self.t_start = time.perf_counter()
@@ -228,13 +246,13 @@ class RoundLoop(abc.ABC):
         ):
             done = self.run_round(r)
             row = done.row
-            if r % cfg.eval.every == 0 or r == cfg.federation.rounds:
-                row.update(self.evaluate())
-                if cfg.eval.personalized:
-                    row.update(self.personalized(r, self.personal_clients(done.plan.sampled)))
             row["cumulative"] = {k: v for k, v in self.server.ledger.totals().items() if k != "per_client"}
-            self.writer.log(row)
-            self.checkpoint(r)
+            visit = self.personal_clients(done.plan.sampled)
+            # checkpointed before anything made from this round's result leaves the server (the sites'
+            # personalized evaluation, the next round's downloads): a crash after it never makes the round
+            # run again on a model that was already released
+            self.checkpoint(r, pending={"row": standard_row(row), "visit": visit})
+            self.complete(row, visit)
             log.info(
                 "round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params",
                 r,
@@ -311,6 +329,15 @@ def personal_summary(rows: dict[str, dict]) -> dict[str, Any]:
         "global_client_loss": mean("global_loss"),
         "personal_loss": mean("personal_loss"),
     }
+
+
+def standard_row(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` as JSON holds it (non-finite numbers as None), to keep in a checkpoint's metadata."""
+    import json
+
+    from fedllm.run.folder import standard_json
+
+    return json.loads(standard_json(row))
 
 
 def tracker_config(cfg: Config) -> dict[str, Any]:

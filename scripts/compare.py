@@ -36,10 +36,11 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
             f"{s}_{tag}:aggregation.name={s},{dp}"
             for s in ("fedit", "ffa")
             for tag, dp in (
-                ("nodp", "privacy.mode=none"),
+                # no DP: the config's DP settings back to their defaults (a mode of none refuses others)
+                ("nodp", "privacy.mode=none,privacy.clip_norm=1.0,privacy.noise_multiplier=1.0"),
                 ("eps8", "privacy.noise_multiplier=1.5279"),  # fedllm privacy ... --target-epsilon 8
-                ("eps4", "privacy.noise_multiplier=2.2067"),
-                ("eps1", "privacy.noise_multiplier=5.9763"),
+                ("eps4", "privacy.noise_multiplier=2.2068"),
+                ("eps1", "privacy.noise_multiplier=5.9764"),
             )
         ]
         # what local DP costs (FLoRA, FlexLoRA and FLoRIST get local DP only): each site noises its own

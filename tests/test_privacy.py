@@ -273,3 +273,141 @@ def test_privacy_helper_prints_the_noise_for_a_target(capsys):
     )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["epsilon"] == pytest.approx(4.0, rel=1e-3) and 1 < last["noise_multiplier"] < 3
+
+
+# ---- the review's probes: the guarantee holds at its corners ----------------------------------------
+
+
+def test_the_sample_is_secret_and_the_run_folder_never_names_it(tmp_path, builtin_base):
+    """privacy.sampling=secret (the default): rows carry counts, not ids; the ledger keeps totals only; the
+    reported epsilon is the amplified one. privacy.sampling=public: the seeded sample is written, and the
+    epsilon is the unamplified Gaussian over the most-sampled client's rounds, replayed from the seed."""
+    from fedllm.cli import main
+    from fedllm.privacy import default_delta
+    from fedllm.privacy.accountant import unamplified
+    from fedllm.run import checkpoint as ckpt
+    from fedllm.server import Sampling
+
+    assert main(["run", *dp_overrides(tmp_path / "secret", "federation.rounds=3")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "secret" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all("sampled" not in r and "client_loss" not in r and r["n_sampled"] == 4 for r in rows)
+    everything = "".join(p.read_text() for p in (tmp_path / "secret").rglob("*.json*"))
+    assert '"sampled"' not in everything and '"client_loss"' not in everything
+    summary = json.loads((tmp_path / "secret" / "summary.json").read_text())
+    assert "per_client" not in summary["communication"]  # how often each client uploaded: not kept
+    _, _, meta = ckpt.load_latest(tmp_path / "secret")
+    assert set(meta["ledger"]["up"]) == {"-1"}
+    assert summary["privacy"]["epsilon"] == pytest.approx(epsilon("central", 8, 4, 1.2, 3, default_delta(8)))
+
+    public = dp_overrides(tmp_path / "public", "federation.rounds=3", "privacy.sampling=public")
+    assert main(["run", *public]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "public" / "metrics.jsonl").read_text().splitlines()][1:]
+    sampling = Sampling(seed=0, clients_per_round=4)
+    replay = [sampling.draw(r, list(range(8)))[0] for r in (1, 2, 3)]
+    assert [r["sampled"] for r in rows] == replay  # the adversary's replay of federation.seed
+    most = max(sum(k in s for s in replay) for k in range(8))
+    eps = json.loads((tmp_path / "public" / "summary.json").read_text())["privacy"]["epsilon"]
+    assert eps == pytest.approx(unamplified(1.2, most, default_delta(8)))
+
+
+def test_under_local_dp_everything_that_leaves_a_site_is_clipped_and_noised(tmp_path, builtin_base):
+    """FedSA-LoRA sharing B under local DP: the shared B travels clipped and noised like A, never raw."""
+    from fedllm.config import load_config
+    from fedllm.simulation import Simulation
+    from tests.conftest import faulty
+
+    uploads = []
+    cfg = load_config(
+        None,
+        dp_overrides(
+            tmp_path / "r",
+            "privacy.mode=local",
+            "privacy.noise_multiplier=2.0",
+            "aggregation.name=fedsa",
+            "aggregation.fedsa.share_b_every=1",
+            "eval.personalized=false",
+        ),
+    )
+    sim = faulty(Simulation)(cfg, tmp_path / "r", fault=lambda r, k, u: uploads.append(u) or u)
+    sim.setup()
+    sim.run()
+    shared = torch.cat(
+        [t.flatten() for u in uploads for k, t in u.extras.items() if k.startswith("B_shared.")]
+    )
+    assert shared.numel() > 1000
+    assert float(shared.std()) == pytest.approx(2.0 * 0.5, rel=0.15)  # noise of sigma C, not a raw B
+
+
+def test_clip_statistics_stay_out_of_a_dp_run_unless_asked(tmp_path, builtin_base):
+    from fedllm.cli import main
+
+    assert main(["run", *dp_overrides(tmp_path / "a")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert not any(k.startswith("agg_dp_") for r in rows for k in r)
+    assert main(["run", *dp_overrides(tmp_path / "b", "privacy.report_clip_stats=true")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all("agg_dp_update_norm_median" in r for r in rows)
+
+
+def test_the_printed_noise_multiplier_meets_its_target(capsys, tmp_path):
+    """`fedllm privacy` rounds up: the printed value spends at most the target, and a config with it and
+    privacy.target_epsilon set to that target loads."""
+    from fedllm.cli import main
+
+    args = ["privacy", "--clients", "1000", "--per-round", "100", "--rounds", "20", "--target-epsilon", "4"]
+    assert main(args) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["epsilon"] <= 4.0 and f"{last['noise_multiplier']:.4f}" == f"{last['noise_multiplier']}"
+    load_config(
+        None,
+        [
+            "federation.num_clients=1000",
+            "federation.clients_per_round=100",
+            "federation.rounds=20",
+            "privacy.mode=central",
+            f"privacy.noise_multiplier={last['noise_multiplier']}",
+            "privacy.target_epsilon=4",
+            "eval.personalized=false",
+        ],
+    )
+
+
+def test_privacy_settings_without_a_mode_are_refused():
+    with pytest.raises(ConfigError, match=r"privacy.mode=none ignores privacy.clip_norm, privacy.noise_mult"):
+        load_config(None, ["privacy.noise_multiplier=1.1", "privacy.clip_norm=0.5"])
+
+
+def test_a_round_released_before_a_crash_is_never_noised_again(tmp_path, builtin_base):
+    """The round's checkpoint is written before anything made from its result leaves the server: a run that
+    stops after it (here: in the evaluation of round 2) resumes at round 3 with round 2's own noisy model
+    and finishes round 2's row, instead of training round 2 again with fresh noise."""
+    from fedllm.config import load_config
+    from fedllm.run import checkpoint as ckpt
+    from fedllm.simulation import Simulation
+
+    overrides = dp_overrides(tmp_path / "r", "federation.rounds=3", "privacy.noise_seed=-1")
+    sim = Simulation(load_config(None, overrides), tmp_path / "r")
+    sim.setup()
+    evaluate = sim.evaluate
+    calls = []
+
+    def crash_in_round_2():
+        calls.append(1)
+        if len(calls) == 3:  # before round 1, after round 1, after round 2
+            raise KeyboardInterrupt
+        return evaluate()
+
+    sim.evaluate = crash_in_round_2
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    _, tensors, meta = ckpt.load_latest(tmp_path / "r")
+    assert meta["round"] == 2
+    resumed = Simulation(load_config(tmp_path / "r" / "config.yaml"), tmp_path / "r")
+    resumed.setup()
+    resumed.run(resume=True)
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3] and "eval_loss" in rows[2]
+    path = tmp_path / "r" / "checkpoints" / "round-0002"
+    if path.exists():  # round 2's state is the one released before the crash, not a redrawn one
+        again, _ = ckpt.load_checkpoint(path)
+        assert all(torch.equal(again[k], tensors[k]) for k in tensors)

@@ -370,3 +370,122 @@ def test_scaffold_state_stays_in_step_with_the_server(tmp_path, builtin_base):
                 region = tuple(slice(0, s) for s in ck.shape)
                 total[region] += p[client.client_id] * ck
         assert_close(total, c_name, rtol=1e-5, atol=1e-7)
+
+
+# ---- the review's probes (corners of the boundary that did not hold) ----------------------------------
+
+
+def test_a_shared_b_nobody_asked_for_is_refused_and_an_asked_one_is_clipped():
+    """FedSA-LoRA with B never shared (the paper's protocol): a client sending a shared B of 1e6 is left out.
+    On a sharing round the B travels, and a huge one is clipped with the update it came with."""
+    from fedllm.aggregation.fedsa import B_SHARED
+
+    def with_b(server, plan, k, value):
+        u = honest(server, plan, k)
+        rank = server.expected(k).rank
+        u.factors = {m: LoraFactors(f.A, f.B[:, :0], f.scale) for m, f in u.factors.items()}
+        u.extras = {f"{B_SHARED}{m}": torch.full((out_f, rank), value) for m, (out_f, _) in MODULES.items()}
+        return u
+
+    never = make_server(STRATEGIES["fedsa"](share_b_every=0))
+    plan = never.plan_round(1)
+    ups = {k: honest(never, plan, k) for k in plan.active}
+    for k in ups:
+        ups[k].factors = {m: LoraFactors(f.A, f.B[:, :0], f.scale) for m, f in ups[k].factors.items()}
+    ups[1] = with_b(never, plan, 1, 1e6)
+    report = never.finish_round(plan, ups)
+    expect_refused(report, 1, "a shared B in a round that asked for none")
+    every = make_server(STRATEGIES["fedsa"](share_b_every=1))
+    plan = every.plan_round(1)
+    ups = {k: with_b(every, plan, k, 0.01) for k in plan.active}
+    ups[1] = with_b(every, plan, 1, 1e6)
+    report = every.finish_round(plan, ups)
+    assert report.row["agg_clipped"] == 1 and report.row["agg_b_sharers"] == 4
+    assert float(every.state.factors["l0.q_proj"].B.abs().max()) < 1.0
+
+
+def test_hetlora_norm_shares_obey_the_servers_cap():
+    """With federation.max_client_weight 0.3, a 1e4x client (clipped to twice the median) weighs at most
+    0.3 in HetLoRA's norm-proportional average."""
+    server = make_server("hetlora", max_client_weight=0.3)
+    report = round_with(
+        server,
+        1,
+        {2: edited(factors=lambda f: {m: LoraFactors(x.A * 100, x.B * 100, x.scale) for m, x in f.items()})},
+    )[1]
+    assert report.row["agg_clipped"] == 1
+    assert report.row["agg_norm_share_max"] <= 0.3 + 1e-9
+
+
+def test_a_control_variate_that_would_overflow_skips_the_round_and_keeps_c_finite():
+    """SCAFFOLD with clip_norm_ratio 0 (allowed): a client sending 3e38 control-variate changes four rounds
+    in a row would make c infinite; the server refuses such a server state and keeps the last finite one."""
+    server = make_server(algorithm=ScaffoldServer(), clip_norm_ratio=0)
+
+    def flood(server, plan, k):
+        u = honest(server, plan, k)
+        u.extras = {f"dc.{n}": torch.full(s, 3e38) for n, s in server.expected(k).param_shapes().items()}
+        return u
+
+    skipped = []
+    for r in range(1, 5):
+        _, report = round_with(server, r, {0: flood, 1: flood, 2: flood, 3: flood})
+        skipped.append(report.row["skipped"])
+        assert all(torch.isfinite(t).all() for t in server.algorithm.c.values())
+        assert all(torch.isfinite(t).all() for t in server.algorithm.download(8).values())
+    assert any(skipped)
+
+
+def test_a_replayed_update_is_refused():
+    """An update recorded in round 1 and sent again in round 2 names round 1's plan: refused."""
+    server = make_server()
+    plan1 = server.plan_round(1)
+    old = honest(server, plan1, 2)
+    server.finish_round(plan1, {k: honest(server, plan1, k) for k in plan1.active})
+    plan2 = server.plan_round(2)
+    ups = {k: honest(server, plan2, k) for k in plan2.active}
+    report = server.finish_round(plan2, {**ups, 2: old})
+    expect_refused(report, 2, "answers round 1")
+
+
+def test_reasons_are_one_line_and_the_run_folder_is_standard_json(tmp_path, builtin_base):
+    """A sparse tensor is refused with a short reason (not PyTorch's dispatcher dump); a metric of 1e308
+    is dropped (its mean would overflow); metrics.jsonl parses as standard JSON (no Infinity or NaN)."""
+    server = make_server()
+    plan = server.plan_round(1)
+    ups = {k: honest(server, plan, k) for k in plan.active}
+    f = ups[1].factors["l0.q_proj"]
+    ups[1].factors["l0.q_proj"] = LoraFactors(f.A.to_sparse(), f.B, f.scale)
+    ups[0].metrics = {**ups[0].metrics, "loss_mean": 1e308}
+    ups[3].metrics = {**ups[3].metrics, "loss_mean": 1e308}
+    report = server.finish_round(plan, ups)
+    reason = report.row["failed"]["1"]
+    assert "sparse" in reason and "\n" not in reason and len(reason) < 400
+    assert math.isfinite(report.row["train_loss"])
+
+    def no_constants(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    tiny_run(tmp_path, "json", lambda r, k, u: setattr(u, "metrics", {"loss_mean": 1e308}) or u)
+    text = (tmp_path / "json" / "metrics.jsonl").read_text()
+    assert all(json.loads(line, parse_constant=no_constants) for line in text.splitlines())
+
+
+def test_local_dp_still_bounds_a_client_on_the_server(tmp_path, builtin_base):
+    """Local DP noises each site's own update; the server's median-relative clip stays on, so a 1e4x update
+    is scaled to a few honest (noised) ones' size instead of being taken whole."""
+
+    def huge(r, k, u):
+        if k == 1:
+            u.factors = {m: LoraFactors(f.A * 100, f.B * 100, f.scale) for m, f in u.factors.items()}
+        return u
+
+    extra = (
+        "privacy.mode=local",
+        "privacy.clip_norm=0.5",
+        "privacy.noise_multiplier=0.01",
+        "privacy.noise_seed=0",
+        "lora.trainable_modules=[]",
+    )
+    _, _, rows = tiny_run(tmp_path, "local", huge, *extra)
+    assert all(r["agg_clipped"] >= 1 for r in rows[1:])
