@@ -146,8 +146,8 @@ class AlgorithmServer:
     def bind(self, param_shapes: dict[str, torch.Size]) -> None:
         """The clients' trainable tensors by name at the largest adapter rank (``<module>.A/.B``, dense)."""
 
-    def download(self, rank: int) -> dict[str, Tensor]:
-        """What a client whose adapter has rank ``rank`` downloads for this algorithm."""
+    def download(self, rank: int, client_id: int | None = None) -> dict[str, Tensor]:
+        """What client ``client_id``, whose adapter has rank ``rank``, downloads for this algorithm."""
         return {}
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:

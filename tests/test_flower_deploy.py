@@ -275,3 +275,151 @@ def test_a_killed_site_is_left_out_and_rejoins_from_its_state(tmp_path):
     assert "claims client 0: refused (live node" in run_log  # the impostor, while site 0 lives
     assert all(x["n_updates"] <= 3 for x in r[1:])  # never a fourth contributor
     assert "site 0 trained" not in (tmp_path / "impostor.log").read_text()
+
+
+def vm_hwm_mb(pid: int) -> float:
+    """A process's peak resident memory (VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def post_gib(port: int, path: str) -> int | str:
+    """POST 1 GiB of zeros (declared up front, streamed in 1 MiB pieces) with no node signature; the status
+    the proxy answers, or how the connection ended."""
+    import http.client
+    import ssl
+
+    conn = http.client.HTTPSConnection(
+        "127.0.0.1", port, context=ssl._create_unverified_context(), timeout=120
+    )
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Type", "application/protobuf")
+    conn.putheader("Content-Length", str(1 << 30))
+    conn.endheaders()
+    piece = bytes(1 << 20)
+    try:
+        for _ in range(1024):
+            conn.send(piece)
+    except OSError:  # the proxy refused and closed the connection: read what it answered
+        pass
+    try:
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException) as e:
+        return type(e).__name__
+    finally:
+        conn.close()
+
+
+def superlink_pid(work: Path) -> int:
+    out = subprocess.run(["pgrep", "-f", f"flower-superlink.*{work}"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids, "no SuperLink process"
+    return min(pids)
+
+
+@needs_nginx
+def test_a_hostile_deployment_corner_by_corner(tmp_path):
+    """The secure default against an outsider and a careless operator: an unauthenticated 1 GiB body is
+    refused at the proxy and leaves the SuperLink's peak memory within 200 MB of its idle size; a Fleet
+    request without a node signature never reaches it; no file of the work folder is readable by others;
+    an untracked file of the operator's never reaches a site; private keys are gone after the run."""
+    secret = ROOT / "operator_private_probe.jsonl"  # untracked (not in git), in the project folder
+    secret.write_text('{"instruction": "the operator\'s own notes", "response": "private"}\n')
+    try:
+        work, run_dir = tmp_path / "work", tmp_path / "run"
+        env = env_for(work)
+        proc = start(["default", "2", "--run-dir", str(run_dir), "federation.rounds=2", *SMALL], work, env)
+        wait_rows(proc, run_dir, 1)
+        pid = superlink_pid(work)
+        idle = vm_hwm_mb(pid)
+        port = env["SUPERLINK_PORT"]
+        big = post_gib(int(port), "/v1/fleet/push-object")
+        unsigned = subprocess.run(
+            [
+                "curl",
+                "-sk",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "-X",
+                "POST",
+                "--data",
+                "x",
+                f"https://127.0.0.1:{port}/v1/fleet/pull-messages",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        peak = vm_hwm_mb(pid)
+        finish(proc, work)
+        assert big in (401, 413), big
+        assert unsigned.stdout.strip() == "401"
+        assert peak - idle < 200, (idle, peak)
+        readable = [
+            str(p.relative_to(work))
+            for p in work.rglob("*")
+            if not p.is_symlink() and p.stat().st_mode & 0o077
+        ]
+        assert readable == [] and not (work.stat().st_mode & 0o077)
+        shipped = [p for p in work.rglob("*") if p.name == secret.name]
+        assert shipped == [], shipped
+        assert not list(work.rglob("node-key")) and not (work / "ca.key").exists()
+        certs = subprocess.run(
+            ["openssl", "x509", "-in", str(work / "server.pem"), "-noout", "-text"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "CA:FALSE" in certs and "TLS Web Server Authentication" in certs
+    finally:
+        secret.unlink(missing_ok=True)
+
+
+@needs_nginx
+def test_two_deployments_at_once_either_both_run_or_the_second_refuses_naming_the_port(tmp_path):
+    """Ports left unset: each deployment picks free ones and both run. A port asked for that another
+    deployment holds: refused in seconds, naming the port."""
+    runs = []
+    for name in ("a", "b"):
+        work, run_dir = tmp_path / f"work-{name}", tmp_path / f"run-{name}"
+        env = {**env_for(work)}
+        env.pop("SUPERLINK_PORT")
+        env.pop("SUPERNODE_PORT")
+        runs.append(
+            (
+                start(["default", "2", "--run-dir", str(run_dir), "federation.rounds=1", *SMALL], work, env),
+                work,
+                run_dir,
+                env,
+            )
+        )
+    (proc_a, work_a, run_a, _), _ = runs
+    wait_rows(proc_a, run_a, 1)
+    taken = (work_a / "flwr-home" / "config.toml").read_text()
+    busy = int(taken.split('address = "127.0.0.1:')[1].split('"')[0])
+    work_c = tmp_path / "work-c"
+    t0 = time.monotonic()
+    refused = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "run_flower_local.sh"),
+            "default",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run-c"),
+            "federation.rounds=1",
+        ],
+        cwd=ROOT,
+        env={**env_for(work_c), "SUPERLINK_PORT": str(busy)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and f"port {busy}" in refused.stderr, refused.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    for proc, work, run_dir, _ in runs:
+        finish(proc, work)
+        assert rows(run_dir)[-1]["n_updates"] == 2

@@ -16,17 +16,23 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from fedllm.config import ConfigError, load_config
 from fedllm.flower import server_app
 from fedllm.flower.identity import load_registry, pem_of, refuse_token_modules
-from fedllm.flower.records import info_record
+from fedllm.flower.records import info_record, signed
 from fedllm.flower.site import Site
 
 _ids = itertools.count(1)
 
 
+PRIVATE: dict[bytes, object] = {}  # a test site's private key by its public PEM (it signs its replies)
+
+
 def keypair() -> tuple[str, bytes]:
     """A site key as its OpenSSH public line (what the operator registers) and as Flower stores it (PEM)."""
-    pub = ec.generate_private_key(ec.SECP384R1()).public_key()
+    private = ec.generate_private_key(ec.SECP384R1())
+    pub = private.public_key()
     line = pub.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
-    return line, pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pem = pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    PRIVATE[pem] = private
+    return line, pem
 
 
 class FakeMessage:
@@ -53,7 +59,12 @@ class FakeGrid:
             n = m.metadata.dst_node_id
             self.received.setdefault(n, []).append(m.content)
             if m.metadata.message_type == "query":
-                content = info_record({"client-id": self.claims[n][0], "num-examples": 10})
+                key = PRIVATE.get(self.claims[n][1] or b"")
+                content = signed(
+                    info_record({"client-id": self.claims[n][0], "num-examples": 10}),
+                    key,
+                    m.metadata.message_id,
+                )
             else:
                 content = {"from": n}
             replies.append(
@@ -64,6 +75,11 @@ class FakeGrid:
                 )
             )
         return replies
+
+
+def as_is(k, content, reply_to):
+    """A parser that takes a reply's content as it is (the identity tests look at who answers)."""
+    return content
 
 
 @pytest.fixture
@@ -88,7 +104,7 @@ def test_plain_mode_a_second_claim_is_refused_while_the_holder_lives(driver_for,
     grid.claims[66] = (0, None)  # a third node claims client 0
     for round_idx in (1, 2):
         caplog.clear()
-        replies, failures = driver._exchange({0: "s0", 1: "s1"}, "train", round_idx)
+        replies, failures = driver._exchange({0: "s0", 1: "s1"}, "train", round_idx, as_is)
         assert "node 66 claims client 0: refused" in caplog.text  # logged every time it asks
         assert replies == {0: {"from": 11}, 1: {"from": 12}} and not failures
     assert all(c.get("client") is None for c in grid.received[66])  # only handshakes reached it
@@ -118,7 +134,7 @@ def test_registry_binds_each_key_to_one_client(driver_for, tmp_path, caplog):
     grid.claims[21] = (0, k0)  # site 0 restarted: its key, a new node id
     driver.handshake()
     assert driver.nodes == {0: 21, 1: 12}
-    replies, _ = driver._exchange({0: "s0", 1: "s1"}, "train", 3)
+    replies, _ = driver._exchange({0: "s0", 1: "s1"}, "train", 3, as_is)
     assert replies == {0: {"from": 21}, 1: {"from": 12}}
     assert not any(c.get("client") is not None for n in (66, 67, 68) for c in grid.received.get(n, []))
 

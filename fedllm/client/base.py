@@ -143,6 +143,14 @@ class ClientAlgorithm(abc.ABC):
     changes_gradients: ClassVar[bool] = True  # it changes gradients between backward and step
     # its own options (a dataclass of fedllm.options.opt fields), collected as client.<name>.*
     options: ClassVar[type | None] = None
+    # the settings of its paper's experiments, which ``client.preset=paper`` applies (keys the config does
+    # not set itself): the LLM defaults (AdamW, a cosine schedule, a gradient clip) are not its paper's
+    paper_preset: ClassVar[dict[str, object]] = {
+        "client.optimizer": "sgd",
+        "client.scheduler": "constant",
+        "client.warmup_ratio": 0.0,
+        "client.max_grad_norm": 0.0,
+    }
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -224,6 +232,19 @@ class ClientAlgorithm(abc.ABC):
         opt.zero_grad(set_to_none=True)
         model.eval()
 
+    def correct(self, params: Params) -> None:
+        """Add to the (clipped) gradient what is not the local objective's own gradient (SCAFFOLD's
+        control-variate correction): the clip bounds the stochastic gradient, never the correction that
+        removes the drift. Default: nothing."""
+
+    def settle(
+        self, old: dict[str, Tensor], new: dict[str, Tensor], download: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """The state a client keeps once the server took the update that came with ``new`` (``old``: the
+        state before it; ``download``: what the server half sends now, e.g. how it scaled that update).
+        Default: the new state."""
+        return new
+
     def step_clip(self, plan: LocalPlan) -> float:
         """The gradient-norm clip of each local step (``client.max_grad_norm``; 0: none)."""
         return plan.max_grad_norm
@@ -285,6 +306,7 @@ class ClientAlgorithm(abc.ABC):
                 loss = self.local_step(wrapped, params, batches, plan, accelerator)
                 if self.step_clip(plan) > 0 and not clips_gradients_itself(layout):
                     torch.nn.utils.clip_grad_norm_(list(params.values()), self.step_clip(plan))
+                self.correct(params)  # after the clip: a correction is never scaled by the gradient's norm
                 step_sizes.append(optimizer.param_groups[0]["lr"])
                 optimizer.step()
                 scheduler.step()

@@ -244,7 +244,9 @@ class ClientRuntime:
         dropped and the state before it stays.
         """
         t0 = time.perf_counter()
-        client.state = settle_pending(client.state, start.accepted)
+        client.state = settle_pending(
+            client.state, start.accepted, lambda old, new: self.algorithm.settle(old, new, start.algo)
+        )
         self.catch_up(start.catchup)
         name = adapter_name(client.rank)
         activate(self.model, name)
@@ -301,13 +303,7 @@ class ClientRuntime:
             if session is not None:
                 result.extras.update(session.upload())
                 client.state = {**prefixed(session.state(), HOOK), **without_prefix(client.state, HOOK)}
-        # the new algorithm state waits beside the old one until the server has taken this update
-        if algo_state:  # (a stateless algorithm leaves the client without state: no file to keep)
-            client.state = {
-                **{k: v for k, v in client.state.items() if not k.startswith((PENDING, PENDING_ROUND))},
-                **prefixed(algo_state, PENDING),
-                PENDING_ROUND: torch.tensor(start.round),
-            }
+        client.state = keep_pending(client.state, algo_state, start.round)
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         name = adapter_name(client.rank)
@@ -407,17 +403,35 @@ class ClientRuntime:
         return concat(mine, self.residual), read_dense(self.model, self.dense_names), biases
 
 
-def settle_pending(state: dict[str, Tensor], accepted: int) -> dict[str, Tensor]:
+def keep_pending(
+    state: dict[str, Tensor], algo_state: dict[str, Tensor], round_idx: int
+) -> dict[str, Tensor]:
+    """``state`` with the algorithm's new state waiting beside the old one until the server has taken the
+    update of ``round_idx`` (a stateless algorithm leaves the client without state: no file to keep)."""
+    if not algo_state:
+        return state
+    return {
+        **{k: v for k, v in state.items() if not k.startswith((PENDING, PENDING_ROUND))},
+        **prefixed(algo_state, PENDING),
+        PENDING_ROUND: torch.tensor(round_idx),
+    }
+
+
+def settle_pending(state: dict[str, Tensor], accepted: int, settle=None) -> dict[str, Tensor]:
     """A client's state once the server's word on its last update is in.
 
     The pending algorithm state replaces the current one if that update's
-    round was aggregated (``accepted`` >= it); else it is dropped.
+    round was aggregated (``accepted`` >= it), as ``settle(old, new)`` says
+    (the algorithm's own rule; default: the new one); else it is dropped.
     """
     if PENDING_ROUND not in state:
         return state
     kept = {k: v for k, v in state.items() if not k.startswith((PENDING, PENDING_ROUND))}
     if accepted >= int(state[PENDING_ROUND]):
-        kept = {**without_prefix(kept, ALGO), **prefixed(unprefixed(state, PENDING), ALGO)}
+        new = unprefixed(state, PENDING)
+        if settle is not None:
+            new = settle(unprefixed(kept, ALGO), new)
+        kept = {**without_prefix(kept, ALGO), **prefixed(new, ALGO)}
     return kept
 
 

@@ -63,6 +63,9 @@ def _fit(t: Tensor, shape: torch.Size) -> Tensor:
     return out
 
 
+SCALE = "scale"  # in a download: the server's scale of this client's last taken change of c_k
+
+
 class ScaffoldServer(AlgorithmServer):
     """The server control variate ``c``, kept at the largest adapter rank, and its example-weighted update.
 
@@ -74,6 +77,8 @@ class ScaffoldServer(AlgorithmServer):
     def __init__(self) -> None:
         self.c: dict[str, Tensor] = {}
         self.shapes: dict[str, torch.Size] = {}
+        self.scales: dict[int, float] = {}  # how the server scaled each client's last taken change (1: not)
+        self._round_scales: dict[int, float] = {}
 
     @classmethod
     def from_config(cls, client_cfg) -> ScaffoldServer:
@@ -82,9 +87,13 @@ class ScaffoldServer(AlgorithmServer):
     def bind(self, param_shapes: dict[str, torch.Size]) -> None:
         self.shapes = dict(param_shapes)
 
-    def download(self, rank: int) -> dict[str, Tensor]:
-        """``c`` fitted to a client of adapter rank ``rank`` (nothing before the first update: c = 0)."""
-        return {k: _fit(t, _at_rank(k, t.shape, rank)) for k, t in self.c.items()}
+    def download(self, rank: int, client_id: int | None = None) -> dict[str, Tensor]:
+        """``c`` fitted to a client of adapter rank ``rank`` (nothing before the first update: c = 0), and
+        how the server scaled that client's last taken change of c_k when it clipped it."""
+        out = {k: _fit(t, _at_rank(k, t.shape, rank)) for k, t in self.c.items()}
+        if client_id is not None and self.scales.get(client_id, 1.0) != 1.0:
+            out[SCALE] = torch.tensor(self.scales[client_id])
+        return out
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
         """``dc.<name>`` for every trainable tensor of the client, at the client's rank, finite."""
@@ -103,14 +112,20 @@ class ScaffoldServer(AlgorithmServer):
         norms = [change_norm([(t, torch.zeros_like(t)) for t in u.extras.values()]) for u in updates]
         cap = ratio * float(torch.tensor(norms).median())
         clipped = 0
+        self._round_scales = {}
         for u, n in zip(updates, norms, strict=True):
             if n > cap > 0:
                 u.extras = {k: t * (cap / n) if k.startswith("dc.") else t for k, t in u.extras.items()}
+                self._round_scales[u.client_id] = cap / n
                 clipped += 1
         return clipped
 
     def update(self, updates: list, population_weights: dict[int, float]) -> None:
-        """``c += sum_{k in S} p_k delta c_k``: keeps ``c = sum_k p_k c_k`` over all clients."""
+        """``c += sum_{k in S} p_k delta c_k``: keeps ``c = sum_k p_k c_k`` over all clients (a clipped
+        client's scale is remembered: its next download tells it, and it scales its own c_k alike)."""
+        for u in updates:
+            self.scales[u.client_id] = self._round_scales.get(u.client_id, 1.0)
+        self._round_scales = {}
         for name, shape in self.shapes.items():
             current = self.c.get(name, torch.zeros(shape))
             step = sum(
@@ -121,10 +136,14 @@ class ScaffoldServer(AlgorithmServer):
             self.c[name] = current + step
 
     def state_dict(self) -> dict[str, Tensor]:
-        return dict(self.c)
+        scales = {f"{SCALE}.{k}": torch.tensor(s) for k, s in self.scales.items() if s != 1.0}
+        return {**self.c, **scales}
 
     def load_state_dict(self, tensors: dict[str, Tensor]) -> None:
-        self.c = dict(tensors)
+        self.c = {k: t for k, t in tensors.items() if not k.startswith(SCALE)}
+        self.scales = {
+            int(k.rsplit(".", 1)[1]): float(t) for k, t in tensors.items() if k.startswith(f"{SCALE}.")
+        }
 
 
 class Scaffold(ClientAlgorithm):
@@ -137,6 +156,12 @@ class Scaffold(ClientAlgorithm):
     name = "scaffold"
     server_half = ScaffoldServer
     options = ScaffoldOptions
+    paper_preset = {
+        "client.scaffold.optimizer": "sgd",
+        "client.scheduler": "constant",
+        "client.warmup_ratio": 0.0,
+        "client.max_grad_norm": 0.0,
+    }
     server_state_per_parameter = True
     uploads_extras = True
     needs_parameter_averaging = True
@@ -172,12 +197,25 @@ class Scaffold(ClientAlgorithm):
         self._ck = {k: state.get(k, torch.zeros(p.shape)).to(p.device, p.dtype) for k, p in params.items()}
 
     def local_step(self, model, params, batches, plan, accelerator) -> float:
-        loss = accumulate(model, batches, plan, accelerator)
+        return accumulate(model, batches, plan, accelerator)
+
+    def correct(self, params: Params) -> None:
+        """The corrected gradient ``g - c_k + c`` (after the clip of ``g``)."""
         with torch.no_grad():
             for k, p in params.items():
                 correction = self._c[k] - self._ck[k]
-                p.grad = correction if p.grad is None else p.grad.add_(correction)
-        return loss
+                p.grad = correction.clone() if p.grad is None else p.grad.add_(correction)
+
+    def settle(self, old, new, download):
+        """c_k as the server counted it: when the server scaled this client's change of c_k (its clip of
+        control-variate changes), the client takes the same scaled change, so ``c = sum_k p_k c_k`` holds."""
+        scale = float(download.get(SCALE, torch.tensor(1.0)))
+        if scale == 1.0:
+            return new
+        return {
+            k: old.get(k, torch.zeros_like(v)) + scale * (v - old.get(k, torch.zeros_like(v)))
+            for k, v in new.items()
+        }
 
     def finish(
         self, params: Params, plan, state: dict[str, Any], step_sizes: list[float]

@@ -240,27 +240,40 @@ def apply_settings(cfg, settings: dict[str, Any]) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
-    """Build a validated config from an optional YAML file and ``key=value`` overrides."""
+    """Build a validated config from an optional YAML file and ``key=value`` overrides (then the client
+    algorithm's preset, ``client.preset``, for the keys neither sets)."""
     cfg = Config()
+    explicit: set[str] = set()
     if path is not None:
         from data_prep.schema import read_text
 
         path = Path(path)
         text = read_text(path, "a YAML config file (see configs/)", ConfigError)
-        _apply_yaml(cfg, text, str(path))
+        explicit |= _apply_yaml(cfg, text, str(path))
     try:
         settings = dict(parse_override(text) for text in overrides or [])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     apply_settings(cfg, settings)
+    apply_preset(cfg, explicit | set(settings))
     validate(cfg)
     return cfg
+
+
+def apply_preset(cfg, explicit: set[str]) -> None:
+    """``client.preset=paper``: the client algorithm's paper settings (its ``paper_preset``: optimizer,
+    schedule, clip) for every key the config does not set itself."""
+    if cfg.client.preset != "paper" or cfg.client.algorithm not in ALGORITHMS:
+        return
+    for key, value in ALGORITHMS[cfg.client.algorithm].paper_preset.items():
+        if key not in explicit:
+            set_key(cfg, key, value)
 
 
 def config_from_text(text: str, name: str = "<resolved config>"):
     """A validated config from YAML text (e.g. the resolved config a Flower site receives)."""
     cfg = Config()
-    _apply_yaml(cfg, text, name)
+    apply_preset(cfg, _apply_yaml(cfg, text, name))
     validate(cfg)
     return cfg
 
@@ -298,12 +311,14 @@ def _settings_of(data: dict, cls: type, prefix: str, where: str) -> dict[str, An
     return out
 
 
-def _apply_yaml(cfg, text: str, name: str) -> None:
-    """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``."""
+def _apply_yaml(cfg, text: str, name: str) -> set[str]:
+    """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``; returns their keys."""
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {name} is not valid YAML: {e}") from None
+    if not data:
+        return set()
     if not isinstance(data, dict):
         raise ConfigError(f"config file {name} must hold a mapping of sections")
     sections = dict(_SECTIONS)
@@ -315,6 +330,7 @@ def _apply_yaml(cfg, text: str, name: str) -> None:
             raise _unknown(f"{section}.{next(iter(values), '')}")
         settings.update(_settings_of(values, sections[section], f"{section}.", f"{name}: "))
     apply_settings(cfg, settings)
+    return set(settings)
 
 
 def validate(cfg) -> None:

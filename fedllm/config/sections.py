@@ -193,6 +193,15 @@ class ClientSection:
     """``client.*``: what every client algorithm uses (each algorithm's own options: ``client.<name>.*``)."""
 
     algorithm: str = opt("sft", "local training algorithm (one file each in fedllm/client/)")
+    preset: str = opt(
+        "llm",
+        "llm: the settings below as they are (AdamW, a cosine schedule, a gradient clip: what LoRA on an LLM "
+        "needs); paper: the algorithm's paper settings (plain SGD at client.sgd_lr, a constant step, no "
+        "clip) "
+        "for every key the config does not set itself",
+        lambda x: x in ("llm", "paper"),
+        "one of llm, paper",
+    )
     lr: float = opt(3e-3, "AdamW learning rate of the local steps", _positive, "> 0")
     sgd_lr: float = opt(
         0.1,
@@ -332,6 +341,16 @@ class FlowerConfig:
     )
     share_losses: bool = opt(
         True, "Flower: sites send their per-round training losses (logged by the server as train_loss)"
+    )
+    round_timeout_s: float = opt(
+        1800.0,
+        "Flower: a site whose reply has not come within this many seconds is left out of the round (when "
+        "federation.client_timeout_s is 0); a site that never replies cannot stall the run",
+        _positive,
+        "> 0",
+    )
+    handshake_timeout_s: float = opt(
+        60.0, "Flower: how long a handshake waits for the sites it asks", _positive, "> 0"
     )
     share_token_modules: bool = opt(
         False,

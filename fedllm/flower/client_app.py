@@ -1,7 +1,8 @@
 """The Flower ClientApp: one site's runtime behind ``query`` (handshake), ``train`` and ``evaluate``.
 
 A SuperNode is started per site with ``--node-config "client-id=K
-data-path=FILE state-dir=DIR [model-path=PATH]"``; on the Simulation Engine the
+data-path=FILE state-dir=DIR [model-path=PATH] [sign-key=NODE_KEY]"`` (``sign-key``: the private key
+the SuperNode authenticates with, which signs every reply); on the Simulation Engine the
 node's ``partition-id`` is the client id and its data is rebuilt from the run's
 config. The client state travels between the messages of a SuperNode in
 ``context.state`` and is written to ``state-dir`` after every message.
@@ -12,11 +13,18 @@ from __future__ import annotations
 import logging
 import os
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from fedllm.flower.records import info_record, read_info, read_start, update_record
-from fedllm.flower.site import Site, site_for
+from fedllm.flower.records import (
+    evaluation_record,
+    info_record,
+    read_info,
+    read_start,
+    signed,
+    update_record,
+)
+from fedllm.flower.site import Site, signing_key, site_for
 from fedllm.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -42,7 +50,8 @@ def query(message: Message, context: Context) -> Message:
     """The handshake: which client this node is and how many examples it trains on."""
     _, config_text = read_info(message.content)
     site = _site(context, config_text)
-    return Message(info_record(site.info()), reply_to=message)
+    reply = signed(info_record(site.info()), signing_key(context.node_config), message.metadata.message_id)
+    return Message(reply, reply_to=message)
 
 
 @app.train()
@@ -53,7 +62,8 @@ def train(message: Message, context: Context) -> Message:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
     update = site.train(start)
     _keep_state(context, site)
-    return Message(update_record(update), reply_to=message)
+    reply = signed(update_record(update), signing_key(context.node_config), message.metadata.message_id)
+    return Message(reply, reply_to=message)
 
 
 @app.evaluate()
@@ -64,4 +74,5 @@ def evaluate(message: Message, context: Context) -> Message:
     row = site.personalized(start)
     _keep_state(context, site)
     metrics = {k: float(v) for k, v in row.items() if v is not None}
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=message)
+    reply = signed(evaluation_record(metrics), signing_key(context.node_config), message.metadata.message_id)
+    return Message(reply, reply_to=message)

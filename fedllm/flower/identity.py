@@ -84,6 +84,12 @@ class Bindings:
     nodes: dict[int, int] = field(default_factory=dict)  # client id -> node id
     refused: dict[int, str] = field(default_factory=dict)  # node id -> why (the latest refusal)
 
+    def key_of(self, client_id: int) -> bytes | None:
+        """The public key (PEM) registered for ``client_id``; None without a registry."""
+        if self.registry is None:
+            return None
+        return next((pem for pem, k in self.registry.items() if k == client_id), None)
+
     def forget_gone(self, live: set[int]) -> None:
         self.nodes = {k: n for k, n in self.nodes.items() if n in live}
 

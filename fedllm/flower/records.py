@@ -15,7 +15,6 @@ from fedllm.protocol import (
     ClientStart,
     ClientUpdate,
     decode_start,
-    decode_update,
     encode_start,
     encode_update,
 )
@@ -50,9 +49,21 @@ def update_record(update: ClientUpdate):
     return _record(*encode_update(update))
 
 
-def read_update(content) -> ClientUpdate:
-    tensors, meta, _ = _parts(content)
-    return decode_update(tensors, meta)
+def evaluation_record(metrics: dict[str, float]):
+    """A site's evaluation reply: its numbers, and a metadata record for its signature."""
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    return RecordDict({"metrics": MetricRecord(metrics), "meta": ConfigRecord({"json": "{}"})})
+
+
+def signed(records, key, reply_to: str):
+    """``records`` with a site's signature (``fedllm/flower/signing.py``) in its ``meta`` record; as they
+    are without a key (a plain deployment)."""
+    if key is not None:
+        from fedllm.flower.signing import sign
+
+        records["meta"]["signature"] = sign(key, reply_to, records)
+    return records
 
 
 def info_record(info: dict, config_text: str | None = None):

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
@@ -37,9 +38,11 @@ from fedllm.aggregation import strategy_from_config
 from fedllm.config import Config, config_to_text, load_config
 from fedllm.data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
-from fedllm.flower.records import info_record, read_info, read_update, start_record
+from fedllm.flower.records import info_record, start_record
+from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update
 from fedllm.logs import setup_logging
 from fedllm.round_loop import RoundLoop, personal_summary
+from fedllm.server.trust import one_line
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class FlowerDriver(RoundLoop):
     ):
         super().__init__(cfg, run_dir, accelerator)
         self.grid, self.startup_timeout_s = grid, startup_timeout_s
-        self.config_text = config_to_text(cfg)
+        self.site_config = config_to_text(site_view(cfg))  # what the sites get: no operator path
         registry = (
             load_registry(cfg.flower.registry, cfg.federation.num_clients) if cfg.flower.registry else None
         )
@@ -62,7 +65,10 @@ class FlowerDriver(RoundLoop):
                 "flower.registry is not set: a site is whoever claims its client id first (refused while "
                 "another live node holds it); identities are unauthenticated"
             )
-        self.timeout = cfg.federation.client_timeout_s or None
+        # a site that never replies is left out after this long (the handshake is short: a site that is up
+        # answers it in seconds)
+        self.timeout = cfg.federation.client_timeout_s or cfg.flower.round_timeout_s
+        self.handshake_timeout = cfg.flower.handshake_timeout_s
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -104,37 +110,56 @@ class FlowerDriver(RoundLoop):
             cfg, strategy, assembly.client_infos(cfg, strategy, sizes), self.runtime
         )
 
+    def key_of(self, client_id: int) -> bytes | None:
+        """The public key the operator registered for ``client_id`` (None in plain mode)."""
+        return self.bindings.key_of(client_id)
+
     def handshake(self) -> dict[int, dict]:
         """Ask every node not yet bound which client it is and bind it if it may be that client; forget
-        nodes that are gone."""
+        nodes that are gone. Every reply goes through the guarded parser (a malformed one refuses that node
+        for now; it is asked again at the next handshake)."""
         keys = {n.node_id: bytes(getattr(n, "public_key", b"")) or None for n in self.grid.get_nodes()}
         self.bindings.forget_gone(set(keys))
         unknown = sorted(set(keys) - set(self.nodes.values()))
-        messages = [
-            Message(info_record({}, self.config_text), dst_node_id=n, message_type=MessageType.QUERY)
+        messages = {
+            n: Message(info_record({}, self.site_config), dst_node_id=n, message_type=MessageType.QUERY)
             for n in unknown
-        ]
+        }
+        got = (
+            self.grid.send_and_receive(list(messages.values()), timeout=self.handshake_timeout)
+            if messages
+            else []
+        )
+        sent = {m.metadata.message_id: n for n, m in messages.items()}  # ids given by the grid
         infos = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout) if messages else []:
+        for reply in got:
+            node = sent.get(getattr(reply.metadata, "reply_to_message_id", None))
+            if node is None:  # a reply to no handshake of ours (or from a node we did not ask)
+                log.warning(
+                    "a handshake reply to no message of ours (from node %s)", reply.metadata.src_node_id
+                )
+                continue
             if reply.has_error():
-                log.warning(
-                    "node %s failed the handshake: %s", reply.metadata.src_node_id, reply.error.reason
-                )
+                log.warning("node %s failed the handshake: %s", node, one_line(reply.error.reason))
                 continue
-            info, _ = read_info(reply.content)
             try:
-                k, n = int(info["client-id"]), int(info["num-examples"])
-            except (KeyError, TypeError, ValueError):
-                log.warning("node %s sent an unreadable handshake: %s", reply.metadata.src_node_id, info)
+                info = parse_info(reply.content)
+            except BadReply as e:
+                log.warning("node %s sent an unusable handshake: %s", node, e)
                 continue
-            if not 0 <= k < self.cfg.federation.num_clients or n < 0:
-                log.warning(
-                    "node %s claims client %s with %s examples: refused", reply.metadata.src_node_id, k, n
-                )
+            k, n = info["client-id"], info["num-examples"]
+            if not 0 <= k < self.cfg.federation.num_clients:
+                log.warning("node %s claims client %s with %s examples: refused", node, k, n)
                 continue
-            node = reply.metadata.src_node_id
-            if self.bindings.claim(node, k, keys.get(node)) is None:
-                infos[k] = info
+            if self.bindings.claim(node, k, keys.get(node)) is not None:
+                continue
+            try:  # the claim comes from the client's key: the reply must be signed by it too
+                check_signature(reply.content, self.key_of(k), reply.metadata.reply_to_message_id)
+            except BadReply as e:
+                self.bindings.nodes.pop(k, None)
+                log.warning("node %s claims client %d: refused (%s)", node, k, e)
+                continue
+            infos[k] = info
         return infos
 
     def wait_for_sites(self) -> dict[int, dict]:
@@ -157,9 +182,8 @@ class FlowerDriver(RoundLoop):
         return infos
 
     # ------------------------------------------------------------- a round
-    def _exchange(self, starts: dict[int, Any], message_type: str, round_idx: int) -> tuple[dict, dict]:
-        """Send each client's start to its site; returns (replies by client, failures by client)."""
-        self.handshake()  # a restarted site has a new node id: find it again
+    def _send(self, starts: dict[int, Any], message_type: str, round_idx: int) -> tuple[dict, dict, dict]:
+        """Send each client's start to its site: (messages by client, replies by client, failures)."""
         failures: dict[int, str] = {}
         messages: dict[int, Message] = {}
         for k, start in starts.items():
@@ -167,7 +191,7 @@ class FlowerDriver(RoundLoop):
                 failures[k] = "site not connected"
                 continue
             messages[k] = Message(
-                start_record(start, self.config_text, k),
+                start_record(start, self.site_config, k),
                 dst_node_id=self.nodes[k],
                 message_type=message_type,
                 group_id=str(round_idx),
@@ -178,7 +202,7 @@ class FlowerDriver(RoundLoop):
         replies = {}
         for reply in got:
             k = sent.get(reply.metadata.reply_to_message_id)
-            if k is None:
+            if k is None or k in replies:
                 log.warning(
                     "round %d: a reply to no message of this round (from node %s)",
                     round_idx,
@@ -186,33 +210,78 @@ class FlowerDriver(RoundLoop):
                 )
                 continue
             if reply.has_error():
-                failures[k] = f"site error: {reply.error.reason}"
+                failures[k] = one_line(f"site error: {reply.error.reason}")
             else:
-                replies[k] = reply.content
+                replies[k] = reply
         for k in set(messages) - set(replies) - set(failures):
             failures[k] = (
-                f"no reply within federation.client_timeout_s={self.cfg.federation.client_timeout_s}"
+                f"no reply within {self.timeout:.0f} s (federation.client_timeout_s / flower.round_timeout_s)"
             )
-        for k, why in failures.items():
+        return messages, replies, failures
+
+    def _exchange(
+        self, starts: dict[int, Any], message_type: str, round_idx: int, parse
+    ) -> tuple[dict[int, Any], dict[int, str]]:
+        """Send each client's start to its site and parse each reply with ``parse(k, content, reply_to)``;
+        returns (parsed replies by client, failures by client). A reply whose signature fails (another
+        site answering for this one) is refused and the site is asked once more, with a new message."""
+        self.handshake()  # a restarted site has a new node id: find it again
+        parsed, failures, retry = {}, {}, {}
+        for attempt in (1, 2):
+            messages, replies, failed = self._send(retry if attempt == 2 else starts, message_type, round_idx)
+            failures.update(failed)
+            retry = {}
+            for k, reply in replies.items():
+                try:
+                    parsed[k] = parse(k, reply.content, messages[k].metadata.message_id)
+                    failures.pop(k, None)
+                except BadReply as e:
+                    failures[k] = f"unusable reply: {e}"
+                    if "signature" in str(e) and attempt == 1:
+                        retry[k] = starts[k]
+            if not retry:
+                break
+            log.warning(
+                "round %d: asking clients %s again after a reply that failed its signature",
+                round_idx,
+                sorted(retry),
+            )
+        for k, why in sorted(failures.items()):
             log.warning("round %d: client %d left out: %s", round_idx, k, why)
-        return replies, failures
+        return parsed, failures
+
+    def max_reply_bytes(self, client_id: int) -> int:
+        """The most a train reply of ``client_id`` may carry: three times its expected update in float32
+        (factors, dense modules, an algorithm's or strategy's extras of the same size), plus 1 MiB."""
+        shapes = self.server.expected(client_id).param_shapes()
+        return 3 * 4 * sum(int(torch.Size(s).numel()) for s in shapes.values()) + (1 << 20)
 
     def train_clients(self, plan) -> dict[int, Any]:
-        replies, failures = self._exchange(plan.starts, MessageType.TRAIN, plan.round)
-        results: dict[int, Any] = dict(failures)
-        for k, content in replies.items():
-            try:
-                results[k] = read_update(content)
-            except (KeyError, ValueError) as e:
-                results[k] = f"unreadable reply: {e}"
-        return results
+        def parse(k, content, reply_to):
+            return parse_update(content, self.max_reply_bytes(k), self.key_of(k), reply_to)
+
+        replies, failures = self._exchange(plan.starts, MessageType.TRAIN, plan.round, parse)
+        return {**failures, **replies}
 
     def personalized(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
         starts = {k: self.server.client_start(round_idx + 1, k) for k in clients}
-        replies, _ = self._exchange(starts, MessageType.EVALUATE, round_idx)
-        return personal_summary(
-            {str(k): dict(c["metrics"]) for k, c in sorted(replies.items()) if len(c["metrics"])}
+        replies, _ = self._exchange(
+            starts,
+            MessageType.EVALUATE,
+            round_idx,
+            lambda k, content, reply_to: parse_evaluation(content, self.key_of(k), reply_to),
         )
+        return personal_summary({str(k): m for k, m in sorted(replies.items()) if m})
+
+
+def site_view(cfg: Config) -> Config:
+    """The config as the sites get it: the run's settings without the operator's paths (its run folder, its
+    key registry), which a site has no use for and should not learn."""
+    import copy
+
+    view = copy.deepcopy(cfg)
+    view.output.dir, view.flower.registry = "", ""
+    return view
 
 
 def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float = 600.0) -> dict:

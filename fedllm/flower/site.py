@@ -49,6 +49,22 @@ def node_setting(node_config, key: str, default=None):
     return value if value not in ("", None) else default
 
 
+_KEYS: dict[str, object] = {}
+
+
+def signing_key(node_config):
+    """The site's node key for signing its replies (``sign-key`` in its node config), loaded once; None
+    when the SuperNode runs without one (a plain deployment, the Simulation Engine)."""
+    path = node_setting(node_config, "sign-key")
+    if path is None:
+        return None
+    if path not in _KEYS:
+        from fedllm.flower.signing import load_private_key
+
+        _KEYS[path] = load_private_key(path)
+    return _KEYS[path]
+
+
 def site_for(config_text: str, node_config, run_id: int) -> Site:
     """This process's site for ``node_config`` under the server's config (built once, then reused)."""
     client_id = int(node_setting(node_config, "client-id", node_setting(node_config, "partition-id", -1)))

@@ -187,7 +187,7 @@ class Server:
             catchup=self.merges.catchup(client_id, self.state.residual),
             dense=dict(self.state.dense),
             extras=self.strategy.client_extras(self.state, client_id),
-            algo=self.algorithm.download(rank),
+            algo=self.algorithm.download(rank, client_id),
             accepted=self.accepted[client_id],
             plan=token,
         )

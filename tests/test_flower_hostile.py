@@ -1,0 +1,316 @@
+"""A hostile site cannot stop the Flower ServerApp: every malformed reply of a table (handshake, train,
+evaluate) is that site's failure with a one-line reason, logged and written to metrics.jsonl, while the
+other sites' rounds go on; a reply signed by another site's key is refused and the real site's update used.
+
+The ServerApp's driver runs its real round loop on a Grid that hosts real sites in this process (their
+ClientApp handlers, their runtimes, their signing keys): what a SuperLink would carry, without one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+
+from fedllm.config import load_config
+from fedllm.flower import client_app, server_app
+from fedllm.flower.records import signed
+from fedllm.flower.signing import load_private_key
+from tests.conftest import tiny_overrides
+
+_ids = itertools.count(1)
+
+
+class Sent:
+    """A message as the driver builds it; the grid names it."""
+
+    def __init__(self, content, dst_node_id, message_type, group_id=None):
+        self.content = content
+        self.metadata = SimpleNamespace(
+            message_id=f"m{next(_ids)}", dst_node_id=dst_node_id, message_type=message_type
+        )
+
+
+def reply(content, node, to, error=None):
+    return SimpleNamespace(
+        content=content,
+        has_error=lambda: error is not None,
+        error=SimpleNamespace(reason=error),
+        metadata=SimpleNamespace(src_node_id=node, reply_to_message_id=to),
+    )
+
+
+class SiteGrid:
+    """Nodes 100+k host site k in this process; ``tamper(node, type, message, content)`` may change a
+    reply on its way (a hostile site, or another site answering for it)."""
+
+    def __init__(self, tmp_path, n: int, keys: dict[int, str] | None = None):
+        self.contexts = {
+            100 + k: Context(
+                run_id=1,
+                node_id=100 + k,
+                node_config={
+                    "client-id": k,
+                    "state-dir": str(tmp_path / f"site-{k}"),
+                    **({"sign-key": keys[k]} if keys else {}),
+                },
+                state=RecordDict(),
+                run_config={},
+            )
+            for k in range(n)
+        }
+        self.tamper = None
+        self.keys = keys or {}
+
+    def get_nodes(self):
+        return [SimpleNamespace(node_id=n, public_key=self.public(n)) for n in self.contexts]
+
+    def public(self, node) -> bytes:
+        k = node - 100
+        if k not in self.keys:
+            return b""
+        return (
+            load_private_key(self.keys[k])
+            .public_key()
+            .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
+
+    def send_and_receive(self, messages, timeout=None):
+        handlers = {"query": client_app.query, "train": client_app.train, "evaluate": client_app.evaluate}
+        out = []
+        for m in messages:
+            node, kind = m.metadata.dst_node_id, str(m.metadata.message_type)
+            incoming = SimpleNamespace(
+                content=m.content, metadata=SimpleNamespace(message_id=m.metadata.message_id)
+            )
+            content = handlers[kind](incoming, self.contexts[node])
+            tampered = self.tamper(node, kind, m, content) if self.tamper else content
+            out.append(
+                tampered
+                if isinstance(tampered, SimpleNamespace)
+                else reply(tampered, node, m.metadata.message_id)
+            )
+        return out
+
+
+@pytest.fixture
+def grid_driver(tmp_path, monkeypatch, builtin_base):
+    monkeypatch.setattr(server_app, "Message", Sent)
+    monkeypatch.setattr(client_app, "Message", lambda content, reply_to: content)
+
+    def make(n=3, rounds=2, signed_sites=False, *extra):
+        keys, registry = {}, []
+        if signed_sites:
+            for k in range(n):
+                private = ec.generate_private_key(ec.SECP384R1())
+                path = tmp_path / f"key-{k}.pem"
+                path.write_bytes(
+                    private.private_bytes(
+                        serialization.Encoding.PEM,
+                        serialization.PrivateFormat.PKCS8,
+                        serialization.NoEncryption(),
+                    )
+                )
+                keys[k] = str(path)
+                line = private.public_key().public_bytes(
+                    serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+                )
+                registry.append(f"{k}: {line.decode()}")
+            (tmp_path / "registry.txt").write_text("\n".join(registry) + "\n")
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                tmp_path / "run",
+                f"federation.num_clients={n}",
+                f"federation.rounds={rounds}",
+                "flower.share_token_modules=true",
+                *([f"flower.registry={tmp_path / 'registry.txt'}"] if signed_sites else []),
+                *extra,
+            ),
+        )
+        grid = SiteGrid(tmp_path, n, keys)
+        driver = server_app.FlowerDriver(cfg, tmp_path / "run", grid, startup_timeout_s=5)
+        return driver, grid
+
+    return make
+
+
+def meta_of(content) -> dict:
+    return json.loads(dict(content["meta"])["json"])
+
+
+def with_meta(content, **change):
+    meta = {**meta_of(content), **change}
+    return RecordDict({"tensors": content["tensors"], "meta": ConfigRecord({"json": json.dumps(meta)})})
+
+
+TRAIN_CASES = {
+    "scales as a JSON list": lambda c: with_meta(c, scales=[1, 2]),
+    "metadata that is a JSON array": lambda c: RecordDict(
+        {"tensors": c["tensors"], "meta": ConfigRecord({"json": "[1, 2]"})}
+    ),
+    "metadata that is not JSON": lambda c: RecordDict(
+        {"tensors": c["tensors"], "meta": ConfigRecord({"json": "{oops"})}
+    ),
+    "no tensors record": lambda c: RecordDict({"meta": c["meta"]}),
+    "an extra record": lambda c: RecordDict(
+        {
+            "tensors": c["tensors"],
+            "meta": c["meta"],
+            "junk": ArrayRecord(torch_state_dict={"x": torch.zeros(600_000)}),
+        }
+    ),
+    "tensors beyond its update's size": lambda c: RecordDict(
+        {"tensors": ArrayRecord(torch_state_dict={"x": torch.zeros(3_000_000)}), "meta": c["meta"]}
+    ),
+    "metrics that are a string": lambda c: with_meta(c, metrics="fast"),
+    "an unknown metadata field": lambda c: with_meta(c, note="hello"),
+    "a tensor missing for its scales": lambda c: RecordDict(
+        {"tensors": ArrayRecord(torch_state_dict={}), "meta": c["meta"]}
+    ),
+    "not a record dict": lambda c: ["not", "records"],
+    "a record of the wrong kind": lambda c: RecordDict({"tensors": c["meta"], "meta": c["meta"]}),
+    "a count of another type": lambda c: with_meta(c, num_examples="many"),
+}
+
+
+def test_each_malformed_train_reply_is_that_sites_failure_and_the_run_goes_on(grid_driver):
+    cases = list(TRAIN_CASES.items())
+    driver, grid = grid_driver(3, len(cases), False, "eval.personalized=false", "eval.every=100")
+
+    def hostile(node, kind, message, content):
+        if node == 101 and kind == "train":
+            return cases[driver_round[0] - 1][1](content)
+        return content
+
+    driver_round = [0]
+    run_round = driver.run_round
+
+    def counted(r):
+        driver_round[0] = r
+        return run_round(r)
+
+    driver.run_round = counted
+    grid.tamper = hostile
+    driver.setup()
+    driver.run()
+    rows = [json.loads(x) for x in (driver.run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(rows) == len(cases)
+    for (name, _), row in zip(cases, rows, strict=True):
+        assert row["n_updates"] == 2 and not row["skipped"], name
+        reason = row["failed"]["1"]
+        assert "\n" not in reason and len(reason) < 400, (name, reason)
+    summary = json.loads((driver.run_dir / "summary.json").read_text())
+    assert summary["failed_client_calls"] == len(cases)
+
+
+HANDSHAKE_CASES = {
+    "an empty record dict": lambda c: RecordDict({}),
+    "metadata that is not JSON": lambda c: RecordDict({"meta": ConfigRecord({"json": "nope"})}),
+    "no client id": lambda c: RecordDict({"meta": ConfigRecord({"json": json.dumps({"num-examples": 3})})}),
+    "a negative count": lambda c: RecordDict(
+        {"meta": ConfigRecord({"json": json.dumps({"client-id": 1, "num-examples": -4})})}
+    ),
+    "fields beyond the protocol's": lambda c: RecordDict(
+        {"meta": ConfigRecord({"json": json.dumps({"client-id": 1, "num-examples": 4, "x": 1})})}
+    ),
+    "categories that are not counts": lambda c: RecordDict(
+        {"meta": ConfigRecord({"json": json.dumps({"client-id": 1, "num-examples": 4, "categories": "{["})})}
+    ),
+    "tensors in a handshake": lambda c: RecordDict(
+        {"meta": c["meta"], "tensors": ArrayRecord(torch_state_dict={"x": torch.zeros(3)})}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HANDSHAKE_CASES))
+def test_a_malformed_handshake_refuses_that_node_only(grid_driver, case, caplog):
+    driver, grid = grid_driver(2, 1)
+    grid.tamper = lambda node, kind, m, c: HANDSHAKE_CASES[case](c) if node == 101 and kind == "query" else c
+    infos = driver.handshake()
+    assert set(infos) == {0}
+    assert "node 101 sent an unusable handshake" in caplog.text
+
+
+def test_malformed_evaluations_are_left_out(grid_driver):
+    """A site's personalized evaluation with unknown fields or non-finite numbers is left out (logged);
+    the others' are kept."""
+    driver, grid = grid_driver(3, 1, False, "eval.personalized=true")
+
+    def bad_eval(node, kind, m, c):
+        if kind == "evaluate" and node == 102:
+            return RecordDict({"metrics": MetricRecord({"global_acc": float("inf")}), "meta": c["meta"]})
+        if kind == "evaluate" and node == 101:
+            return RecordDict({"metrics": MetricRecord({"secret": 1.0}), "meta": c["meta"]})
+        return c
+
+    grid.tamper = bad_eval
+    driver.setup()
+    driver.run()
+    rows = [json.loads(x) for x in (driver.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert set(rows[-1]["personal"]) == {"0"}
+
+
+def test_a_reply_signed_by_another_sites_key_is_refused_and_the_real_update_used(grid_driver, caplog):
+    """Site 1 answers site 0's message first (site 0's content, re-signed with site 1's key, as a site that
+    could push a reply in another's name would): refused by signature; site 0 is asked again and its own
+    update is the one used."""
+    driver, grid = grid_driver(2, 1, True, "eval.personalized=false")
+    other = load_private_key(grid.keys[1])
+    forged = []
+
+    def forge(node, kind, message, content):
+        if kind == "train" and node == 100 and not forged:
+            forged.append(message.metadata.message_id)
+            content["meta"]["signature"] = ""
+            return signed(content, other, message.metadata.message_id)
+        return content
+
+    grid.tamper = forge
+    driver.setup()
+    driver.run()
+    rows = [json.loads(x) for x in (driver.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert forged and rows[1]["n_updates"] == 2 and not rows[1]["failed"]
+    assert "asking clients [0] again after a reply that failed its signature" in caplog.text
+    assert torch.isfinite(torch.tensor(rows[1]["train_loss"]))
+
+
+def test_what_leaves_a_site_is_what_the_docs_list_and_sites_get_no_operator_path(grid_driver):
+    """Every field of every reply the ServerApp receives is one the docs list (docs/deployment.md, "What
+    leaves a site", checked against the parser's tables), and the config the sites receive names no path of
+    the operator's (its run folder, its registry)."""
+    from fedllm.config import config_from_text
+    from fedllm.flower.replies import EVALUATION_KEYS, INFO_KEYS, UPDATE_KEYS
+
+    driver, grid = grid_driver(2, 1, False, "eval.personalized=true", "flower.share_data_stats=true")
+    seen: dict[str, set] = {"query": set(), "train": set(), "evaluate": set(), "tensors": set()}
+    configs = []
+
+    def record(node, kind, message, content):
+        configs.append(dict(message.content["meta"]).get("config"))
+        if kind == "evaluate":
+            seen[kind] |= set(dict(content["metrics"]))
+        else:
+            seen[kind] |= set(meta_of(content))
+        if kind == "train":
+            seen["tensors"] |= {name.split(".")[0] for name in content["tensors"]}
+        return content
+
+    grid.tamper = record
+    driver.setup()
+    driver.run()
+    assert seen["query"] <= INFO_KEYS and seen["train"] <= UPDATE_KEYS
+    assert seen["evaluate"] <= set(EVALUATION_KEYS) and seen["tensors"] <= {"factors", "dense", "extras"}
+    assert {"client-id", "num-examples", "num-test", "categories"} == seen["query"]
+    for text in filter(None, configs):
+        cfg = config_from_text(text)
+        assert cfg.output.dir == "" and cfg.flower.registry == ""
