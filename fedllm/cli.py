@@ -290,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     from fedllm.features import FEATURES
+    from fedllm.reproduce import add_command as add_reproduce
+
+    add_reproduce(sub)  # fedllm reproduce NAME: the papers' own experiments
 
     for feature in FEATURES:  # the cross-cutting features' own commands
         feature.add_commands(sub)

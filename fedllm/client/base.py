@@ -311,8 +311,9 @@ class ClientAlgorithm(abc.ABC):
                 optimizer.step()
                 scheduler.step()
                 losses.append(loss)
-                bar.update()
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                if not bar.disable:
+                    bar.update()
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 if plan.deadline is not None and time.monotonic() > plan.deadline:
                     raise ClientTimeout(
                         f"stopped after {len(losses)} of {plan.steps} steps: past its time budget "
