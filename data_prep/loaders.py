@@ -148,7 +148,13 @@ def _records_from_hub(hub_id: str) -> Iterable[tuple[dict, str]]:
 def load_examples(
     dataset: str, fmt: str = "auto", max_examples: int = 0, builtin_per_skill: int = 400, seed: int = 0
 ) -> list[Example]:
-    """Examples of ``dataset``: 'builtin', a short name, a Hub id or a local file."""
+    """Examples of ``dataset``: 'builtin', 'testbed', a short name, a Hub id or a local file."""
+    if dataset == "testbed":
+        from data_prep import testbed
+
+        exclude = {r["question"] for r in testbed.benchmark()}
+        examples = testbed.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
+        return examples[:max_examples] if max_examples else examples
     if dataset == "builtin":
         from data_prep import builtin
 

@@ -148,6 +148,10 @@ def load_questions(
         from data_prep import builtin
 
         qs = _from_records(builtin.benchmark(split=split), f"builtin:{split}")
+    elif source == "testbed":
+        from data_prep import testbed
+
+        qs = _from_records(testbed.benchmark(split=split), f"testbed:{split}")
     elif Path(source).expanduser().is_dir():
         qs = _local(Path(source).expanduser(), split)
     elif Path(source).expanduser().exists():
@@ -187,4 +191,8 @@ def subject_category_map(source: str) -> dict[str, str]:
         from data_prep.builtin import SKILL_CATEGORY
 
         return dict(SKILL_CATEGORY)
+    if source == "testbed":
+        from data_prep import testbed
+
+        return dict(testbed.SKILL_CATEGORY)
     return {}

@@ -76,6 +76,20 @@ def _dropped_shots_context(q: Question, shots: list[Question], tokenizer, max_le
 
 
 OVERFLOW = ("truncate", "drop_shots")
+STYLES = ("letter", "cloze")
+
+
+def style_of(source: str) -> str:
+    """How a benchmark is scored: 'letter' (MMLU's: the options listed, the answer letter's log-likelihood),
+    or 'cloze' for the testbed (each option's own text after the bare question, summed over its tokens, as
+    lm-evaluation-harness's mmlu_continuation does): the testbed's tiny base cannot learn to map options to
+    letters, so letter scoring would measure that failure, not the skills (see docs/testbed.md)."""
+    return "cloze" if source == "testbed" else "letter"
+
+
+def build_cloze_context(q: Question, shots: list[Question]) -> str:
+    """Shots as "question answer" lines, then the bare question: each option is scored as its continuation."""
+    return "".join(f"{s.question.strip()} {s.choices[s.answer]}\n\n" for s in shots) + q.question.strip()
 
 
 @dataclass
@@ -105,6 +119,7 @@ def prompt_items(
     k: int,
     max_len: int | None,
     overflow: str = "truncate",
+    style: str = "letter",
 ) -> tuple[list[Item], list[int], list[int]]:
     """Every question as a scoring item, with the shots each really got and the tokens cut from its prompt.
 
@@ -119,14 +134,21 @@ def prompt_items(
     """
     if overflow not in OVERFLOW:
         raise ValueError(f"overflow = {overflow!r}: expected one of {', '.join(OVERFLOW)}")
+    if style not in STYLES:
+        raise ValueError(f"style = {style!r}: expected one of {', '.join(STYLES)}")
     items, used, cut = [], [], []
     for i, q in enumerate(questions):
         mine = (shots or {}).get(q.subject, [])[:k]
-        if overflow == "drop_shots" and max_len is not None:
+        if style == "cloze":
+            context, n = build_cloze_context(q, mine), len(mine)
+            options = [f" {c.strip()}" for c in q.choices]
+        elif overflow == "drop_shots" and max_len is not None:
             context, n = _dropped_shots_context(q, mine, tokenizer, max_len)
+            options = [f" {letter}" for letter in LETTERS]
         else:
             context, n = build_context(q, mine), len(mine)
-        enc = [continuation_ids(tokenizer, context, f" {letter}") for letter in LETTERS]
+            options = [f" {letter}" for letter in LETTERS]
+        enc = [continuation_ids(tokenizer, context, option) for option in options]
         ids, conts = enc[0][0], [c for _, c in enc]
         over = max(0, len(ids) + max(map(len, conts)) - 1 - max_len) if max_len is not None else 0
         items.append(Item(ids[over:], conts, group=(q.subject, n) if not over else ("cut", i)))
@@ -145,11 +167,12 @@ def score_questions(
     reuse: bool = True,
     progress: bool = False,
     overflow: str = "truncate",
+    style: str = "letter",
 ) -> list[Record]:
     """Score every question (see eval/scoring.py for the paths); warns once if prompts did not fit."""
     max_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    items, used, cut = prompt_items(tokenizer, questions, shots, k, max_len, overflow)
+    items, used, cut = prompt_items(tokenizer, questions, shots, k, max_len, overflow, style)
     short, over = [n for n in used if n < k], [c for c in cut if c]
     if short or over:
         how = (
@@ -215,6 +238,11 @@ class Benchmark:
     overflow: str = "truncate"  # prompts longer than the context: see prompt_items
 
     @property
+    def style(self) -> str:
+        """'letter' or 'cloze' (see ``style_of``)."""
+        return style_of(self.source)
+
+    @property
     def name(self) -> str:
         """How results on it are labelled: MMLU only for MMLU itself."""
         return benchmark_name(self.source)
@@ -223,6 +251,8 @@ class Benchmark:
 def benchmark_name(source: str) -> str:
     if source == "builtin":
         return "fedllm built-in MMLU-format benchmark"
+    if source == "testbed":
+        return "fedllm testbed benchmark (MMLU schema, cloze-scored)"
     return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
 
 
@@ -268,7 +298,16 @@ def evaluate(
     if accelerator is not None and accelerator.num_processes > 1:
         mine = bench.questions[accelerator.process_index :: accelerator.num_processes]
     records = score_questions(
-        model, tokenizer, mine, bench.dev, bench.shots, batch_size, reuse, progress, bench.overflow
+        model,
+        tokenizer,
+        mine,
+        bench.dev,
+        bench.shots,
+        batch_size,
+        reuse,
+        progress,
+        bench.overflow,
+        bench.style,
     )
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object

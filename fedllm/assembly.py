@@ -147,8 +147,8 @@ def benchmark_for(cfg: Config) -> Benchmark | None:
         return None
     if e.benchmark != "auto":
         return load_benchmark(e.benchmark, e.shots, e.subjects or None, e.limit, e.overflow)
-    if cfg.data.dataset == "builtin":
-        return load_benchmark("builtin", e.shots, e.subjects or None, e.limit, e.overflow)
+    if cfg.data.dataset in ("builtin", "testbed"):
+        return load_benchmark(cfg.data.dataset, e.shots, e.subjects or None, e.limit, e.overflow)
     try:
         return load_benchmark("cais/mmlu", e.shots, e.subjects or None, e.limit, e.overflow)
     except MMLUDataError as err:
@@ -239,7 +239,7 @@ def check_unknown_tokens(cfg: Config, tokenizer, rows: list) -> None:
     hint = (
         "the built-in base knows only the built-in data's words: point model.name at a real model folder "
         "(or Hub id)"
-        if cfg.model.name == "builtin"
+        if cfg.model.name.startswith("builtin")
         else "check that model.name is the model this data is meant for"
     )
     if share > cfg.data.max_unknown_share:

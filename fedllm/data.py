@@ -53,7 +53,10 @@ def load_partitions(cfg) -> Partitions:
         random.Random(derive_seed(seed, 5, k)).shuffle(idx)
         mine = [pool[i] for i in idx]
         if d.label_shift_groups:
-            from data_prep.builtin import shift_labels
+            if d.dataset == "testbed":
+                from data_prep.testbed import shift_labels
+            else:
+                from data_prep.builtin import shift_labels
 
             mine = [shift_labels(e, k % d.label_shift_groups) for e in mine]
         clients.append(mine)
@@ -65,7 +68,7 @@ def prompt_template(cfg) -> str:
     return (
         cfg.data.template
         if cfg.data.template != "auto"
-        else ("plain" if cfg.data.dataset == "builtin" else "alpaca")
+        else ("plain" if cfg.data.dataset in ("builtin", "testbed") else "alpaca")
     )
 
 

@@ -5,6 +5,8 @@
     python scripts/compare.py floral                              # FLoRAL vs FedIT vs local-only, clustered
     python scripts/compare.py clients                             # sft, fedprox, scaffold, perfedavg, non-IID
     python scripts/compare.py privacy   # FedIT, FFA-LoRA: no DP, epsilon ~8, 4, 1; FlexLoRA local DP eps 8
+    python scripts/compare.py testbed-NAME --seeds 5 --jobs 2  # NAME: headroom, rank, clustered, drift,
+                                                               # personal (configs/testbed_NAME.yaml)
 
 Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
 runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
@@ -54,6 +56,31 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
     "clients": (
         "configs/builtin_noniid_clients.yaml",
         [f"{a}:client.algorithm={a}" for a in ("sft", "fedprox", "scaffold", "perfedavg")],
+    ),
+    # the testbed (docs/testbed.md): each suite's first variant is its mechanism's baseline
+    "testbed-headroom": (
+        "configs/testbed_headroom.yaml",
+        ["fedit:aggregation.name=fedit", "flexlora:aggregation.name=flexlora"],
+    ),
+    "testbed-rank": (
+        "configs/testbed_rank.yaml",
+        [f"{s}:aggregation.name={s}" for s in ("fedit", "flora", "flexlora", "florist", "fedex", "hetlora")],
+    ),
+    "testbed-clustered": (
+        "configs/testbed_clustered.yaml",
+        ["fedit:aggregation.name=fedit", "local:aggregation.name=local", "floral:aggregation.name=floral"],
+    ),
+    "testbed-drift": (
+        "configs/testbed_drift.yaml",
+        [f"{a}:client.algorithm={a}" for a in ("sft", "fedprox", "scaffold")],
+    ),
+    "testbed-personal": (
+        "configs/testbed_personal.yaml",
+        [
+            "sft:client.algorithm=sft",
+            "perfedavg_fo:client.algorithm=perfedavg,client.perfedavg.variant=fo",
+            "perfedavg_hf:client.algorithm=perfedavg,client.perfedavg.variant=hf",
+        ],
     ),
 }
 

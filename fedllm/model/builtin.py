@@ -44,8 +44,20 @@ SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_
 ARCH = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 3, "num_attention_heads": 8}
 
 
-def build_tokenizer():
-    """A word-level tokenizer over the built-in vocabulary.
+# the built-in bases: the default one ("builtin") and the testbed's ("builtin-testbed", data_prep/testbed.py)
+SUITES = ("builtin", "builtin-testbed")
+
+
+def _vocabulary(suite: str) -> list[str]:
+    if suite == "builtin-testbed":
+        from data_prep import testbed
+
+        return testbed.vocabulary()
+    return builtin.vocabulary()
+
+
+def build_tokenizer(suite: str = "builtin"):
+    """A word-level tokenizer over the built-in vocabulary (``suite``'s: the testbed's is a superset).
 
     Each number, option and answer letter is one token, which is what lets a
     200k-parameter model learn the multiple-choice format (a character-level
@@ -55,7 +67,7 @@ def build_tokenizer():
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(list(SPECIALS.values()) + builtin.vocabulary())}
+    vocab = {tok: i for i, tok in enumerate(list(SPECIALS.values()) + _vocabulary(suite))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS["unk_token"]))
     tok.normalizer = normalizers.Replace(Regex("\n"), " ¶ ")
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -120,11 +132,14 @@ def default_cache_dir() -> Path:
 
 
 @functools.cache
-def _data_digest(seed: int) -> str:
-    return hashlib.sha256(repr([*pretraining_examples(seed), builtin.vocabulary()]).encode()).hexdigest()
+def _data_digest(seed: int, suite: str = "builtin") -> str:
+    data = [*pretraining_examples(seed, suite=suite), _vocabulary(suite)]
+    return hashlib.sha256(repr(data).encode()).hexdigest()
 
 
-def builtin_base_path(pretrain_steps: int, seed: int = 0, cache_dir: Path | None = None) -> Path:
+def builtin_base_path(
+    pretrain_steps: int, seed: int = 0, cache_dir: Path | None = None, suite: str = "builtin"
+) -> Path:
     """Where the pretrained built-in base with these settings is cached.
 
     The key covers the pretraining data itself (and the vocabulary), so a
@@ -136,28 +151,37 @@ def builtin_base_path(pretrain_steps: int, seed: int = 0, cache_dir: Path | None
             "steps": pretrain_steps,
             "seed": seed,
             "arch": ARCH,
-            "data": _data_digest(seed),
+            "data": _data_digest(seed, suite),
+            **({"suite": suite} if suite != "builtin" else {}),  # the default base keeps its cache key
         },
         sort_keys=True,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    return (cache_dir or default_cache_dir()) / f"builtin-base-{digest}"
+    stem = "builtin-base" if suite == "builtin" else "builtin-testbed-base"
+    return (cache_dir or default_cache_dir()) / f"{stem}-{digest}"
 
 
-def ensure_builtin_base(pretrain_steps: int = 1000, seed: int = 0, cache_dir: Path | None = None) -> Path:
-    """Return the cached built-in base, pretraining and saving it first if needed."""
-    path = builtin_base_path(pretrain_steps, seed, cache_dir)
+def ensure_builtin_base(
+    pretrain_steps: int = 1000, seed: int = 0, cache_dir: Path | None = None, suite: str = "builtin"
+) -> Path:
+    """Return the cached built-in base (``suite``: 'builtin' or 'builtin-testbed'), pretraining and saving it
+    first if needed."""
+    if suite not in SUITES:
+        raise ValueError(f"model.name = {suite!r}: the built-in bases are {', '.join(SUITES)}")
+    path = builtin_base_path(pretrain_steps, seed, cache_dir, suite)
     if (path / "config.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the built-in base model (%d pretraining steps, cached at %s)", pretrain_steps, path)
-    tokenizer = build_tokenizer()
-    model = pretrain(build_model(tokenizer, seed), tokenizer, pretrain_steps, seed)
+    tokenizer = build_tokenizer(suite)
+    model = pretrain(build_model(tokenizer, seed), tokenizer, pretrain_steps, seed, suite=suite)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "fedllm_builtin.json").write_text(json.dumps({"pretrain_steps": pretrain_steps, "seed": seed}))
+        (tmp / "fedllm_builtin.json").write_text(
+            json.dumps({"pretrain_steps": pretrain_steps, "seed": seed, "suite": suite})
+        )
         os.replace(tmp, path)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -166,8 +190,13 @@ def ensure_builtin_base(pretrain_steps: int = 1000, seed: int = 0, cache_dir: Pa
     return path
 
 
-def pretraining_examples(seed: int, n_per_skill: int = 1500) -> list:
-    """Free-form items of every skill, multiple-choice items of the format skills (and "match") only."""
+def pretraining_examples(seed: int, n_per_skill: int = 1500, suite: str = "builtin") -> list:
+    """Free-form items of every skill, multiple-choice items of the format skills (and "match") only; for the
+    testbed, its primitives only (see data_prep/testbed.py)."""
+    if suite == "builtin-testbed":
+        from data_prep import testbed
+
+        return testbed.pretraining_examples(seed)
     return builtin.instruction_examples(
         n_per_skill=n_per_skill,
         seed=10_000 + seed,
@@ -178,11 +207,14 @@ def pretraining_examples(seed: int, n_per_skill: int = 1500) -> list:
     )
 
 
-def pretrain(model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3):
+def pretrain(
+    model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3, suite: str = "builtin"
+):
     """Full-parameter causal-LM pretraining (every token) on the built-in skills (see module docstring)."""
+    examples = pretraining_examples(seed, suite=suite)
     data = [
         TokenizedExample(t.input_ids, list(t.input_ids))
-        for t in tokenize_examples(pretraining_examples(seed), tokenizer, "plain", max_seq_len=96)
+        for t in tokenize_examples(examples, tokenizer, "plain", max_seq_len=96)
     ]
     rng = random.Random(seed)
     torch.manual_seed(seed)

@@ -28,12 +28,17 @@ class ModelError(RuntimeError):
 
 
 def resolve_model_path(name: str, pretrain_steps: int) -> str:
-    """'builtin' -> the cached built-in base (built on first use); else ``name`` unchanged."""
-    if name == "builtin":
+    """'builtin' or 'builtin-testbed' -> the cached built-in base (built on first use); else ``name``."""
+    if is_builtin(name):
         from fedllm.model.builtin import ensure_builtin_base
 
-        return str(ensure_builtin_base(pretrain_steps))
+        return str(ensure_builtin_base(pretrain_steps, suite=name))
     return name
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is one of the built-in offline bases."""
+    return name in ("builtin", "builtin-testbed")
 
 
 def _offline() -> bool:
@@ -42,7 +47,7 @@ def _offline() -> bool:
 
 def check_model_reference(name: str) -> None:
     """Fail fast on a model that cannot be reached (offline Hub id, missing local path)."""
-    if name == "builtin":
+    if is_builtin(name):
         return
     looks_local = name.startswith((".", "/", "~")) or (
         os.sep in name and Path(name).expanduser().parent.exists()

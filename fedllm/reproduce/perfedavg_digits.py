@@ -134,7 +134,7 @@ def run(method: str, args, seed: int) -> float:
     for u, (_, te) in enumerate(parts):
         start = server.client_start(args.rounds + 1, u)
         # one step of size alpha on the user's own training data (Per-FedAvg personalizes with alpha itself)
-        runtime.personalize(clients[u], start, steps=1, sgd_lr=args.alpha)
+        runtime.personalize(clients[u], start, steps=1, sgd_lr=args.alpha, personalize_lr=args.alpha)
         with torch.no_grad():
             accs.append(float((model.net(x[te]).argmax(1) == y[te]).float().mean()))
     return float(np.mean(accs))

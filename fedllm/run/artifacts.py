@@ -131,7 +131,7 @@ def resolve_base(model: str, cfg) -> str:
 
     return (
         resolve_model_path(model, cfg.model.builtin_pretrain_steps)
-        if model == "builtin"
+        if model in ("builtin", "builtin-testbed")
         else str(Path(model).expanduser().resolve())
         if Path(model).expanduser().exists()
         else model

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def hub_id(name: str) -> str | None:
     """``name`` if it reads as a Hub repository id (owner/name, not a path on this machine), else None."""
-    if name == "builtin" or Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+    local = Path(name).expanduser().exists() or name.startswith((".", "/", "~"))
+    if name in ("builtin", "builtin-testbed") or local:
         return None
     return name if name.count("/") == 1 and all(name.split("/")) else None
 
@@ -85,7 +86,7 @@ def card_text(
     base_text = (
         f"`{base_id}`"
         if base_id
-        else ("the fedllm built-in base" if cfg.model.name == "builtin" else "a local base model")
+        else ("the fedllm built-in base" if cfg.model.name.startswith("builtin") else "a local base model")
     )
 
     def num(x, spec=".4f"):
