@@ -24,6 +24,7 @@ from fedllm.round_loop import RoundLoop, personal_summary
 from fedllm.server import RoundPlan
 
 log = logging.getLogger(__name__)
+SMALL_TEST = 20  # a client's held-out set smaller than this: its accuracy is said to mean little
 
 
 class Simulation(RoundLoop):
@@ -64,6 +65,16 @@ class Simulation(RoundLoop):
             fed.benchmark,
             fed.partition_stats,
         )
+        tests = [s["test"] for s in self.partition_stats if isinstance(s.get("test"), int)]
+        if self.cfg.eval.personalized and tests and min(tests) < SMALL_TEST and self.acc.is_main_process:
+            log.warning(
+                "clients' own held-out sets are small (as few as %d examples, under %d): their global and "
+                "personalized accuracies move in steps of 1/%d and mean little; raise "
+                "data.client_test_fraction or give clients more data",
+                min(tests),
+                SMALL_TEST,
+                max(1, min(tests)),
+            )
 
     def local_clients(self) -> list[ClientData]:
         return self.clients
@@ -73,22 +84,29 @@ class Simulation(RoundLoop):
         written back (a new version) after, so only the round's clients are ever in memory."""
         layout = self.runtime.layout
         results: list[tuple[int, Any, bool]] = []
-        for k in tqdm(
-            layout.my_clients(plan.active),
-            desc=f"round {plan.round} clients",
-            leave=False,
-            disable=self.quiet(),
-        ):
-            client = self.clients[k]
-            self.store.load(client)
-            try:
-                got: Any = self.runtime.train(client, plan.starts[k])
-            except Exception as e:  # a faulty client must not take the round down
-                log.warning("round %d: client %d left out: %s", plan.round, k, e)
-                log.debug("client %d traceback", k, exc_info=True)
-                got = f"{type(e).__name__}: {e}"
-            results.append((k, got, self.store.save(client, plan.round)))
-            self.store.release(client)
+        mine = layout.my_clients(plan.active)
+        self.runtime.clients_per_round = len(plan.active)  # many: per-client lines at DEBUG
+        together = self.cfg.federation.client_batch  # clients trained in one forward (client/batched.py)
+        bar = tqdm(total=len(mine), desc=f"round {plan.round} clients", leave=False, disable=self.quiet())
+        for start in range(0, len(mine), together):
+            group = mine[start : start + together]
+            for k in group:
+                self.store.load(self.clients[k])
+            if len(group) == 1:
+                got = [self.runtime._train_or_error(self.clients[group[0]], plan.starts[group[0]])]
+            else:
+                got = self.runtime.train_many(
+                    [self.clients[k] for k in group], [plan.starts[k] for k in group]
+                )
+            for k, g in zip(group, got, strict=True):
+                if isinstance(g, Exception):  # a faulty client must not take the round down
+                    log.warning("round %d: client %d left out: %s", plan.round, k, g)
+                    log.debug("client %d traceback", k, exc_info=(type(g), g, g.__traceback__))
+                    g = f"{type(g).__name__}: {g}"
+                results.append((k, g, self.store.save(self.clients[k], plan.round)))
+                self.store.release(self.clients[k])
+            bar.update(len(group))
+        bar.close()
         if layout.data_parallel and self.acc.num_processes > 1:
             self.acc.wait_for_everyone()  # the main process's state files exist before anyone reads them
         results = self._gather(results)

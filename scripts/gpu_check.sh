@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Short check of the GPU-only paths on a CUDA machine (about 5-10 minutes):
-# bitsandbytes 4/8-bit QLoRA rounds on CUDA, bf16 from the single-GPU accelerate config,
-# 2-GPU client- and data-parallel launches, DeepSpeed ZeRO-2/3 through the shipped configs,
-# then the scaling benchmark. Multi-GPU parts skip with fewer than 2 GPUs.
+# The GPU paths in one prepared run of at most 10 minutes, ending with one JSON object (its last line):
+#   gpu_tests     bitsandbytes 4/8-bit QLoRA rounds, bf16, 2-GPU client- and data-parallel equivalence
+#                 (skipped with fewer than 2 GPUs), DeepSpeed ZeRO-2/3 through the shipped configs
+#                 (pytest -m gpu tests/test_gpu.py)
+#   real_shapes   a TinyLlama-shaped round at real size (scripts/bench_real_shapes.py)
+#   client_batch  client-batched training, K = 1, 2, 4, 8 (scripts/bench_client_batch.py)
+#   mmlu          MMLU scoring throughput against one forward per choice (scripts/bench_mmlu.py)
+# Each part has its own time limit; peak memory is in each benchmark's JSON. Without a GPU the parts that
+# need one are reported as such ("needs a GPU") and the others run on the CPU.
 #
 #   bash scripts/gpu_check.sh            # uses .venv (installs it with the GPU extras if missing)
 set -euo pipefail
@@ -11,10 +16,44 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python - <<'PY'
+import json, subprocess, sys, time
+
 import torch
-assert torch.cuda.is_available(), "no CUDA device visible: this script checks the GPU paths"
-print("torch", torch.__version__, "| GPUs:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+
+gpu = torch.cuda.is_available()
+gpus = torch.cuda.device_count()
+layers = "22" if gpu else "1"
+parts = [  # name, command, needs a GPU, seconds allowed
+    ("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/test_gpu.py"], True, 240),
+    ("real_shapes", [sys.executable, "scripts/bench_real_shapes.py", "--layers", layers, "--clients", "2",
+                     "--steps", "2", "--seq-len", "256" if gpu else "64"], False, 150),
+    ("client_batch", [sys.executable, "scripts/bench_client_batch.py", "--clients", "8", "--local-steps", "10",
+                      "--layers", "2" if gpu else "1", "--tiny-steps", "2"], False, 180),
+    ("mmlu", [sys.executable, "scripts/bench_mmlu.py", "--per-subject", "20", "--subjects", "2",
+              "--shots", "5" if gpu else "1"], False, 90),
+]
+out = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "gpus": gpus, "torch": torch.__version__,
+       "parts": {}}
+for name, cmd, needs_gpu, limit in parts:
+    if needs_gpu and not gpu:
+        out["parts"][name] = {"status": "needs a GPU: not run"}
+        print(f"{name}: needs a GPU, not run", flush=True)
+        continue
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        lines = (res.stdout or "").strip().splitlines()
+        entry = {"status": "ok" if res.returncode == 0 else f"failed (exit {res.returncode})"}
+        try:
+            entry["result"] = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else lines[-1:]
+        except json.JSONDecodeError:
+            entry["result"] = lines[-1:]
+        if res.returncode != 0:
+            entry["error"] = (res.stderr or res.stdout).strip().splitlines()[-3:]
+    except subprocess.TimeoutExpired:
+        entry = {"status": f"timed out after {limit} s"}
+    entry["seconds"] = round(time.perf_counter() - t0, 1)
+    out["parts"][name] = entry
+    print(f"{name}: {entry['status']} in {entry['seconds']} s", flush=True)
+print(json.dumps(out))
 PY
-python -m pytest -q -rs -m gpu tests/test_gpu.py
-n=$(python -c "import torch; print(min(torch.cuda.device_count(), 8))")
-python scripts/bench_scaling.py --rounds 2 --local-steps 40 --processes $(seq 1 "$n" | awk '$1==1||$1==2||$1==4||$1==8')

@@ -135,13 +135,43 @@ def test_scaffold_removes_heterogeneity_bias():
     assert d_plain > 1e4 * d_scaffold
 
 
-def test_scaffold_with_unequal_sizes_cosine_and_clip_finds_the_weighted_optimum():
+def _gradient(X, y, theta):
+    model = LeastSquares(len(theta))
+    with torch.no_grad():
+        model.theta.copy_(theta)
+    model(X, y).loss.backward()
+    return model.theta.grad
+
+
+def test_scaffold_with_unequal_sizes_and_cosine_finds_the_weighted_optimum():
     """Control variate and models weighted alike: the minimizer of sum_k p_k f_k, not of (1/N) sum_k f_k."""
     data, weighted, uniform = heterogeneous_problem(sizes=(10, 20, 40, 130))
     assert torch.linalg.norm(weighted - uniform) > 1.0  # the two objectives really differ here
-    theta = federate(Scaffold(), data, 200, 50, 0.01, scheduler="cosine", clip=1.0)
+    theta = federate(Scaffold(), data, 200, 50, 0.01, scheduler="cosine")
     assert torch.linalg.norm(theta - weighted).item() < 1e-6
     assert torch.linalg.norm(theta - uniform).item() > 0.5
+
+
+def test_scaffold_clips_the_raw_gradient_and_stops_where_the_clipped_gradients_balance():
+    """The clip bounds each client's own gradient, never the correction (c - c_k) added after it: the fixed
+    point is where sum_k p_k clip(g_k) = 0 (the optimum itself wherever no client's gradient there is
+    clipped), since c_k converges to client k's clipped gradient."""
+    data, weighted, _ = heterogeneous_problem(sizes=(10, 20, 40, 130))
+    n = sum(len(y) for _, y in data)
+    clip = 1.0
+    clipped = [min(1.0, clip / float(torch.linalg.norm(_gradient(X, y, weighted)))) for X, y in data]
+    assert min(clipped) < 1.0  # the clip is active at the weighted optimum for some client
+    theta = federate(Scaffold(), data, 200, 50, 0.01, scheduler="cosine", clip=clip)
+
+    def balance(t):
+        grads = [_gradient(X, y, t) for X, y in data]
+        return sum(
+            len(y) / n * g * min(1.0, clip / float(torch.linalg.norm(g)))
+            for (_, y), g in zip(data, grads, strict=True)
+        )
+
+    assert torch.linalg.norm(balance(theta)).item() < 1e-6
+    assert torch.linalg.norm(theta - weighted).item() > 1e-3  # ... which is not the optimum here
 
 
 def test_scaffold_control_variate_averages_with_example_weights():

@@ -10,7 +10,7 @@ upload besides the adapter; the loop around the steps is written once here.
 
 from __future__ import annotations
 
-import abc
+import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +24,9 @@ from tqdm.auto import tqdm
 from data_prep.prompts import TokenizedExample, collate
 from fedllm.model.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
 from fedllm.protocol import AlgorithmServer
+
+log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 5.0  # a log line per client at most this often while it trains (no terminal)
 
 ALGORITHMS: dict[str, type[ClientAlgorithm]] = {}
 
@@ -51,6 +54,7 @@ class LocalPlan:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     sgd_lr: float = 0.1  # plain SGD's learning rate (SGD needs a far larger step than AdamW)
+    personalize_lr: float = 0.01  # the plain-SGD personalization steps' learning rate
     # Parameters that stay on the client and are trained by plain optimizer steps at their own learning rate
     # (FLoRAL's routers): never part of what an algorithm corrects, pulls back, meta-learns or uploads.
     local_params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
@@ -125,7 +129,7 @@ def batch_stream(
             yield collate([data[j] for j in chunk], pad_id)
 
 
-class ClientAlgorithm(abc.ABC):
+class ClientAlgorithm:
     """One local-training algorithm; subclasses register by ``name``."""
 
     name: ClassVar[str] = ""
@@ -254,14 +258,31 @@ class ClientAlgorithm(abc.ABC):
         return self.step_clip(plan)
 
     def personal_lr(self, plan: LocalPlan) -> float:
-        """Personalization takes plain SGD steps: ``client.sgd_lr``."""
-        return plan.sgd_lr
+        """Personalization takes plain SGD steps at ``client.personalize_lr`` (not ``client.sgd_lr``: a step
+        of 0.1 from a LoRA trained by AdamW undoes what it learned; see docs/testbed.md)."""
+        return plan.personalize_lr
 
-    @abc.abstractmethod
     def local_step(
         self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, accelerator
     ) -> float:
-        """Accumulate gradients for one optimizer step into ``params``; return the loss."""
+        """Accumulate gradients for one optimizer step into ``params``; return the loss.
+
+        The default (SFT, FedProx, SCAFFOLD) is the loss's own gradient then :meth:`after_backward`: an
+        algorithm that keeps it can be trained with other clients in one forward
+        (``federation.client_batch``, fedllm/client/batched.py); one that overrides it (Per-FedAvg's
+        several forwards per step) is trained alone.
+        """
+        loss = accumulate(model, batches, plan, accelerator)
+        self.after_backward(params)
+        return loss
+
+    def after_backward(self, params: Params) -> None:
+        """Change the fresh gradient of the local objective before the clip (FedProx's proximal term)."""
+
+    @property
+    def batchable(self) -> bool:
+        """Whether its step is the default one (the loss's gradient, then :meth:`after_backward`)."""
+        return type(self).local_step is ClientAlgorithm.local_step
 
     def train(
         self,
@@ -278,53 +299,103 @@ class ClientAlgorithm(abc.ABC):
         ``state`` is what the algorithm keeps on this client between rounds
         (updated in place); ``download`` what its server half sent.
         """
+        run = LocalRun(self, params, plan, state, download)
+        layout = plan.layout
+        with wrapped_for_training(
+            accelerator, layout, model, run.optimizer, self.step_clip(plan), plan.batch_size
+        ) as (wrapped, optimizer):
+            run.optimizer = optimizer
+            wrapped.train()
+            for _ in range(plan.steps):
+                run.zero_grad()
+                run.step(self.local_step(wrapped, params, batches, plan, accelerator))
+            run.close()
+        model.eval()
+        result = run.result()
+        if layout is not None and layout.data_parallel:  # each process saw a share of every batch
+            result.losses = mean_over_processes(accelerator, result.losses)
+        return result
+
+
+class LocalRun:
+    """One client's local training, step by step: its optimizer, schedule, clip, correction, progress bar
+    and time budget. :meth:`ClientAlgorithm.train` runs one alone; client-batched training runs several
+    side by side, each with its own (fedllm/client/batched.py), so each client's trajectory is the one it
+    has alone."""
+
+    def __init__(
+        self,
+        algo: ClientAlgorithm,
+        params: Params,
+        plan: LocalPlan,
+        state: dict[str, Any] | None = None,
+        download: dict[str, Tensor] | None = None,
+    ) -> None:
         from transformers import get_scheduler
 
-        state = state if state is not None else {}
+        self.algo, self.params, self.plan = algo, params, plan
+        self.state = state if state is not None else {}
         torch.manual_seed(plan.seed)  # LoRA dropout and any sampling inside the step
-        optimizer = self.make_optimizer(params, plan)
+        # the same stream for a client trained with others (its dropout masks drawn from it)
+        self.generator = torch.Generator().manual_seed(plan.seed)
+        self.optimizer = algo.make_optimizer(params, plan)
         warmup = int(plan.warmup_ratio * plan.steps)
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
-        scheduler = get_scheduler(
-            sched_name, optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps
+        self.scheduler = get_scheduler(
+            sched_name, self.optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps
         )
-        layout = plan.layout
-        self.begin(params, state, download or {})
-        losses, step_sizes = [], []
-        with wrapped_for_training(
-            accelerator, layout, model, optimizer, self.step_clip(plan), plan.batch_size
-        ) as (wrapped, optimizer):
-            wrapped.train()
-            bar = tqdm(
-                total=plan.steps,
-                desc=f"client {plan.client_id}",
-                leave=False,
-                disable=None if plan.progress else True,
+        algo.begin(params, self.state, download or {})
+        self.losses: list[float] = []
+        self.step_sizes: list[float] = []
+        self._t0 = self._said = time.monotonic()
+        self.bar = tqdm(
+            total=plan.steps,
+            desc=f"client {plan.client_id}",
+            leave=False,
+            disable=None if plan.progress else True,
+        )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, loss: float) -> None:
+        """The optimizer step once this step's gradients are in the parameters: clip, correct, step."""
+        algo, plan, params = self.algo, self.plan, self.params
+        if algo.step_clip(plan) > 0 and not clips_gradients_itself(plan.layout):
+            torch.nn.utils.clip_grad_norm_(list(params.values()), algo.step_clip(plan))
+        algo.correct(params)  # after the clip: a correction is never scaled by the gradient's norm
+        self.step_sizes.append(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.losses.append(loss)
+        window = self.losses[-20:]  # a running mean: single batches' losses jump
+        if not self.bar.disable:
+            self.bar.update()
+            self.bar.set_postfix(loss=f"{sum(window) / len(window):.4f}", refresh=False)
+        elif time.monotonic() - self._said > PROGRESS_EVERY_S and len(self.losses) < plan.steps:
+            self._said = time.monotonic()  # a compact line in logs (no terminal): at most every few seconds
+            done, rate = len(self.losses), len(self.losses) / max(1e-9, self._said - self._t0)
+            log.info(
+                "client %d: step %d/%d, loss %.4f (running mean), %.1f steps/s, about %.0f s left",
+                plan.client_id,
+                done,
+                plan.steps,
+                sum(window) / len(window),
+                rate,
+                (plan.steps - done) / max(rate, 1e-9),
             )
-            for _ in range(plan.steps):
-                optimizer.zero_grad(set_to_none=True)
-                loss = self.local_step(wrapped, params, batches, plan, accelerator)
-                if self.step_clip(plan) > 0 and not clips_gradients_itself(layout):
-                    torch.nn.utils.clip_grad_norm_(list(params.values()), self.step_clip(plan))
-                self.correct(params)  # after the clip: a correction is never scaled by the gradient's norm
-                step_sizes.append(optimizer.param_groups[0]["lr"])
-                optimizer.step()
-                scheduler.step()
-                losses.append(loss)
-                if not bar.disable:
-                    bar.update()
-                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                if plan.deadline is not None and time.monotonic() > plan.deadline:
-                    raise ClientTimeout(
-                        f"stopped after {len(losses)} of {plan.steps} steps: past its time budget "
-                        "(federation.client_timeout_s)"
-                    )
-            optimizer.zero_grad(set_to_none=True)
-            bar.close()
-        model.eval()
-        if layout is not None and layout.data_parallel:  # each process saw a share of every batch
-            losses = mean_over_processes(accelerator, losses)
-        return LocalResult(losses, self.finish(params, plan, state, step_sizes))
+        if plan.deadline is not None and time.monotonic() > plan.deadline:
+            raise ClientTimeout(
+                f"stopped after {len(self.losses)} of {plan.steps} steps: past its time budget "
+                "(federation.client_timeout_s)"
+            )
+
+    def close(self) -> None:
+        self.zero_grad()
+        self.bar.close()
+
+    def result(self) -> LocalResult:
+        return LocalResult(self.losses, self.algo.finish(self.params, self.plan, self.state, self.step_sizes))
 
 
 def lm_loss(model, batch: dict[str, Tensor], accelerator) -> Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fedllm.client.base import ClientAlgorithm, Params, accumulate
+from fedllm.client.base import ClientAlgorithm, Params
 from fedllm.options import nonneg, opt
 
 
@@ -43,11 +43,9 @@ class FedProx(ClientAlgorithm):
     def begin(self, params: Params, state: dict[str, Any], download: dict) -> None:
         self.anchor = {k: p.detach().clone() for k, p in params.items()}
 
-    def local_step(self, model, params, batches, plan, accelerator) -> float:
-        loss = accumulate(model, batches, plan, accelerator)
+    def after_backward(self, params: Params) -> None:
         if self.mu:
             with torch.no_grad():
                 for k, p in params.items():
                     prox = self.mu * (p - self.anchor[k])
                     p.grad = prox if p.grad is None else p.grad.add_(prox)
-        return loss

@@ -28,6 +28,7 @@ a pretend device, where any other mix raises as it would on a GPU.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -99,6 +100,21 @@ class ClientData:
     @property
     def num_examples(self) -> int:
         return len(self.train)
+
+
+@dataclass
+class TrainingJob:
+    """One client switched in for training: what its algorithm trains and what its update is read from."""
+
+    client: ClientData
+    start: ClientStart
+    adapter: str  # the peft adapter it trains in (its rank's, or a client-batched slot)
+    params: dict[str, torch.nn.Parameter]
+    started: Adapter  # the factors it started from
+    plan: LocalPlan
+    algo_state: dict[str, Tensor]
+    session: HookSession | None
+    batches: Iterator[dict[str, Tensor]]
 
 
 class ClientRuntime:
@@ -217,6 +233,7 @@ class ClientRuntime:
             seed=derive_seed(self.seed, round_idx, client.client_id, 11),
             lr=c.lr,
             sgd_lr=c.sgd_lr,
+            personalize_lr=c.personalize_lr,
             batch_size=c.batch_size,
             grad_accum=c.grad_accum,
             scheduler=c.scheduler,
@@ -234,7 +251,7 @@ class ClientRuntime:
             group_by_length=c.group_by_length,
         )
 
-    def switch_in(self, client: ClientData, start: ClientStart):
+    def switch_in(self, client: ClientData, start: ClientStart, slot: str | None = None):
         """Make ``client`` the active adapter, loaded with what it downloaded; the base stays.
 
         Returns its trainable parameters by name and the factors it starts
@@ -248,7 +265,7 @@ class ClientRuntime:
             client.state, start.accepted, lambda old, new: self.algorithm.settle(old, new, start.algo)
         )
         self.catch_up(start.catchup)
-        name = adapter_name(client.rank)
+        name = slot or adapter_name(client.rank)
         activate(self.model, name)
         set_trainable_modules(self.model, self.lora_cfg.trainable_modules)
         restore_dequant_layers(self.model)  # the packed CPU 4-bit kernel has no backward
@@ -269,12 +286,14 @@ class ClientRuntime:
         return params, factors
 
     @contextlib.contextmanager
-    def view(self, client: ClientData, start: ClientStart, view: str) -> Iterator[HookSession | None]:
-        """The strategy's hooks on the active adapter for ``view`` ('train', 'global', 'own'),
-        removed after.
+    def view(
+        self, client: ClientData, start: ClientStart, view: str, slot: str | None = None
+    ) -> Iterator[HookSession | None]:
+        """The strategy's hooks on the active adapter (or ``slot``) for ``view`` ('train', 'global',
+        'own'), removed after.
         """
         session = self.hook.session(
-            self.model, adapter_name(client.rank), unprefixed(client.state, HOOK), start.extras, view
+            self.model, slot or adapter_name(client.rank), unprefixed(client.state, HOOK), start.extras, view
         )
         try:
             yield session
@@ -284,39 +303,116 @@ class ClientRuntime:
 
     def train(self, client: ClientData, start: ClientStart) -> ClientUpdate:
         """Switch ``client`` in from ``start``, run its algorithm, read back its update (state stays here)."""
-        params, started = self.switch_in(client, start)
+        with contextlib.ExitStack() as stack:
+            job = self.begin_training(client, start, stack)
+            t0 = time.perf_counter()
+            if self.layout.data_parallel:
+                job.batches = self.layout.split_batches(job.batches)
+            result = self.algorithm.train(
+                self.model, job.params, job.batches, job.plan, self.acc, job.algo_state, start.algo
+            )
+            train_s = time.perf_counter() - t0
+            self.end_session(job, result)
+        return self.finish_training(job, result, train_s)  # the hooks closed: what they leave is read
+
+    def train_many(
+        self, clients: list[ClientData], starts: list[ClientStart]
+    ) -> list[ClientUpdate | Exception]:
+        """Train ``clients`` together in one forward per step when they can be (``federation.client_batch``,
+        fedllm/client/batched.py), else one at a time; each one's update, or the error that left it out.
+
+        Should the joint training fail, each client is trained alone, so that one faulty client leaves
+        only itself out.
+        """
+        from fedllm.client.batched import ensure_slot, slot_name, train_together, why_not_batched
+
+        reason = why_not_batched(self) if len(clients) > 1 else "one client"
+        if reason is not None:
+            if len(clients) > 1 and not getattr(self, "_said_unbatched", False):
+                log.info("federation.client_batch: clients train one at a time: %s", reason)
+                self._said_unbatched = True
+            return [self._train_or_error(c, s) for c, s in zip(clients, starts, strict=True)]
+        try:
+            with contextlib.ExitStack() as stack:
+                jobs = []
+                for i, (client, start) in enumerate(zip(clients, starts, strict=True)):
+                    slot = slot_name(i, client.rank)
+                    ensure_slot(self.model, slot, client.rank, self.lora_cfg)
+                    jobs.append(self.begin_training(client, start, stack, slot))
+                for job in jobs:  # a later switch-in made only its own slot trainable
+                    for p in job.params.values():
+                        p.requires_grad_(True)
+                algos = [copy.copy(self.algorithm) for _ in jobs]  # each client's own anchors and variates
+                results = train_together(self, jobs, algos, self.acc)
+                for job, (result, _) in zip(jobs, results, strict=True):
+                    self.end_session(job, result)
+            return [self.finish_training(j, r, s) for j, (r, s) in zip(jobs, results, strict=True)]
+        except Exception as e:
+            log.warning(
+                "client-batched training failed (%s: %s); training each client alone", type(e).__name__, e
+            )
+            return [self._train_or_error(c, s) for c, s in zip(clients, starts, strict=True)]
+
+    def _train_or_error(self, client: ClientData, start: ClientStart) -> ClientUpdate | Exception:
+        try:
+            return self.train(client, start)
+        except Exception as e:  # a faulty client must not take the round down
+            return e
+
+    def log_client(self, msg: str, *args) -> None:
+        """A per-client line: INFO for a few clients a round, DEBUG above ``quiet_above`` (the round line
+        summarizes them)."""
+        log.log(logging.DEBUG if self.clients_per_round > self.quiet_above else logging.INFO, msg, *args)
+
+    clients_per_round = 0  # set by the driver each round
+    quiet_above = 20
+
+    def begin_training(
+        self, client: ClientData, start: ClientStart, stack: contextlib.ExitStack, slot: str | None = None
+    ) -> TrainingJob:
+        """``client`` switched into its adapter (or ``slot``) with the strategy's training hooks open on
+        ``stack``: its trainable parameters, plan, algorithm state and batches."""
+        params, started = self.switch_in(client, start, slot)
         plan = self.plan_for(client, start.round)
         algo_state = unprefixed(client.state, ALGO)
         self.model.train()
-        t0 = time.perf_counter()
-        with self.view(client, start, "train") as session:
-            if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
-                plan.local_params, plan.local_lr = session.local_params(), session.local_lr
-                params.update(session.shared_params())
-                params = {k: p for k, p in params.items() if p.requires_grad}  # FFA-LoRA freezes A
-            batches = batch_stream(
-                client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed, plan.group_by_length
-            )
-            if self.layout.data_parallel:
-                batches = self.layout.split_batches(batches)
-            result = self.algorithm.train(self.model, params, batches, plan, self.acc, algo_state, start.algo)
-            if session is not None:
-                result.extras.update(session.upload())
-                client.state = {**prefixed(session.state(), HOOK), **without_prefix(client.state, HOOK)}
-        client.state = keep_pending(client.state, algo_state, start.round)
-        train_s = time.perf_counter() - t0
+        session = stack.enter_context(self.view(client, start, "train", slot))
+        if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
+            plan.local_params, plan.local_lr = session.local_params(), session.local_lr
+            params.update(session.shared_params())
+            params = {k: p for k, p in params.items() if p.requires_grad}  # FFA-LoRA freezes A
+        batches = batch_stream(
+            client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed, plan.group_by_length
+        )
+        adapter = slot or adapter_name(client.rank)
+        return TrainingJob(client, start, adapter, params, started, plan, algo_state, session, batches)
+
+    def end_session(self, job: TrainingJob, result) -> None:
+        """What the strategy's hooks upload and keep, read while they are still open."""
+        if job.session is not None:
+            result.extras.update(job.session.upload())
+            state = job.session.state()
+            job.client.state = {**prefixed(state, HOOK), **without_prefix(job.client.state, HOOK)}
+
+    def finish_training(self, job: TrainingJob, result, train_s: float) -> ClientUpdate:
+        """The update of a trained ``job``, read once its hooks are closed (HetLoRA's zeroes its pruned
+        tail as it closes)."""
+        client, start, plan = job.client, job.start, job.plan
+        client.state = keep_pending(client.state, job.algo_state, start.round)
         t1 = time.perf_counter()
-        name = adapter_name(client.rank)
         with self.whole_adapters():
-            trained, dense = read_factors(self.model, name), read_dense(self.model, self.dense_names)
-        log.info(
-            "round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f, %.1f s",
+            trained, dense = read_factors(self.model, job.adapter), read_dense(self.model, self.dense_names)
+        tenth = max(1, len(result.losses) // 10)
+        first, last = result.losses[:tenth], result.losses[-tenth:]
+        self.log_client(
+            "round %d, client %d (rank %d): %d steps, loss %.4f -> %.4f (mean of the first and last 10%% of "
+            "steps), %.1f s",
             start.round,
             client.client_id,
             client.rank,
             plan.steps,
-            result.losses[0],
-            result.losses[-1],
+            sum(first) / len(first),
+            sum(last) / len(last),
             train_s,
         )
         update = ClientUpdate(
@@ -335,7 +431,7 @@ class ClientRuntime:
             round=start.round,
             plan=start.plan,
         )
-        ctx = UploadContext(start, started, client.state, self.hook.shared_extras)
+        ctx = UploadContext(start, job.started, client.state, self.hook.shared_extras)
         for transform in self.transforms:
             update = transform.apply(update, ctx)
         self.timings["read_out_s"] = time.perf_counter() - t1

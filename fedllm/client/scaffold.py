@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.client.base import ClientAlgorithm, Params, accumulate
+from fedllm.client.base import ClientAlgorithm, Params
 from fedllm.options import one_of, opt
 from fedllm.protocol import AlgorithmServer
 
@@ -195,9 +195,6 @@ class Scaffold(ClientAlgorithm):
             for k, p in params.items()
         }
         self._ck = {k: state.get(k, torch.zeros(p.shape)).to(p.device, p.dtype) for k, p in params.items()}
-
-    def local_step(self, model, params, batches, plan, accelerator) -> float:
-        return accumulate(model, batches, plan, accelerator)
 
     def correct(self, params: Params) -> None:
         """The corrected gradient ``g - c_k + c`` (after the clip of ``g``)."""

@@ -6,7 +6,7 @@ Decentralized Data" (AISTATS 2017), with the alpaca-style instruction loss.
 
 from __future__ import annotations
 
-from fedllm.client.base import ClientAlgorithm, accumulate
+from fedllm.client.base import ClientAlgorithm
 
 
 class SFT(ClientAlgorithm):
@@ -14,6 +14,3 @@ class SFT(ClientAlgorithm):
 
     name = "sft"
     changes_gradients = False
-
-    def local_step(self, model, params, batches, plan, accelerator) -> float:
-        return accumulate(model, batches, plan, accelerator)

@@ -182,8 +182,16 @@ def _check_fields_together(cfg) -> None:
         probs = list(cfg.lora.rank_distribution.values())
         if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
             raise ConfigError(f"lora.rank_distribution: probabilities {probs} must be >= 0 and sum to 1")
-    if cfg.data.label_shift_groups and cfg.data.dataset != "builtin":
-        raise ConfigError("data.label_shift_groups works on the built-in data only (data.dataset=builtin)")
+    if cfg.federation.client_batch > 1 and cfg.lora.trainable_modules:
+        raise ConfigError(
+            f"federation.client_batch = {cfg.federation.client_batch} with lora.trainable_modules = "
+            f"{cfg.lora.trainable_modules}: clients trained together would share one copy of those modules; "
+            "set lora.trainable_modules=[] or federation.client_batch=1"
+        )
+    if cfg.data.label_shift_groups and cfg.data.dataset not in ("builtin", "testbed"):
+        raise ConfigError(
+            "data.label_shift_groups works on the built-in data only (data.dataset=builtin or testbed)"
+        )
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one linear module, e.g. q_proj")
     for i, s in enumerate(cfg.client.local_steps_per_client):

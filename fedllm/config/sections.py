@@ -149,6 +149,14 @@ class FederationConfig:
     client_timeout_s: float = opt(
         0.0, "a client running longer is dropped from the round (0: no limit)", _nonneg, ">= 0"
     )
+    client_batch: int = opt(
+        1,
+        "simulation: train this many of a round's clients together, one forward over the shared base for "
+        "all of them, each row through its own client's adapter (exact; fedllm/client/batched.py). Needs "
+        "lora.trainable_modules=[]; Per-FedAvg and FLoRAL train one at a time",
+        _positive,
+        "an integer >= 1",
+    )
     parallel: str = opt(
         "auto",
         "how launched processes share the work: clients (each trains its share of the "
@@ -239,10 +247,17 @@ class ClientSection:
     max_grad_norm: float = opt(1.0, "gradient clipping (0: off)", _nonneg, ">= 0")
     personalize_steps: int = opt(
         1,
-        "plain-SGD steps (client.sgd_lr; Per-FedAvg: alpha) on a client's own data "
+        "plain-SGD steps (client.personalize_lr; Per-FedAvg: alpha) on a client's own data "
         "for its personalized evaluation and export",
         _nonneg,
         ">= 0",
+    )
+    personalize_lr: float = opt(
+        0.01,
+        "learning rate of the personalization steps (plain SGD; Per-FedAvg uses its alpha). Not "
+        "client.sgd_lr: one step of 0.1 from an AdamW-trained LoRA made clients worse (docs/testbed.md)",
+        _positive,
+        "> 0",
     )
 
 

@@ -1,0 +1,145 @@
+"""Client-batched local training: one round's clients trained with federation.client_batch = K.
+
+For each K (default 1, 2, 4, 8) a fresh process builds the same federation (config, seed), trains the
+first round's clients in groups of K and reports the training time, the ratio to K = 1 and the peak
+memory (GPU: torch's peak allocation; CPU: the process's peak RSS). Every client's update is compared
+with its K = 1 update (the largest relative difference over all factors). Two bases: the built-in default
+and a TinyLlama-shaped base with ``--layers`` decoder layers (random weights, the built-in tokenizer).
+Last line: one JSON object.
+
+    python scripts/bench_client_batch.py [--ks 1 2 4 8] [--clients 8] [--local-steps 20] [--layers 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def one(args) -> None:
+    """Train round 1's clients in groups of ``args.one``; print seconds and memory, save the updates."""
+    from safetensors.torch import save_file
+
+    from fedllm import assembly
+    from fedllm.config import load_config
+
+    overrides = [
+        f"federation.num_clients={args.clients}",
+        f"client.local_steps={args.local_steps}",
+        "lora.trainable_modules=[]",
+        f"federation.client_batch={args.one}",
+        "eval.benchmark=none",
+        *([f"model.name={args.model}"] if args.model else []),
+        *args.extra,
+    ]
+    cfg = load_config(None, overrides)
+    from accelerate import Accelerator
+
+    fed = assembly.assemble(cfg, Accelerator(cpu=not torch.cuda.is_available()))
+    plan = fed.server.plan_round(1)
+    clients = [fed.clients[k] for k in plan.active]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    updates = []
+    for i in range(0, len(clients), args.one):
+        group = clients[i : i + args.one]
+        updates += fed.runtime.train_many(group, [plan.starts[c.client_id] for c in group])
+    seconds = time.perf_counter() - t0
+    bad = [u for u in updates if isinstance(u, Exception)]
+    if bad:
+        raise SystemExit(f"a client failed: {bad[0]}")
+    tensors = {
+        f"{u.client_id}.{k}.{f}": getattr(v, f).contiguous()
+        for u in updates
+        for k, v in u.factors.items()
+        for f in ("A", "B")
+    }
+    save_file(tensors, args.save)
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if torch.cuda.is_available()
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    print(json.dumps({"k": args.one, "seconds": seconds, "peak_mb": peak}))
+
+
+def tinyllama_folder(layers: int, root: Path) -> str:
+    from fedllm.model.builtin import build_tokenizer, tinyllama_shaped
+
+    path = root / f"tinyllama-{layers}"
+    if not (path / "config.json").exists():
+        tinyllama_shaped(layers).save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--local-steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=1, help="decoder layers of the TinyLlama-shaped base")
+    p.add_argument("--tiny-steps", type=int, default=3, help="local steps on the TinyLlama-shaped base")
+    p.add_argument("--skip-tinyllama", action="store_true")
+    p.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--save", help=argparse.SUPPRESS)
+    args, extra = p.parse_known_args()
+    args.extra = extra
+    if args.one:
+        one(args)
+        return 0
+    from safetensors.torch import load_file
+
+    out: dict = {"machine": os.uname().machine, "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}
+    with tempfile.TemporaryDirectory() as tmp:
+        bases = {"builtin": (None, args.local_steps)}
+        if not args.skip_tinyllama:
+            bases[f"tinyllama_{args.layers}_layers"] = (
+                tinyllama_folder(args.layers, Path(tmp)),
+                args.tiny_steps,
+            )
+        for name, (model, steps) in bases.items():
+            rows, reference = [], None
+            for k in args.ks:
+                save = Path(tmp) / f"{name}-{k}.safetensors"
+                cmd = [sys.executable, __file__, "--one", str(k), "--save", str(save)]
+                cmd += ["--clients", str(args.clients), "--local-steps", str(steps), *extra]
+                cmd += ["--model", model] if model else []
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode != 0:
+                    raise SystemExit(
+                        f"{name} K={k} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}"
+                    )
+                row = json.loads(res.stdout.strip().splitlines()[-1])
+                tensors = load_file(save)
+                reference = reference or (row["seconds"], tensors)
+                row["speedup_vs_k1"] = reference[0] / row["seconds"]
+                row["max_rel_diff_vs_k1"] = max_relative_difference(tensors, reference[1])
+                rows.append(row)
+                print(
+                    f"{name:<22} K={k:<2} {row['seconds']:7.2f} s  x{row['speedup_vs_k1']:.2f} vs K=1  "
+                    f"peak {row['peak_mb']:.0f} MB  max rel. diff {row['max_rel_diff_vs_k1']:.1e}",
+                    flush=True,
+                )
+            out[name] = rows
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
