@@ -95,7 +95,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         fed = Simulation(cfg, run_dir)
         fed.setup()
-        summary = fed.run(resume=action == "continue")
+        try:
+            summary = fed.run(resume=action == "continue")
+        except (KeyboardInterrupt, Interrupted):
+            print(interrupted_line(run_dir), file=sys.stderr)
+            return 130
     finally:
         if lock is not None:
             lock.release()
@@ -129,7 +133,10 @@ def print_summary(s: dict) -> None:
             f" (best {f(s.get('accuracy_best'))}) on {benchmark_name(s['benchmark'])}"
         )
     else:
-        print("accuracy           n/a (no benchmark: eval.benchmark=none)")
+        print(
+            "accuracy           n/a (no benchmark scored: eval.benchmark=none, or eval.benchmark=auto "
+            "on your own data without a loadable MMLU copy: see the run's log)"
+        )
     cl = s.get("clients")
     if cl:
         ids = cl["evaluated"]
@@ -378,9 +385,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Interrupted(BaseException):
+    """SIGTERM (a scheduler's stop): handled like Ctrl-C."""
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     """SIGTERM ends the process like Ctrl-C does: cleanup handlers run, the run lock is released."""
-    raise SystemExit(128 + signum)
+    raise Interrupted()
+
+
+def interrupted_line(run_dir: Path) -> str:
+    """One line for a user's interrupt: what was kept and the exact command that continues the run."""
+    from fedllm.run.reader import RunFolder
+
+    kept = RunFolder(run_dir).kept_rounds()
+    where = f"round {max(kept)} is checkpointed" if kept else "no round was checkpointed yet"
+    return f"fedllm: interrupted; {where} in {run_dir}: continue with `fedllm run --resume {run_dir}`"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with friendly_errors():
-        return args.func(args)
+        try:
+            return args.func(args)
+        except (KeyboardInterrupt, Interrupted):  # a user's stop: no traceback
+            print("fedllm: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

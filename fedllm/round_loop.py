@@ -180,9 +180,14 @@ class RoundLoop(abc.ABC):
         """Evaluate the model of ``row``'s round (when the schedule says so) and log the row."""
         r = row["round"]
         if r % self.cfg.eval.every == 0 or r == self.cfg.federation.rounds:
-            row.update(self.evaluate())
+            row.update(self.evaluate())  # its time_eval_s with it
             if self.cfg.eval.personalized:
+                log.info(
+                    "round %d: evaluating %d clients' personalized models on their own data", r, len(visit)
+                )
+                t0 = time.perf_counter()
                 row.update(self.personalized(r, visit))
+                row["time_personal_s"] = time.perf_counter() - t0
         self.writer.log(row)
 
     def checkpoint(self, round_idx: int, pending: dict | None = None) -> None:
@@ -254,13 +259,15 @@ class RoundLoop(abc.ABC):
             self.checkpoint(r, pending={"row": standard_row(row), "visit": visit})
             self.complete(row, visit)
             log.info(
-                "round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params",
+                "round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params%s%s",
                 r,
                 _fmt(row["train_loss"]),
                 _fmt(row.get("eval_loss")),
                 _fmt(row.get("accuracy")),
                 row["up_params"],
                 row["down_params"],
+                f", {len(row.get('sampled', []))} clients" if len(row.get("sampled", [])) > 20 else "",
+                f", epsilon {row['epsilon']:.3g}" if isinstance(row.get("epsilon"), int | float) else "",
             )
         summary = self.finish()
         if cfg.output.log_with:

@@ -28,16 +28,26 @@ def logits(model, ids):
 
 
 def test_adapter_export_loads_both_ways(finished_run, tmp_path):
+    import os
+
     from peft import AutoPeftModelForCausalLM, PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fedllm.run.artifacts import export_run
     from fedllm.run.export import base_model_reference
 
-    out = export_run(finished_run, tmp_path / "adapter")
+    old = os.umask(0o022)
+    try:
+        out = export_run(finished_run, tmp_path / "adapter")
+        merged = export_run(finished_run, tmp_path / "merged", merge=True)
+    finally:
+        os.umask(old)
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {
         p.name for p in out.iterdir()
     }
+    for folder in (out, merged):  # a colleague can read every file, and load the tokenizer from the folder
+        assert {oct(p.stat().st_mode & 0o777) for p in folder.iterdir() if p.is_file()} == {"0o644"}
+        assert AutoTokenizer.from_pretrained(folder)("Is 95 even or odd ?")["input_ids"]
     base_path = base_model_reference(load_config(finished_run / "config.yaml"))
     a = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), out).eval()
     b = AutoPeftModelForCausalLM.from_pretrained(out).eval()
@@ -161,9 +171,9 @@ def test_push_uses_exact_repo_and_files_and_never_writes_the_token(finished_run,
         == 0
     )
     assert calls["create"] == ("org/fed-model", True)
-    assert calls["upload"] == (
-        "org/fed-model",
-        ["README.md", "adapter_config.json", "adapter_model.safetensors"],
+    assert calls["upload"][0] == "org/fed-model"
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(
+        calls["upload"][1]
     )
     for folder in (out, finished_run):
         for p in folder.rglob("*"):
@@ -228,6 +238,35 @@ def test_report_table_and_plots(finished_run, tmp_path):
         with Image.open(tmp_path / name) as im:
             im.verify()
             assert im.format == "PNG"
+        assert (tmp_path / name).with_suffix(".pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_report_figures_have_integer_rounds_megabytes_and_reference_lines(
+    finished_run, tmp_path, monkeypatch
+):
+    import matplotlib.figure
+
+    from fedllm.run import report as rep
+
+    seen = {}
+    real = matplotlib.figure.Figure.savefig
+
+    def keep(fig, path, *a, **k):  # look at each figure as it is saved
+        ax = fig.axes[0]
+        seen[path.stem] = (
+            ax.get_xlabel(),
+            list(ax.get_xticks()),
+            [t.get_text() for t in ax.get_legend().get_texts()],
+        )
+        return real(fig, path, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    rep.report([finished_run], tmp_path)
+    label, ticks, legend = seen["accuracy_vs_round"]
+    assert label == "round" and all(float(t).is_integer() for t in ticks)
+    assert "chance (4 options)" in legend and "base model (round 0)" in legend
+    label, _, _ = seen["accuracy_vs_communication"]
+    assert "(KB, up + down)" in label or "(MB, up + down)" in label
 
 
 def _fake_run(path, seed, accs, losses, strategy="fedit"):

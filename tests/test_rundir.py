@@ -81,11 +81,9 @@ def test_export_refuses_the_run_itself_and_non_empty_folders(run_copy, tmp_path,
         and (mine / "notes.txt").read_text() == "keep me"
     )
     assert cli(capsys, "export", str(run_copy), "--output", str(mine), "--overwrite")[0] == 0
-    assert sorted(p.name for p in mine.iterdir()) == [
-        "README.md",
-        "adapter_config.json",
-        "adapter_model.safetensors",
-    ]
+    names = {p.name for p in mine.iterdir()}
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
+    assert "notes.txt" not in names  # the old content replaced, not merged
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export-")]  # no temporary left beside it
 
 
@@ -221,18 +219,15 @@ def test_a_resume_killed_after_its_last_checkpoint_is_not_reported_finished(run_
         raise KeyboardInterrupt  # as a SIGINT right after the last checkpoint
 
     monkeypatch.setattr(RunWriter, "finish", killed)
-    with pytest.raises(KeyboardInterrupt):
-        main(
-            [
-                "--log-level",
-                "WARNING",
-                "run",
-                "--resume",
-                str(run_copy),
-                "federation.rounds=3",
-                "eval.limit=2",
-            ]
-        )
+    code = main(
+        ["--log-level", "WARNING", "run", "--resume", str(run_copy), "federation.rounds=3", "eval.limit=2"]
+    )
+    assert code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"fedllm: interrupted; round 3 is checkpointed in {run_copy}: continue with "
+        f"`fedllm run --resume {run_copy}`"
+    )
     monkeypatch.undo()
     assert json.loads((run_copy / "summary.json").read_text())["rounds_done"] == 2  # the old summary
     assert (run_copy / "checkpoints" / "round-0003").exists()
@@ -356,9 +351,8 @@ def test_interrupted_in_round_one_resumes_cleanly(tmp_path, capsys, monkeypatch,
 
     monkeypatch.setattr(Simulation, "run_round", killed)
     overrides = [o for o in tiny_overrides(tmp_path / "r", *FAST) if not o.startswith("output.dir")]
-    with pytest.raises(KeyboardInterrupt):
-        main(["--log-level", "WARNING", "run", "--output-dir", str(tmp_path / "r"), *overrides])
-    capsys.readouterr()
+    assert main(["--log-level", "WARNING", "run", "--output-dir", str(tmp_path / "r"), *overrides]) == 130
+    assert "no round was checkpointed yet" in capsys.readouterr().err
     assert rounds_in(tmp_path / "r") == [0] and not (tmp_path / "r" / ".lock").exists()
     (tmp_path / "r" / "checkpoints").mkdir()
     stale = [tmp_path / "r" / ".metrics.jsonl.x1.tmp", tmp_path / "r" / "checkpoints" / ".round-0001.abc"]
@@ -450,3 +444,23 @@ def test_export_round_zero_and_wall_time_over_a_resume(run_copy, capsys):
     first = json.loads((run_copy / "summary.json").read_text())["wall_s"]
     assert cli(capsys, "run", "--resume", str(run_copy), "federation.rounds=3")[0] == 0
     assert json.loads((run_copy / "summary.json").read_text())["wall_s"] > first  # both attempts counted
+
+
+def test_ctrl_c_in_round_2_says_in_one_line_how_to_resume(run_copy, capsys, monkeypatch):
+    """No traceback for a user's interrupt: at most 3 lines, naming what was kept and the command."""
+    from fedllm.simulation import Simulation
+
+    real = Simulation.train_clients
+
+    def interrupted(self, plan):
+        if plan.round == 3:
+            raise KeyboardInterrupt
+        return real(self, plan)
+
+    monkeypatch.setattr(Simulation, "train_clients", interrupted)
+    code = main(
+        ["--log-level", "WARNING", "run", "--resume", str(run_copy), "federation.rounds=4", "eval.limit=2"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) <= 3 and "Traceback" not in "\n".join(err)
+    assert f"round 2 is checkpointed in {run_copy}: continue with `fedllm run --resume {run_copy}`" in err[-1]

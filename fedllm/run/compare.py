@@ -89,6 +89,8 @@ METRICS = {
     "client_acc_personal": ("last:personal_acc", "points"),
     "up_params": ("comm:total_up_params", "count"),
     "down_params": ("comm:total_down_params", "count"),
+    "up_mb": ("comm:total_up_bytes", "megabytes"),
+    "down_mb": ("comm:total_down_bytes", "megabytes"),
     "wall_s": ("summary:wall_s", "seconds"),
 }
 FORMATS = {
@@ -96,6 +98,7 @@ FORMATS = {
     "percent": (100.0, ".1f", " %"),
     "loss": (1.0, ".4f", ""),
     "count": (1.0, ",.0f", ""),
+    "megabytes": (1e-6, ".3f", " MB"),
     "seconds": (1.0, ".1f", " s"),
     "number": (1.0, ".3g", ""),  # a number a feature reports in the summary's ``metrics`` (e.g. its bound)
 }
@@ -263,7 +266,13 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
         for name, e in per.items():
             text = f"  {name:<14} {num(e['mean'])} +/- {num(e['std'])}{unit}"
             d = e.get(f"vs_{base}")
-            if d is not None:
+            if d is not None and d["low"] == d["high"]:  # the same difference on every seed
+                text += (
+                    "   the same on every seed"
+                    if d["diff"] == 0
+                    else f"   diff {num(d['diff'], True)}{unit} on every seed (no variance)"
+                )
+            elif d is not None:
                 verdict = "" if d["excludes_zero"] else "  (interval holds 0: no difference shown)"
                 low, high = num(d["low"], True), num(d["high"], True)
                 text += f"   diff {num(d['diff'], True)}{unit} [{low}, {high}]{verdict}"
@@ -364,9 +373,10 @@ def compare(
             results[v.name][s] = m = run_metrics(run_dir)
             acc = "n/a" if m.get("accuracy") is None else f"{m['accuracy']:.4f}"
             loss = "n/a" if m.get("heldout_loss") is None else f"{m['heldout_loss']:.4f}"
+            own = "" if m.get("wall_s") is None else f"run {m['wall_s']:.0f} s"
             bar.write(
                 f"{v.name} seed {s}: accuracy {acc}, held-out loss {loss}, "
-                + (f"{took:.0f} s" if took else "reused (same settings)"),
+                + (f"{own}, {took:.0f} s with start-up" if took else f"{own}, reused (same settings)"),
                 file=sys.stderr,
             )
             bar.update()
@@ -384,4 +394,36 @@ def compare(
             "per_seed": {k: {str(s): m for s, m in sorted(r.items())} for k, r in results.items()},
         }
     )
+    write_results(out_root, summary)
     return summary
+
+
+def write_results(out_root: Path, summary: dict) -> None:
+    """``compare.json`` (everything), ``compare.md`` (the table) and ``compare.csv`` (one row per metric and
+    variant) in the comparison's folder, each written atomically."""
+    import csv
+    import io
+
+    from fedllm.run.checkpoint import atomic_write_text
+
+    out_root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_root / "compare.json", json.dumps(summary, indent=1))
+    atomic_write_text(out_root / "compare.md", "```\n" + format_summary(summary) + "\n```\n")
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["metric", "variant", "mean", "std", "n", "diff", "low", "high", "excludes_zero"])
+    base = summary["baseline"]
+    for metric, per in summary["metrics"].items():
+        for name, e in per.items():
+            d = e.get(f"vs_{base}") or {}
+            w.writerow(
+                [
+                    metric,
+                    name,
+                    e["mean"],
+                    e["std"],
+                    e["n"],
+                    *(d.get(k, "") for k in ("diff", "low", "high", "excludes_zero")),
+                ]
+            )
+    atomic_write_text(out_root / "compare.csv", buf.getvalue())

@@ -160,7 +160,11 @@ def write_export(
             _merge(base, tmp, merged_dir, cfg)
             shutil.rmtree(tmp)
             tmp = merged_dir
+        else:
+            _save_tokenizer(base, tmp)
         atomic_write_text(tmp / "README.md", card)
+        for path in tmp.rglob("*"):  # every file as a plain open would make it (a colleague can read it)
+            honour_umask(path, directory=path.is_dir())
         honour_umask(tmp, directory=True)
         if out.exists():  # only with overwrite (checked before): swap, then remove the old export
             old = Path(tempfile.mkdtemp(prefix=f".export-{out.name}-", dir=out.parent))
@@ -175,6 +179,16 @@ def write_export(
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _save_tokenizer(base: str, out: Path) -> None:
+    """The base's tokenizer beside the adapter, so ``AutoTokenizer.from_pretrained(export)`` works."""
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    except (OSError, ValueError) as e:
+        log.warning("export: the base's tokenizer (%s) could not be saved beside the adapter: %s", base, e)
 
 
 def _merge(base: str, adapter_dir: Path, out: Path, cfg) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from fedllm.run.reader import CONFIG, INFO, PARTITION, ROWS, SUMMARY, RunFolder
 
 log = logging.getLogger(__name__)
+MANY_CLIENTS = 20  # above this, per-client log lines are summarized (and the full list is in the run folder)
 
 LOCK = ".lock"
 # what a run writes at the top of its folder (export refuses to write over these)
@@ -363,6 +364,24 @@ class RunWriter:
         # which code made the run (fedllm compare reuses a run only if it is this version)
         atomic_write_text(self.run_dir / INFO, json.dumps({"fedllm_version": __version__}))
         atomic_write_text(self.run_dir / PARTITION, standard_json(partition_stats, indent=1))
+        if len(partition_stats) > MANY_CLIENTS:  # one summary line; every client is in partition.json
+            import statistics
+            from collections import Counter
+
+            sizes = sorted(s["train"] for s in partition_stats)
+            q = statistics.quantiles(sizes, n=4) if len(sizes) > 1 else [sizes[0]] * 3
+            ranks = dict(sorted(Counter(s["rank"] for s in partition_stats).items()))
+            log.info(
+                "%d clients: ranks %s; train examples min %d, quartiles %.0f / %.0f / %.0f, max %d (each "
+                "client in %s)",
+                len(sizes),
+                ", ".join(f"{r}: {n}" for r, n in ranks.items()),
+                sizes[0],
+                *q,
+                sizes[-1],
+                self.run_dir / PARTITION,
+            )
+            return
         for s in partition_stats:  # a Flower site shares its test size and categories only if asked to
             log.info(
                 "client %d: rank %d, %d train / %s test examples, categories %s",

@@ -184,25 +184,48 @@ PLOTS = (
 )
 
 
+CHANCE = 0.25  # four options: the benchmarks' chance level
+
+
+def _byte_unit(largest: float) -> tuple[float, str]:
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+        if largest >= scale:
+            return scale, unit
+    return 1.0, "bytes"
+
+
+def _budget(g: dict) -> str:
+    return f"{g['rounds']} rounds x {g['local_steps'] or 'epochs of'} local steps"
+
+
 def plot(groups: list[dict], out_dir: Path) -> list[Path]:
+    """One figure per curve (PNG and PDF): integer rounds, bytes in KB/MB/GB, the base model's accuracy and
+    chance as reference lines, and runs of different budgets (rounds x local steps) said in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = []
+    mixed = len({_budget(g) for g in groups}) > 1
     for key, xlabel, ylabel, fname in PLOTS:
         if not any(g[key] for g in groups):
             continue  # e.g. no benchmark in any run: no accuracy plots
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        scale, unit = (1.0, "")
+        if key == "accuracy_by_comm":
+            scale, unit = _byte_unit(max(x for g in groups for x, _, _ in g[key]))
         for g in groups:
             if not g[key]:
                 continue
             xs, ys, sd = zip(*g[key], strict=True)
+            xs = [x / scale for x in xs]
             n = len(g["runs"])
-            (line,) = ax.plot(
-                xs, ys, marker="o", label=f"{g['name']} ({g['strategy']})" + (f", {n} seeds" if n > 1 else "")
-            )
+            label = g["name"] if g["name"] == g["strategy"] else f"{g['name']} ({g['strategy']})"
+            label += f", {n} seeds" if n > 1 else ""
+            label += f", {_budget(g)}" if mixed else ""
+            (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=label)
             if n > 1:
                 ax.fill_between(
                     xs,
@@ -211,15 +234,30 @@ def plot(groups: list[dict], out_dir: Path) -> list[Path]:
                     color=line.get_color(),
                     alpha=0.2,
                 )
-        ax.set_xlabel(xlabel)
+        if key in ("accuracy_by_round", "accuracy_by_comm"):
+            starts = [g["accuracy_by_round"][0][1] for g in groups if g["accuracy_by_round"]]
+            starts_at_zero = [g["accuracy_by_round"][0][0] == 0 for g in groups if g["accuracy_by_round"]]
+            if starts and all(starts_at_zero):
+                ax.axhline(
+                    sum(starts) / len(starts), color="0.4", ls="--", lw=1, label="base model (round 0)"
+                )
+            ax.axhline(CHANCE, color="0.6", ls=":", lw=1, label="chance (4 options)")
+        if xlabel == "round":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel.replace("(bytes, up + down)", f"({unit}, up + down)") if unit else xlabel)
         ax.set_ylabel(
             ylabel + (" (mean ± std over seeds)" if any(len(g["runs"]) > 1 for g in groups) else "")
         )
+        ax.set_title(
+            f"{ylabel} against {xlabel.split(' (')[0]}" + (" (runs of different budgets)" if mixed else ""),
+            fontsize=10,
+        )
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
         fig.tight_layout()
         path = out_dir / fname
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=150)
+        fig.savefig(path.with_suffix(".pdf"))
         plt.close(fig)
         paths.append(path)
     return paths
