@@ -8,5 +8,6 @@ from __future__ import annotations
 
 from fedllm.privacy import PRIVACY
 from fedllm.protocol import Feature
+from fedllm.transport import TRANSPORT
 
-FEATURES: list[Feature] = [PRIVACY]
+FEATURES: list[Feature] = [PRIVACY, TRANSPORT]  # in order: uploads are clipped and noised, then encoded

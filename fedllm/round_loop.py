@@ -267,7 +267,9 @@ class RoundLoop(abc.ABC):
                 row["up_params"],
                 row["down_params"],
                 f", {len(row.get('sampled', []))} clients" if len(row.get("sampled", [])) > 20 else "",
-                f", epsilon {row['epsilon']:.3g}" if isinstance(row.get("epsilon"), int | float) else "",
+                "".join(  # what a wrapper of the strategy reports (the privacy spent, ...)
+                    f", {k} {v:.3g}" for k, v in done.report.reported.items() if isinstance(v, int | float)
+                ),
             )
         summary = self.finish()
         if cfg.output.log_with:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.factors import Adapter
 from fedllm.lowrank import add_to_residual, energy_rank, low_rank_svd, stack, svd_factors
@@ -28,6 +30,13 @@ class FloristOptions:
         nonneg,
         "an integer >= 1, or 0 to use tau",
     )
+    download_budget_mb: float = opt(
+        0.0,
+        "megabytes (10^6 bytes, float32) each client may download per round: the largest energy share up "
+        "to tau whose broadcast fits, one share for every module (0: no budget)",
+        nonneg,
+        ">= 0",
+    )
 
 
 class FLoRIST(Strategy):
@@ -42,16 +51,49 @@ class FLoRIST(Strategy):
     averages_parameters = False
     options = FloristOptions
 
-    def __init__(self, tau: float = 0.9, fixed_rank: int = 0) -> None:
+    def __init__(self, tau: float = 0.9, fixed_rank: int = 0, download_budget_mb: float = 0.0) -> None:
         if not 0 < tau <= 1:
             raise ValueError(f"tau = {tau} is invalid: expected a value in (0, 1]")
         if fixed_rank < 0:
             raise ValueError(f"fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
-        self.tau, self.fixed_rank = tau, fixed_rank
+        if fixed_rank and download_budget_mb:
+            raise ValueError("fixed_rank and download_budget_mb both choose the rank: set one of them")
+        self.tau, self.fixed_rank, self.budget_mb = tau, fixed_rank, download_budget_mb
 
     @classmethod
     def from_options(cls, options: FloristOptions) -> FLoRIST:
-        return cls(tau=options.tau, fixed_rank=options.fixed_rank)
+        return cls(
+            tau=options.tau, fixed_rank=options.fixed_rank, download_budget_mb=options.download_budget_mb
+        )
+
+    def budget_ranks(self, spectra: dict[str, tuple[torch.Tensor, int]]) -> tuple[dict[str, int], float]:
+        """Each module's rank under the download budget, and the energy share chosen.
+
+        One share for all modules, the largest up to ``tau`` whose broadcast (``4 p_m (out_m + in_m)``
+        bytes summed over modules) fits: lowering FLoRIST's own threshold keeps the same fraction of
+        every module's update energy, so no module is starved for another's sake; a budget below even
+        one component per module leaves the round's merge empty (the budget is never exceeded).
+        ``spectra``: ``{module: (singular values, out + in)}``.
+        """
+        budget = self.budget_mb * 1e6
+        shares = {}
+        for key, (s, _) in spectra.items():
+            e = s.double() ** 2
+            shares[key] = (e.cumsum(0) / e.sum().clamp_min(1e-300)).tolist()
+
+        def ranks(t: float) -> dict[str, int]:
+            return {
+                k: (0 if t <= 0 else next((i + 1 for i, f in enumerate(c) if f >= t - 1e-12), len(c)))
+                for k, c in shares.items()
+            }
+
+        def cost(r: dict[str, int]) -> float:
+            return sum(4 * p * spectra[k][1] for k, p in r.items())
+
+        for t in sorted({self.tau, *(f for c in shares.values() for f in c if f <= self.tau)}, reverse=True):
+            if cost(ranks(t)) <= budget:
+                return ranks(t), t
+        return ranks(0.0), 0.0
 
     def aggregate_factors(
         self,
@@ -62,12 +104,23 @@ class FLoRIST(Strategy):
     ) -> RoundResult:
         merged: Adapter = {}
         kept: dict[str, int] = {}
-        for key in updates[0].factors:
-            u, s, vh = low_rank_svd(stack([u.factors[key] for u in updates], weights))
-            p = min(self.fixed_rank, s.numel()) if self.fixed_rank else energy_rank(s, self.tau)
+        svds = {
+            key: low_rank_svd(stack([u.factors[key] for u in updates], weights)) for key in updates[0].factors
+        }
+        info: dict = {}
+        if self.budget_mb:
+            chosen, share = self.budget_ranks(
+                {k: (s, u.shape[0] + vh.shape[1]) for k, (u, s, vh) in svds.items()}
+            )
+            info["budget_energy_share"] = share
+        for key, (u, s, vh) in svds.items():
+            if self.budget_mb:
+                p = chosen[key]
+            else:
+                p = min(self.fixed_rank, s.numel()) if self.fixed_rank else energy_rank(s, self.tau)
             merged[key] = svd_factors(u, s, vh, p)
             kept[key] = p
-        info = {"kept_rank_mean": sum(kept.values()) / len(kept), "kept_rank_max": max(kept.values())}
+        info.update({"kept_rank_mean": sum(kept.values()) / len(kept), "kept_rank_max": max(kept.values())})
         return RoundResult(
             GlobalState({}, add_to_residual(state.residual, merged), extras=dict(state.extras)), merged, info
         )

@@ -156,8 +156,8 @@ class Routing:
         else:  # zero-padded to the largest rank (exact: see module docstring)
             a = pad_sequence(a_list, batch_first=True)
             b = pad_sequence([w.T for w in b_list], batch_first=True).transpose(1, 2)
-        scale = self._scales(m, slots, flat)
-        y = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2)) * scale
+        scale = self._scales(m, slots, flat)  # folded into B (K x out x r): cheaper than scaling the output
+        y = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2) * scale)
         if even:
             return y.reshape(k * self.spans[0].rows, t, -1)
         return torch.cat([y[i, : s.rows * t].reshape(s.rows, t, -1) for i, s in enumerate(self.spans)], dim=0)
@@ -186,13 +186,26 @@ def _stack(batches: list[dict[str, Tensor]], pad_id: int) -> dict[str, Tensor]:
 
 
 def client_losses(logits: Tensor, batches: list[dict[str, Tensor]]) -> list[Tensor]:
-    """Each client's mean next-token loss over its own response tokens, as the model computes it alone."""
+    """Each client's mean next-token loss over its own response tokens, as the model computes it alone.
+
+    The token losses of the whole stacked batch in one cross-entropy, then each client's sum over its
+    rows divided by its own token count: slicing the logits per client would cost a full-size gradient
+    per client in the backward.
+    """
+    width = logits.shape[1]
+    labels = torch.cat([F.pad(b["labels"], (0, width - b["labels"].shape[1]), value=-100) for b in batches])
+    labels = labels[:, 1:].to(logits.device)
+    tokens = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=-100,
+        reduction="none",
+    ).view(labels.shape)
+    per_row, counts = tokens.sum(1), (labels != -100).sum(1)
     out, row = [], 0
     for b in batches:
-        n, width = b["labels"].shape
-        own = logits[row : row + n, : width - 1].float()
-        labels = b["labels"][:, 1:].to(own.device)
-        out.append(F.cross_entropy(own.reshape(-1, own.shape[-1]), labels.reshape(-1), ignore_index=-100))
+        n = b["labels"].shape[0]
+        out.append(per_row[row : row + n].sum() / counts[row : row + n].sum())
         row += n
     return out
 

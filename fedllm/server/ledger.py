@@ -22,25 +22,36 @@ class Ledger:
     down_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     round_up: int = 0
     round_down: int = 0
+    up_bytes: int = (
+        0  # the encoded bytes of every upload so far (a quantized transport: fewer than 4 a value)
+    )
+    round_up_bytes: int = 0
+    round_down_max: int = 0  # the largest download of one client this round
 
     def start_round(self) -> None:
-        self.round_up = self.round_down = 0
+        self.round_up = self.round_down = self.round_up_bytes = self.round_down_max = 0
 
     def download(self, client: int, params: int) -> None:
         self.down_params[client if self.by_client else -1] += params
         self.round_down += params
+        self.round_down_max = max(self.round_down_max, params)
 
-    def upload(self, client: int, params: int) -> None:
+    def upload(self, client: int, params: int, nbytes: int | None = None) -> None:
+        """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value)."""
         self.up_params[client if self.by_client else -1] += params
         self.round_up += params
+        nbytes = params * self.bytes_per_param if nbytes is None else nbytes
+        self.up_bytes += nbytes
+        self.round_up_bytes += nbytes
 
     def round_summary(self) -> dict:
         b = self.bytes_per_param
         return {
             "up_params": self.round_up,
             "down_params": self.round_down,
-            "up_bytes": self.round_up * b,
+            "up_bytes": self.round_up_bytes,
             "down_bytes": self.round_down * b,
+            "down_bytes_max": self.round_down_max * b,  # the largest download of one client
         }
 
     def totals(self) -> dict:
@@ -49,7 +60,7 @@ class Ledger:
         return {
             "total_up_params": up,
             "total_down_params": down,
-            "total_up_bytes": up * b,
+            "total_up_bytes": self.up_bytes,
             "total_down_bytes": down * b,
             **(
                 {
@@ -72,6 +83,7 @@ class Ledger:
             "down": dict(self.down_params),
             "bytes_per_param": self.bytes_per_param,
             "by_client": self.by_client,
+            "up_bytes": self.up_bytes,
         }
 
     @classmethod
@@ -79,4 +91,6 @@ class Ledger:
         led = cls(bytes_per_param=state.get("bytes_per_param", 4), by_client=state.get("by_client", True))
         led.up_params.update({int(k): v for k, v in state["up"].items()})
         led.down_params.update({int(k): v for k, v in state["down"].items()})
+        # (a checkpoint from before bytes were counted: its uploads travelled in float32)
+        led.up_bytes = state.get("up_bytes", sum(led.up_params.values()) * led.bytes_per_param)
         return led

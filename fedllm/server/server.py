@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,7 @@ class RoundReport:
 
     row: dict[str, Any]
     merged: Adapter = field(default_factory=dict)
+    reported: dict[str, Any] = field(default_factory=dict)  # what the strategy (or a wrapper) adds: said too
 
 
 @dataclass
@@ -129,6 +131,8 @@ class Rules:
     catchup_window: int = 8  # merges kept for catch-ups; a client further behind downloads the whole residual
     weighting: str = "examples"  # or "uniform"
     max_client_weight: float = 1.0  # the largest share of one client in a round's average
+    # the bytes an upload takes on the wire (None: float32, 4 bytes a value); set by a transport feature
+    upload_bytes: Callable[[ClientUpdate], int] | None = None
 
 
 class Server:
@@ -243,9 +247,9 @@ class Server:
             "n_dropped": len(plan.dropped),
             **self.ledger.round_summary(),
             "time_aggregate_s": time.perf_counter() - t0,
-            **self.strategy.round_report(plan.round),
         }
-        return RoundReport(row, merged)
+        reported = self.strategy.round_report(plan.round)
+        return RoundReport({**row, **reported}, merged, reported)
 
     def _who(self, plan: RoundPlan, failures: dict[str, str], updates: list[ClientUpdate]) -> dict[str, Any]:
         """The round's clients by id, when the sampling is public; else only how many, and the failures'
@@ -283,6 +287,14 @@ class Server:
             asked=dict(start.extras) if start is not None else {},
         )
 
+    def _upload_bytes(self, update: ClientUpdate) -> int | None:
+        if self.rules.upload_bytes is None:
+            return None
+        try:
+            return self.rules.upload_bytes(update)
+        except Exception:  # a malformed upload: counted by what can be read, in float32
+            return None
+
     def _accept(
         self, plan: RoundPlan, results: dict[int, ClientUpdate | str]
     ) -> tuple[list[ClientUpdate], dict[str, str]]:
@@ -295,7 +307,7 @@ class Server:
             if isinstance(got, str):
                 failures[str(k)] = one_line(got)
                 continue
-            self.ledger.upload(k, upload_numel(got))
+            self.ledger.upload(k, upload_numel(got), self._upload_bytes(got))
             try:
                 u = self.accept(got, self.expected(k, plan=plan))
                 u.factors = self.hook.incoming(u.factors, self.reference(plan.round, k, plan.starts[k]))

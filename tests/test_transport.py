@@ -1,0 +1,121 @@
+"""Quantized uploads (comm.*, fedllm/transport/) and FLoRIST under a download budget."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fedllm.transport import QuantizedUpload
+from fedllm.transport.codec import Encoded, EncodingError, decode, encode, wire_bytes
+from tests.conftest import tiny_overrides
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 1000])
+def test_integer_round_trip_is_within_half_a_step_of_each_block(fmt, numel, gen):
+    x = torch.randn(numel, generator=gen) * torch.logspace(-3, 1, numel)  # blocks of very different scales
+    e = encode(x.reshape(1, -1), fmt, block=64)
+    y = decode(e).reshape(-1)
+    levels = {"int8": 127, "int4": 7}[fmt]
+    for b in range(math.ceil(numel / 64)):
+        sl = slice(64 * b, 64 * (b + 1))
+        step = float(x[sl].abs().max()) / levels
+        assert float((y[sl] - x[sl]).abs().max()) <= step / 2 + 1e-7
+    assert e.nbytes == wire_bytes(numel, fmt, 64)
+    assert e.nbytes <= (1 if fmt == "int8" else 0.5) * numel + 1 + 4 * math.ceil(numel / 64)
+
+
+@pytest.mark.parametrize("fmt,tol", [("float16", 1e-3), ("bfloat16", 8e-3), ("float32", 0.0)])
+def test_float_round_trip(fmt, tol, gen):
+    x = torch.randn(5, 7, generator=gen)
+    e = encode(x, fmt)
+    assert torch.allclose(decode(e), x, rtol=tol, atol=0) and e.nbytes == wire_bytes(35, fmt)
+
+
+def test_int8_with_scales_is_at_most_027_of_float32():
+    assert wire_bytes(64 * 1000, "int8", 64) / (4 * 64 * 1000) <= 0.27
+
+
+def test_a_corrupted_encoding_is_refused_with_a_reason(gen):
+    good = encode(torch.randn(100, generator=gen), "int4")
+    bad = [
+        Encoded("int4", good.shape, good.payload[:-1], good.scales),  # a byte short
+        Encoded("int4", good.shape, good.payload, good.scales[:-1]),  # a scale short
+        Encoded("int4", good.shape, good.payload, good.scales * float("nan")),  # scales not finite
+        Encoded("int4", good.shape, torch.zeros_like(good.payload), good.scales),  # nibbles of -8
+        Encoded("int8", good.shape, good.payload, good.scales),  # another format's payload
+    ]
+    for e in bad:
+        with pytest.raises(EncodingError):
+            decode(e)
+
+
+def test_error_feedback_makes_the_decoded_sum_the_true_sum_up_to_the_last_residual(gen):
+    """sum_t decoded_t = sum_t change_t - r_T exactly (Karimireddy et al.'s identity)."""
+    t = QuantizedUpload("int4", error_feedback=True, block=16)
+    state: dict = {}
+    true, got = torch.zeros(40), torch.zeros(40)
+    for _ in range(30):
+        change = torch.randn(40, generator=gen) * 0.1
+        true += change
+        got += t._travel("A.m", change, state)
+    assert torch.allclose(got, true - state["comm.ef.A.m"], atol=1e-5)
+    assert float(state["comm.ef.A.m"].abs().max()) < 0.1  # the residual stays bounded
+    plain = QuantizedUpload("int4", error_feedback=False, block=16)
+    assert plain._travel("A.m", torch.ones(3), {}) is not None
+
+
+def _run(tmp_path, name, *extra):
+    from fedllm.config import load_config
+    from fedllm.simulation import Simulation
+
+    cfg = load_config(None, tiny_overrides(tmp_path / name, *extra))
+    sim = Simulation(cfg, tmp_path / name)
+    sim.setup()
+    sim.run()
+    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_int8_run_uploads_at_most_027_of_float32_bytes_and_still_learns(tmp_path, builtin_base):
+    base = _run(tmp_path, "f32")
+    q = _run(tmp_path, "int8", "comm.upload=int8")
+    assert sum(r.get("up_params", 0) for r in q) == sum(
+        r.get("up_params", 0) for r in base
+    )  # the same values travel
+    assert 0 < sum(r.get("up_bytes", 0) for r in q) <= 0.27 * sum(r.get("up_bytes", 0) for r in base)
+    assert math.isfinite(q[-1]["eval_loss"]) and q[-1]["eval_loss"] < q[0]["eval_loss"] * 1.5
+    state = list((tmp_path / "int8" / "clients").rglob("*.safetensors"))
+    assert state  # each client keeps its residual
+
+
+def test_florist_never_downloads_more_than_its_budget(tmp_path, builtin_base):
+    free = _run(
+        tmp_path, "free", "aggregation.name=florist", "federation.rounds=3", "lora.trainable_modules=[]"
+    )
+    top = max(r.get("down_bytes_max", 0) for r in free)
+    assert top > 0
+    budget_mb = top / 2 / 1e6
+    rows = _run(
+        tmp_path,
+        "budget",
+        "aggregation.name=florist",
+        "federation.rounds=3",
+        "lora.trainable_modules=[]",
+        f"aggregation.florist.download_budget_mb={budget_mb}",
+    )
+    assert all(r.get("down_bytes_max", 0) <= budget_mb * 1e6 for r in rows)
+    assert any(r.get("down_bytes_max", 0) > 0 for r in rows[2:])  # still something to merge
+
+
+def test_budget_ranks_take_the_largest_share_that_fits():
+    from fedllm.aggregation.florist import FLoRIST
+
+    s = {"a": (torch.tensor([3.0, 2.0, 1.0]), 10), "b": (torch.tensor([1.0, 1.0]), 20)}
+    algo = FLoRIST(tau=1.0, download_budget_mb=4 * (2 * 10 + 1 * 20) / 1e6)
+    ranks, share = algo.budget_ranks(s)
+    assert sum(4 * p * s[k][1] for k, p in ranks.items()) <= algo.budget_mb * 1e6
+    assert ranks == {"a": 1, "b": 1} and share == 0.5  # one share for all: b needs 0.5, a then 1
+    assert FLoRIST(tau=1.0, download_budget_mb=1e-9).budget_ranks(s)[0] == {"a": 0, "b": 0}
