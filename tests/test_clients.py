@@ -336,9 +336,9 @@ def test_perfedavg_gradients_average_the_accumulated_micro_batches():
     assert_close(model.theta.detach(), theta0 - 0.1 * outer, rtol=1e-7, atol=1e-8)
 
 
-def test_sgd_steps_take_client_sgd_lr_and_personalization_too():
-    """client.lr is AdamW's; every plain-SGD step (SCAFFOLD, sft with sgd, personalization) takes
-    client.sgd_lr.
+def test_sgd_steps_take_client_sgd_lr_and_personalization_its_own():
+    """client.lr is AdamW's; every plain-SGD local step (SCAFFOLD, sft with sgd) takes client.sgd_lr; the
+    personalization step takes client.personalize_lr (not sgd_lr: see docs/testbed.md).
     """
     X, y = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64)
     for algo in (Scaffold(), SFT(optimizer="sgd")):
@@ -357,8 +357,9 @@ def test_sgd_steps_take_client_sgd_lr_and_personalization_too():
         algo.train(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), p, None, {})
         assert_close(model.theta.detach(), 0.5 * torch.tensor([0.5, 1.0], dtype=torch.float64))  # -0.5 * grad
     model = LeastSquares(2)
+    p.personalize_lr = 0.25
     SFT().personalize(model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), 1, p, None)
-    assert_close(model.theta.detach(), 0.5 * torch.tensor([0.5, 1.0], dtype=torch.float64))
+    assert_close(model.theta.detach(), 0.25 * torch.tensor([0.5, 1.0], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
