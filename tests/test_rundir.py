@@ -152,7 +152,11 @@ time.sleep(3)
 """
 
 
-@pytest.mark.parametrize("stale", [False, False, True], ids=["fresh", "fresh-again", "stale"])
+@pytest.mark.parametrize(
+    "stale",
+    [False, pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
+    ids=["fresh", "fresh-again", "stale"],
+)
 def test_processes_starting_at_the_same_instant_hold_the_lock_once(tmp_path, stale):
     """Many processes take the lock at the same instant (with or without a stale lock left by a dead process):
     exactly one holds it, every other is refused."""

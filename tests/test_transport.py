@@ -79,6 +79,7 @@ def _run(tmp_path, name, *extra):
     return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_an_int8_run_uploads_at_most_027_of_float32_bytes_and_still_learns(tmp_path, builtin_base):
     base = _run(tmp_path, "f32")
     q = _run(tmp_path, "int8", "comm.upload=int8")
@@ -91,6 +92,7 @@ def test_an_int8_run_uploads_at_most_027_of_float32_bytes_and_still_learns(tmp_p
     assert state  # each client keeps its residual
 
 
+@pytest.mark.slow
 def test_florist_never_downloads_more_than_its_budget(tmp_path, builtin_base):
     free = _run(
         tmp_path, "free", "aggregation.name=florist", "federation.rounds=3", "lora.trainable_modules=[]"
