@@ -92,12 +92,8 @@ class Simulation(RoundLoop):
             group = mine[start : start + together]
             for k in group:
                 self.store.load(self.clients[k])
-            if len(group) == 1:
-                got = [self.runtime._train_or_error(self.clients[group[0]], plan.starts[group[0]])]
-            else:
-                got = self.runtime.train_many(
-                    [self.clients[k] for k in group], [plan.starts[k] for k in group]
-                )
+            # one client alone, or several in one forward when they can be (client/batched.py)
+            got = self.runtime.train_many([self.clients[k] for k in group], [plan.starts[k] for k in group])
             for k, g in zip(group, got, strict=True):
                 if isinstance(g, Exception):  # a faulty client must not take the round down
                     log.warning("round %d: client %d left out: %s", plan.round, k, g)
