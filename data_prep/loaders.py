@@ -9,6 +9,20 @@ wizard     instruction, output                        (WizardLMTeam/WizardLM_evo
 fedllm     instruction, input, response, category     (this project's own schema)
 =========  ==========================================================
 
+FlowerTune's four leaderboard datasets all have the fields instruction, input,
+output, so their layout cannot be told from the fields; each is mapped the way
+FlowerTune's templates map it (``reformat`` in ``examples/flowertune-llm-*``),
+chosen by ``data.format`` or by the dataset's Hub id:
+
+========================  ========================================  ===================================
+format                    dataset                                   instruction the model sees
+========================  ========================================  ===================================
+flowertune-general-nlp    flwrlabs/alpaca-gpt4                      instruction (input is dropped)
+flowertune-finance        flwrlabs/fingpt-sentiment-train           instruction + " " + input
+flowertune-medical        flwrlabs/medical-meadow-medical-flashcards  input (instruction is dropped)
+flowertune-code           flwrlabs/code-alpaca-20k                  instruction + " " + input
+========================  ========================================  ===================================
+
 ``format="auto"`` picks the layout from the fields of the first record. Every
 record is checked: a missing or empty required field is reported with the
 file, the line (jsonl) or row (json, parquet) and the field name.
@@ -31,6 +45,14 @@ HUB_IDS = {
     "alpaca": "tatsu-lab/alpaca",
     "wizard": "WizardLMTeam/WizardLM_evol_instruct_70k",
 }
+# FlowerTune's leaderboard datasets: the layout each Hub id is read with (see the module docstring)
+FLOWERTUNE_FORMATS = {
+    "flwrlabs/alpaca-gpt4": "flowertune-general-nlp",
+    "flwrlabs/fingpt-sentiment-train": "flowertune-finance",
+    "flwrlabs/medical-meadow-medical-flashcards": "flowertune-medical",
+    "flwrlabs/code-alpaca-20k": "flowertune-code",
+}
+FORMATS = ("auto", "dolly", "alpaca", "wizard", "fedllm", *FLOWERTUNE_FORMATS.values())
 # format -> (instruction, input, response, category); None: absent from the layout
 LAYOUTS: dict[str, tuple[str, str | None, str, str | None]] = {
     "dolly": ("instruction", "context", "response", "category"),
@@ -65,10 +87,40 @@ def _encodable(text: str) -> bool:
     return True
 
 
+def _flowertune_example(record: dict, fmt: str, where: str) -> Example:
+    """A FlowerTune record as its template reads it: the texts are kept exactly (no stripping), since the
+    template's prompt is built from them as they are."""
+    needed = ("instruction", "input", "output")
+    for f in needed:
+        if f not in record:
+            raise DataError(
+                f"{where}: missing required field '{f}' ({fmt} format: instruction, input, output)"
+            )
+        if not isinstance(record[f], str):
+            raise DataError(f"{where}: field '{f}' must be a string, got {type(record[f]).__name__}")
+        if not _encodable(record[f]):
+            raise DataError(f"{where}: field '{f}' holds text that is not valid Unicode")
+    if fmt == "flowertune-medical":
+        instruction = record["input"]
+    elif fmt in ("flowertune-finance", "flowertune-code"):
+        instruction = record["instruction"] + " " + record["input"]
+    else:
+        instruction = record["instruction"]
+    for name, value in (
+        ("instruction" if fmt != "flowertune-medical" else "input", instruction),
+        ("output", record["output"]),
+    ):
+        if not value.strip():
+            raise DataError(f"{where}: field '{name}' must be a non-empty string ({fmt} format)")
+    return Example(instruction, "", record["output"], None)
+
+
 def to_example(record: dict, fmt: str, where: str) -> Example:
     """Map one record to the schema; ``where`` is 'file, line N' for messages."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if fmt.startswith("flowertune-"):
+        return _flowertune_example(record, fmt, where)
     inst_f, input_f, resp_f, cat_f = LAYOUTS[fmt]
     for f in (inst_f, resp_f):
         value = record.get(f)
@@ -176,6 +228,8 @@ def load_examples(
         records = _records_from_hub(HUB_IDS.get(dataset, dataset))
         if fmt == "auto" and dataset in HUB_IDS:
             fmt = dataset
+        if fmt == "auto" and dataset in FLOWERTUNE_FORMATS:
+            fmt = FLOWERTUNE_FORMATS[dataset]
     auto = fmt == "auto"
     out = []
     for rec, where in records:

@@ -69,6 +69,20 @@ def iid(n: int, num_clients: int, seed: int, min_size: int = 1) -> list[list[int
     return [sorted(idx[k::num_clients]) for k in range(num_clients)]
 
 
+def contiguous(n: int, num_clients: int, min_size: int = 1) -> list[list[int]]:
+    """Consecutive equal shards of the data in its order, as flwr-datasets' ``IidPartitioner`` cuts them
+    (``datasets.Dataset.shard(num_clients, k, contiguous=True)``: the first ``n % num_clients`` clients
+    get one example more). FlowerTune's leaderboard fixes this partition; "IID" there means the dataset's
+    own order is already mixed."""
+    _check_feasible(n, num_clients, min_size)
+    div, mod = divmod(n, num_clients)
+    out = []
+    for k in range(num_clients):
+        start = div * k + min(k, mod)
+        out.append(list(range(start, start + div + (1 if k < mod else 0))))
+    return out
+
+
 def dirichlet(
     categories: list[str], num_clients: int, alpha: float, seed: int, min_size: int = 1
 ) -> list[list[int]]:
@@ -117,12 +131,14 @@ def partition(
     """Dispatch on ``data.partition``."""
     if method == "iid":
         return iid(len(examples), num_clients, seed, min_size)
+    if method == "contiguous":
+        return contiguous(len(examples), num_clients, min_size)
     cats = categories_of(examples)
     if method == "dirichlet":
         return dirichlet(cats, num_clients, alpha, seed, min_size)
     if method == "shards":
         return shards(cats, num_clients, shards_per_client, seed, min_size)
-    raise DataError(f"data.partition = {method!r} is unknown; valid: iid, dirichlet, shards")
+    raise DataError(f"data.partition = {method!r} is unknown; valid: iid, dirichlet, shards, contiguous")
 
 
 def client_stats(examples: list[Example], parts: list[list[int]]) -> list[dict]:

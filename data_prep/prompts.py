@@ -31,7 +31,17 @@ TEMPLATES: dict[str, tuple[str, str]] = {
     # an MMLU-format instruction ending in "Answer:" is then scored exactly
     # as the MMLU evaluation scores it (" A".." D" after "Answer:").
     "plain": ("{instruction}\n{input} ", "{instruction} "),
+    # FlowerTune's templates (``formatting_prompts_func`` in examples/flowertune-llm-*): Alpaca's header
+    # without the blank lines, the response after "### Response: " on the same line; the loaded record's
+    # instruction already holds what the template puts there (data_prep.loaders), texts kept as they are.
+    "flowertune": (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the "
+        "request.\n### Instruction:\n{instruction}\n### Response: ",
+        "Below is an instruction that describes a task. Write a response that appropriately completes the "
+        "request.\n### Instruction:\n{instruction}\n### Response: ",
+    ),
 }
+VERBATIM = {"flowertune"}  # templates whose texts go in unstripped, as their reference builds them
 
 
 def build_prompt(example: Example, template: str) -> str:
@@ -40,7 +50,14 @@ def build_prompt(example: Example, template: str) -> str:
         raise ValueError(f"unknown prompt template {template!r}; valid: {sorted(TEMPLATES)}")
     with_input, without_input = TEMPLATES[template]
     fmt = with_input if example.input.strip() else without_input
+    if template in VERBATIM:
+        return fmt.format(instruction=example.instruction, input=example.input)
     return fmt.format(instruction=example.instruction.strip(), input=example.input.strip())
+
+
+def response_text(example: Example, template: str) -> str:
+    """The response as it follows the prompt in training."""
+    return example.response if template in VERBATIM else example.response.strip()
 
 
 @dataclass
@@ -59,7 +76,7 @@ def tokenize_batch(
     nothing but padding to a batch.
     """
     prompts = [build_prompt(e, template) for e in examples]
-    fulls = [p + e.response.strip() for p, e in zip(prompts, examples, strict=True)]
+    fulls = [p + response_text(e, template) for p, e in zip(prompts, examples, strict=True)]
     prompt_ids = tokenizer(prompts)["input_ids"] if prompts else []
     full_ids = tokenizer(fulls)["input_ids"] if fulls else []
     eos = tokenizer.eos_token_id

@@ -336,6 +336,12 @@ def write_results(path: Path, result: dict, records: list[Record], meta: dict) -
         "shots_used": dict(sorted(Counter(r.shots for r in records).items())),
         "questions_cut": sum(1 for r in records if r.tokens_cut),
     }
+    atomic_write_json(path, payload)
+
+
+def atomic_write_json(path: Path, payload: dict) -> None:
+    """``payload`` as JSON at ``path``, written to a temporary file renamed into place (a crash never leaves
+    half a file), with the permissions the umask gives."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

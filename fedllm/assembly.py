@@ -188,6 +188,7 @@ def build_runtime(
         lora_cfg=cfg.lora,
         client_cfg=cfg.client,
         seed=cfg.federation.seed,
+        rounds=cfg.federation.rounds,
         layout=layout,
         accelerator=accelerator,
         hook=strategy.client_hook(),

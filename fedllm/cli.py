@@ -149,6 +149,14 @@ def print_summary(s: dict) -> None:
         f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
         f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)"
     )
+    if s.get("comm_budget_mib"):
+        from fedllm.server.ledger import MIB
+
+        used = (c["total_up_bytes"] + c["total_down_bytes"]) / MIB
+        print(
+            f"communication MiB  {used:,.2f} MiB up + down (FlowerTune's 'MB', 2^20 bytes) of the "
+            f"{s['comm_budget_mib']:,.0f} MiB budget{': EXCEEDED' if used > s['comm_budget_mib'] else ''}"
+        )
     print(f"failed client calls {s['failed_client_calls']}, skipped rounds {s['skipped_rounds']}")
     for line in s.get("guarantees", []):  # what a feature guarantees
         print(f"guarantee          {line}")
@@ -166,13 +174,48 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from eval.mmlu import load_benchmark, run_job
     from fedllm.run.artifacts import load_for_eval
 
+    if args.protocol != "harness-mmlu":
+        return eval_flowertune(args)
     # bad data fails before the model loads
     bench = load_benchmark(args.data, args.shots, args.subjects, args.limit, args.overflow)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model, tokenizer = load_for_eval(
-        args.model, args.adapter, args.run, args.round, args.client, args.dtype, accelerator.device
+        args.model,
+        args.adapter,
+        args.run,
+        args.round,
+        args.client,
+        args.dtype,
+        accelerator.device,
+        quantization=args.quantization,
     )
     run_job(args, bench, model, tokenizer, accelerator)
+    return 0
+
+
+def eval_flowertune(args: argparse.Namespace) -> int:
+    """``fedllm eval --protocol flowertune-*``: FlowerTune's generative evaluations (eval/flowertune.py)."""
+    import torch
+
+    from eval import flowertune
+    from fedllm.run.artifacts import load_for_eval
+
+    names = flowertune.benchmarks_of(args.protocol, args.benchmarks.split(",") if args.benchmarks else None)
+    data = None if args.data in ("builtin", "hub") else args.data  # the Hub ids unless a local copy is given
+    items = flowertune.load_items(args.protocol, data, names, args.limit)  # bad data fails before the model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_for_eval(
+        args.model,
+        args.adapter,
+        args.run,
+        args.round,
+        args.client,
+        args.dtype,
+        device,
+        quantization=args.quantization,
+        quant_type="fp4",  # the leaderboard's BitsAndBytesConfig(load_in_4bit=True)
+    )
+    flowertune.run_job(args, items, model, tokenizer)
     return 0
 
 
@@ -290,10 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=cmd_run)
 
-    e = sub.add_parser("eval", help="MMLU evaluation of a model, adapter or run")
+    e = sub.add_parser(
+        "eval", help="MMLU (or FlowerTune's generative protocols) evaluation of a model, adapter or run"
+    )
     from eval.mmlu import add_arguments
 
     add_arguments(e, with_runs=True)
+    from eval.flowertune import add_arguments as add_protocol_arguments
+
+    add_protocol_arguments(e)
     e.set_defaults(func=cmd_eval)
 
     from fedllm.features import FEATURES

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.loaders import load_examples
+from data_prep.loaders import FLOWERTUNE_FORMATS, load_examples
 from data_prep.partition import client_stats, partition
 from data_prep.schema import Example
 from data_prep.tokenized import TokenRows, tokenize_cached
@@ -37,7 +37,11 @@ def load_partitions(cfg) -> Partitions:
     random.Random(derive_seed(seed, 3)).shuffle(order)
     n_eval = min(d.eval_size, len(examples) // 5)
     eval_examples = [examples[i] for i in order[:n_eval]]
-    pool = [examples[i] for i in order[n_eval:]]
+    if d.partition == "contiguous":  # the rest in file order: the shards are the dataset's own
+        held = set(order[:n_eval])
+        pool = [e for i, e in enumerate(examples) if i not in held]
+    else:
+        pool = [examples[i] for i in order[n_eval:]]
     parts = partition(
         pool,
         d.partition,
@@ -68,7 +72,11 @@ def prompt_template(cfg) -> str:
     return (
         cfg.data.template
         if cfg.data.template != "auto"
-        else ("plain" if cfg.data.dataset in ("builtin", "testbed") else "alpaca")
+        else "plain"
+        if cfg.data.dataset in ("builtin", "testbed")
+        else "flowertune"
+        if cfg.data.format.startswith("flowertune-") or cfg.data.dataset in FLOWERTUNE_FORMATS
+        else "alpaca"
     )
 
 

@@ -34,6 +34,7 @@ from fedllm.protocol import derive_seed
 from fedllm.run.export import save_global_adapter
 from fedllm.run.folder import RunWriter
 from fedllm.server import RoundPlan, RoundReport, Server
+from fedllm.server.ledger import FLOWERTUNE_BUDGET_MIB, MIB
 
 log = logging.getLogger(__name__)
 
@@ -271,10 +272,32 @@ class RoundLoop(abc.ABC):
                     f", {k} {v:.3g}" for k, v in done.report.reported.items() if isinstance(v, int | float)
                 ),
             )
+            if cfg.output.comm_budget_mib:
+                self.budget_line(row)
         summary = self.finish()
         if cfg.output.log_with:
             self.acc.end_training()
         return summary
+
+    def budget_line(self, row: dict) -> None:
+        """The round's communication against ``output.comm_budget_mib``, counted as FlowerTune's strategy
+        counts it (every array sent down and up, in 2^20-byte 'MB'), and its warning once over."""
+        budget, c = self.cfg.output.comm_budget_mib, row["cumulative"]
+        used = (c["total_up_bytes"] + c["total_down_bytes"]) / MIB
+        this = (row["up_bytes"] + row["down_bytes"]) / MIB
+        log.info(
+            "communication budget: used %.2f MiB (+%.2f MiB this round) / %s MiB",
+            used,
+            this,
+            f"{budget:,.0f}",
+        )
+        if used > budget:
+            log.warning(
+                "the run's communication (%.2f MiB) has exceeded output.comm_budget_mib = %s MiB%s",
+                used,
+                f"{budget:,.0f}",
+                " (the FlowerTune leaderboard's limit)" if budget == FLOWERTUNE_BUDGET_MIB else "",
+            )
 
     def finish(self) -> dict:
         cfg, rt, layout, strategy = self.cfg, self.runtime, self.layout, self.strategy
@@ -290,6 +313,7 @@ class RoundLoop(abc.ABC):
             "benchmark": self.benchmark.source if self.benchmark is not None else None,
             "mixed_precision": str(self.acc.mixed_precision),
             "communication": self.server.ledger.totals(),
+            "comm_budget_mib": cfg.output.comm_budget_mib,
             "global_adapter": str(self.run_dir / "global_adapter") if self.server.updated_rounds else None,
         }
         if cfg.eval.personalized:

@@ -117,6 +117,15 @@ class TrainingJob:
     batches: Iterator[dict[str, Tensor]]
 
 
+def round_lr(lr: float, lr_min: float, schedule: str, round_idx: int, rounds: int) -> float:
+    """The AdamW learning rate of round ``round_idx``: ``client.lr`` every round (constant), or annealed
+    over the rounds from ``client.lr`` towards ``client.lr_min`` as FlowerTune's templates do
+    (``cosine_annealing``: lr_min + (lr - lr_min) (1 + cos(pi r / R)) / 2, so round R trains at lr_min)."""
+    if schedule == "constant":
+        return lr
+    return lr_min + 0.5 * (lr - lr_min) * (1 + math.cos(math.pi * round_idx / max(rounds, 1)))
+
+
 class ClientRuntime:
     """See module docstring. ``ranks`` are the adapter ranks its clients train (one peft adapter per rank)."""
 
@@ -136,8 +145,10 @@ class ClientRuntime:
         client_timeout_s: float = 0.0,
         progress: bool = False,
         transforms: list[UploadTransform] | None = None,
+        rounds: int = 1,
     ) -> None:
         self.tokenizer, self.lora_cfg, self.client_cfg = tokenizer, lora_cfg, client_cfg
+        self.rounds = rounds  # federation.rounds: the span of client.round_schedule
         self.seed, self.layout, self.acc = seed, layout, accelerator
         self.hook = hook or ClientHook()
         self.client_timeout_s, self.progress = client_timeout_s, progress
@@ -231,7 +242,7 @@ class ClientRuntime:
             client_id=client.client_id,
             steps=self.local_steps(client),
             seed=derive_seed(self.seed, round_idx, client.client_id, 11),
-            lr=c.lr,
+            lr=round_lr(c.lr, c.lr_min, c.round_schedule, round_idx, self.rounds),
             sgd_lr=c.sgd_lr,
             personalize_lr=c.personalize_lr,
             batch_size=c.batch_size,

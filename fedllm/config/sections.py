@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from data_prep.loaders import FORMATS
 from fedllm.options import fraction as _fraction
 from fedllm.options import nonneg as _nonneg
 from fedllm.options import opt
@@ -32,6 +33,13 @@ class ModelConfig:
         "bitsandbytes quantization of the frozen base",
         lambda x: x in ("none", "4bit", "8bit"),
         "one of none, 4bit, 8bit",
+    )
+    quant_type: str = opt(
+        "nf4",
+        "4-bit format: nf4 with double quantization (QLoRA's), or fp4 without (bitsandbytes' default, what "
+        "FlowerTune's BitsAndBytesConfig(load_in_4bit=True) loads)",
+        lambda x: x in ("nf4", "fp4"),
+        "one of nf4, fp4",
     )
     quant_compute_dtype: str = opt(
         "auto",
@@ -84,14 +92,15 @@ class DataConfig:
     format: str = opt(
         "auto",
         "field layout of the dataset",
-        lambda x: x in ("auto", "dolly", "alpaca", "wizard", "fedllm"),
-        "one of auto, dolly, alpaca, wizard, fedllm",
+        lambda x: x in FORMATS,
+        "one of " + ", ".join(FORMATS),
     )
     template: str = opt(
         "auto",
-        "prompt template (auto: plain for the built-in data, alpaca otherwise)",
-        lambda x: x in ("auto", "alpaca", "plain"),
-        "one of auto, alpaca, plain",
+        "prompt template (auto: plain for the built-in data, flowertune for FlowerTune's formats, alpaca "
+        "otherwise)",
+        lambda x: x in ("auto", "alpaca", "plain", "flowertune"),
+        "one of auto, alpaca, plain, flowertune",
     )
     max_seq_len: int = opt(
         0,
@@ -109,9 +118,10 @@ class DataConfig:
     )
     partition: str = opt(
         "dirichlet",
-        "how examples are split over clients",
-        lambda x: x in ("iid", "dirichlet", "shards"),
-        "one of iid, dirichlet, shards",
+        "how examples are split over clients (contiguous: the dataset in its file order cut into equal "
+        "consecutive shards, flwr-datasets' IidPartitioner, as FlowerTune's leaderboard fixes it)",
+        lambda x: x in ("iid", "dirichlet", "shards", "contiguous"),
+        "one of iid, dirichlet, shards, contiguous",
     )
     dirichlet_alpha: float = opt(
         0.5, "Dirichlet concentration over categories (smaller: more skew)", _positive, "> 0"
@@ -236,6 +246,16 @@ class ClientSection:
     local_steps: int = opt(150, "optimizer steps per round (0: use local_epochs)", _nonneg, ">= 0")
     local_steps_per_client: list[int] = opt([], "per-client local steps, cycled (system heterogeneity)")
     local_epochs: float = opt(1.0, "epochs per round when local_steps = 0", _positive, "> 0")
+    round_schedule: str = opt(
+        "constant",
+        "learning rate across rounds: constant (client.lr every round) or cosine (annealed from client.lr "
+        "to client.lr_min over federation.rounds, as FlowerTune's templates do)",
+        lambda x: x in ("constant", "cosine"),
+        "one of constant, cosine",
+    )
+    lr_min: float = opt(
+        0.0, "with round_schedule=cosine: the learning rate of the last round", _nonneg, ">= 0"
+    )
     scheduler: str = opt(
         "cosine",
         "learning-rate schedule within a round",
@@ -336,6 +356,13 @@ class OutputConfig:
         2,
         "checkpoints kept (the newest; 0: all). Each is a resume point and can be "
         "exported with fedllm export --round N; two let a damaged newest one fall back",
+        _nonneg,
+        ">= 0",
+    )
+    comm_budget_mib: float = opt(
+        0.0,
+        "log the run's communication (up + down) each round in MiB (2^20 bytes: FlowerTune's 'MB') against "
+        "this budget and warn once it is exceeded (FlowerTune's leaderboard: 200000; 0: off)",
         _nonneg,
         ">= 0",
     )

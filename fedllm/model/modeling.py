@@ -79,8 +79,8 @@ def compute_dtype(name: str) -> torch.dtype:
     return torch.float32
 
 
-def quantization_config(mode: str, compute_dtype: torch.dtype):
-    """bitsandbytes config: NF4 with double quantization for 4bit, LLM.int8 for 8bit.
+def quantization_config(mode: str, compute_dtype: torch.dtype, quant_type: str = "nf4"):
+    """bitsandbytes config: NF4 with double quantization (or FP4 without) for 4bit, LLM.int8 for 8bit.
 
     Fails before any weight is read when bitsandbytes is missing.
     """
@@ -95,8 +95,8 @@ def quantization_config(mode: str, compute_dtype: torch.dtype):
     if mode == "4bit":
         return BitsAndBytesConfig(
             load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
+            bnb_4bit_quant_type=quant_type,
+            bnb_4bit_use_double_quant=quant_type == "nf4",
             bnb_4bit_compute_dtype=compute_dtype,
         )
     return BitsAndBytesConfig(load_in_8bit=True)
@@ -109,7 +109,9 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
     check_model_reference(model_cfg.name)
     path = resolve_model_path(model_cfg.name, model_cfg.builtin_pretrain_steps)
     dtype = DTYPES[model_cfg.dtype]
-    qconfig = quantization_config(model_cfg.quantization, compute_dtype(model_cfg.quant_compute_dtype))
+    qconfig = quantization_config(
+        model_cfg.quantization, compute_dtype(model_cfg.quant_compute_dtype), model_cfg.quant_type
+    )
     kwargs = {"dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
     if qconfig is not None:
         # bitsandbytes logs one line per 8-bit matmul on float32 inputs (it casts them to float16)

@@ -69,8 +69,13 @@ def load_for_eval(
     client: int | None,
     dtype: str,
     device,
+    quantization: str = "none",
+    quant_type: str = "nf4",
 ):
     """A model for ``fedllm eval``: base, base + adapter, merged folder, or a run's global model.
+
+    ``quantization`` (none, 4bit, 8bit) loads the base through bitsandbytes; with a run, its own
+    quantization unless one is given.
 
     With ``run`` the base is the run's own (``model.name`` in its config.yaml);
     a different ``model`` is refused, since the run's adapter means nothing on
@@ -95,6 +100,8 @@ def load_for_eval(
                 "config.yaml): leave --model out to evaluate the run on its own base"
             )
         adapter_, dense, biases = run_model(folder, round_idx, client)
+        if quantization != "none":
+            cfg.model.quantization, cfg.model.quant_type = quantization, quant_type
         base, tokenizer = run_base(cfg, dtype, device)
         with tempfile.TemporaryDirectory(prefix="fedllm-eval-") as tmp:
             write_peft_adapter(
@@ -110,7 +117,16 @@ def load_for_eval(
         return base.eval(), tokenizer
     if adapter is not None and not (Path(adapter) / "adapter_config.json").exists():
         raise ExportError(f"--adapter {adapter}: no adapter_config.json there")
-    base, tokenizer = load_base(ModelConfig(name=model or "builtin", dtype=dtype), device)
+    base, tokenizer = load_base(
+        ModelConfig(
+            name=model or "builtin",
+            dtype=dtype,
+            quantization=quantization,
+            quant_type=quant_type,
+            quant_compute_dtype="float32" if quant_type == "fp4" else "auto",
+        ),
+        device,
+    )
     if adapter is not None:
         base = PeftModel.from_pretrained(base, adapter).to(device).eval()
     return base, tokenizer

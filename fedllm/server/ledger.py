@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+MIB = 2**20  # FlowerTune's strategy counts its "MB" as bytes / 1024**2
+FLOWERTUNE_BUDGET_MIB = 200_000  # the leaderboard's communication limit, in those units
+
 
 @dataclass
 class Ledger:
