@@ -144,3 +144,41 @@ def add_to_residual(residual: Adapter, merged: Adapter) -> Adapter:
     """
     grown = concat(residual, merged)
     return {k: smallest_exact(f) if k in merged else f for k, f in grown.items()}
+
+
+def ranks_under_budget(
+    spectra: dict[str, tuple[Tensor, int]], budget_bytes: float, tau: float = 1.0, cap: int | None = None
+) -> tuple[dict[str, int], float]:
+    """Each module's rank under a download budget, and the energy share chosen.
+
+    One share for all modules, the largest up to ``tau`` whose broadcast (``4 p_m (out_m + in_m)`` bytes,
+    float32, summed over modules) fits: lowering one energy threshold keeps the same fraction of every
+    module's update energy, so no module is starved for another's sake. ``cap`` bounds each module's rank
+    (a client's own rank). A budget below one component per module gives every module rank 0 (the budget
+    is never exceeded). ``spectra``: ``{module: (singular values, out + in)}``.
+    """
+    shares = {}
+    for key, (s, _) in spectra.items():
+        e = s.double() ** 2
+        c = (e.cumsum(0) / e.sum().clamp_min(1e-300)).tolist()
+        shares[key] = c[:cap] if cap is not None else c
+
+    def ranks(t: float) -> dict[str, int]:
+        return {
+            k: (0 if t <= 0 or not c else next((i + 1 for i, f in enumerate(c) if f >= t - 1e-12), len(c)))
+            for k, c in shares.items()
+        }
+
+    def cost(r: dict[str, int]) -> float:
+        return sum(4 * p * spectra[k][1] for k, p in r.items())
+
+    for t in sorted({tau, *(f for c in shares.values() for f in c if f <= tau)}, reverse=True):
+        if cost(ranks(t)) <= budget_bytes:
+            return ranks(t), t
+    return ranks(0.0), 0.0
+
+
+def singular_values(f: LoraFactors) -> Tensor:
+    """The singular values of ``scale * B @ A`` for factors in SVD form (orthogonal columns of B, rows of
+    A, as FlexLoRA keeps its global update), whichever way the singular values are split between them."""
+    return f.B.norm(dim=0) * f.A.norm(dim=1) * abs(f.scale)

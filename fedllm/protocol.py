@@ -18,7 +18,7 @@ client runtime).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -117,6 +117,9 @@ class ClientUpdate:
     metrics: dict[str, float] = field(default_factory=dict)
     round: int | None = None  # the round and plan it answers (the server refuses another round's)
     plan: str = ""
+    # how the tensors travel when a transport encodes them (fedllm/transport/wire.py): the encoded changes
+    # by tensor name; empty when they travel as they are. Not part of what the server compares or stores.
+    wire: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def numel(self) -> int:
         return adapter_numel(self.factors) + _numel(self.dense) + _numel(self.extras)
@@ -171,6 +174,26 @@ class AlgorithmServer:
 
 
 # ---- a strategy's client side ------------------------------------------------------------------------------
+
+
+def fit_download(download: Adapter | None, fresh: Adapter) -> Adapter | None:
+    """A download of lower rank than the client's adapter (a download budget), zero-padded to its rank: the
+    padded directions are then revived like any empty one. As it is otherwise."""
+    if not download:
+        return download
+    out = {}
+    for k, f in download.items():
+        r = fresh[k].rank if k in fresh else f.rank
+        out[k] = (
+            f
+            if f.rank >= r
+            else LoraFactors(
+                torch.cat([f.A, f.A.new_zeros(r - f.rank, f.A.shape[1])]),
+                torch.cat([f.B, f.B.new_zeros(f.B.shape[0], r - f.rank)], dim=1),
+                f.scale,
+            )
+        )
+    return out
 
 
 def revive_empty_directions(start: Adapter, fresh: Adapter) -> Adapter:

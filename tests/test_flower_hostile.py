@@ -314,3 +314,126 @@ def test_what_leaves_a_site_is_what_the_docs_list_and_sites_get_no_operator_path
     for text in filter(None, configs):
         cfg = config_from_text(text)
         assert cfg.output.dir == "" and cfg.flower.registry == ""
+
+
+def _tensors(content) -> dict[str, torch.Tensor]:
+    return dict(content["tensors"].to_torch_state_dict())
+
+
+def _with_tensors(content, tensors) -> RecordDict:
+    return RecordDict({"tensors": ArrayRecord(torch_state_dict=tensors), "meta": content["meta"]})
+
+
+@pytest.mark.slow
+def test_int8_uploads_travel_encoded_and_give_the_simulations_result(grid_driver, tmp_path):
+    """A site's reply carries the int8 payloads and float32 scales of its changes, no float32 copy of them,
+    and the server's rebuild of them gives the run the in-process simulation gives (same transport)."""
+    from fedllm.simulation import Simulation
+    from tests.conftest import assert_close_updates
+
+    extra = ("comm.upload=int8", "eval.personalized=false")
+    driver, grid = grid_driver(3, 2, False, *extra)
+    replies = []
+
+    def keep(node, kind, message, content):
+        if kind == "train":
+            replies.append(content)
+        return content
+
+    grid.tamper = keep
+    driver.setup()
+    driver.run()
+    t = _tensors(replies[-1])
+    payloads = {k: v for k, v in t.items() if k.endswith(".payload")}
+    assert payloads and all(v.dtype == torch.uint8 for v in payloads.values())
+    assert all(v.dtype == torch.float32 for k, v in t.items() if k.endswith(".scales"))
+    plain = [k for k, v in t.items() if not k.startswith("wire.") and v.numel()]
+    assert not plain, plain  # every non-empty tensor travels encoded
+    shapes = meta_of(replies[-1])["wire"]["shapes"]
+    numel = sum(torch.Size(s).numel() for s in shapes.values())
+    sent = sum(v.numel() * v.element_size() for v in t.values())
+    assert sent <= 0.27 * 4 * numel  # payload plus scales: the ledger's int8 bytes, not float32's
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "sim",
+            "federation.num_clients=3",
+            "federation.rounds=2",
+            "flower.share_token_modules=true",
+            *extra,
+        ),
+    )
+    sim = Simulation(cfg, tmp_path / "sim")
+    sim.setup()
+    sim.run()
+    assert_close_updates(tmp_path / "sim", driver.run_dir, 1e-4)
+
+
+def _corrupt_int8(content):
+    t = _tensors(content)
+    name = next(k for k in t if k.endswith(".payload"))
+    t[name] = t[name].clone()
+    t[name][0] = 0  # -128: outside int8's -127..127
+    return _with_tensors(content, t)
+
+
+def _drop_scales(content):
+    t = _tensors(content)
+    del t[next(k for k in t if k.endswith(".scales"))]
+    return _with_tensors(content, t)
+
+
+def _float32_instead(content):
+    t = {k: v for k, v in _tensors(content).items() if not k.startswith("wire.")}
+    meta = meta_of(content)
+    for name, shape in meta.pop("wire")["shapes"].items():
+        t[name] = torch.zeros(shape)
+    return RecordDict(
+        {"tensors": ArrayRecord(torch_state_dict=t), "meta": ConfigRecord({"json": json.dumps(meta)})}
+    )
+
+
+WIRE_CASES = {
+    "an int8 value outside -127..127": (_corrupt_int8, "malformed"),
+    "a block without its scale": (_drop_scales, "malformed"),
+    "another format than the run's": (
+        lambda c: with_meta(c, wire={**meta_of(c)["wire"], "fmt": "int4"}),
+        "malformed",
+    ),
+    "a shape its payload does not fill": (
+        lambda c: with_meta(
+            c,
+            wire={
+                **meta_of(c)["wire"],
+                "shapes": {k: [s[0] * 2, *s[1:]] for k, s in meta_of(c)["wire"]["shapes"].items()},
+            },
+        ),
+        "malformed",
+    ),
+    "float32 where the run encodes": (_float32_instead, "not encoded as comm.upload = int8"),
+}
+
+
+def test_a_corrupted_encoding_is_that_sites_failure_without_a_traceback(grid_driver, caplog):
+    cases = list(WIRE_CASES.items())
+    driver, grid = grid_driver(
+        3, len(cases), False, "comm.upload=int8", "eval.personalized=false", "eval.every=100"
+    )
+    rounds = [0]
+    run_round = driver.run_round
+
+    def counted(r):
+        rounds[0] = r
+        return run_round(r)
+
+    driver.run_round = counted
+    grid.tamper = lambda node, kind, m, c: (
+        cases[rounds[0] - 1][1][0](c) if node == 101 and kind == "train" else c
+    )
+    driver.setup()
+    driver.run()
+    rows = [json.loads(x) for x in (driver.run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    for (name, (_, reason)), row in zip(cases, rows, strict=True):
+        assert row["n_updates"] == 2 and not row["skipped"], name
+        assert reason in row["failed"]["1"] and "\n" not in row["failed"]["1"], (name, row["failed"])
+    assert "Traceback" not in caplog.text

@@ -249,3 +249,14 @@ def test_a_missing_benchmark_field_names_the_file_and_row(tmp_path):
     (tmp_path / "careqa" / "test.jsonl").write_text(json.dumps({"question": "q", "op1": "a"}) + "\n")
     with pytest.raises(BenchmarkDataError, match=r"test\.jsonl, row 0: missing field 'op2'"):
         ft.load_items("flowertune-medical", str(tmp_path), ["careqa"])
+
+
+def test_the_leaderboards_4bit_base_is_fp4_with_float32_compute(builtin_base):
+    import torch
+
+    from fedllm.run.artifacts import load_for_eval
+
+    model, _ = load_for_eval(str(builtin_base), None, None, None, None, "float32", "cpu", "4bit", "fp4")
+    q = model.config.quantization_config
+    assert q.load_in_4bit and q.bnb_4bit_quant_type == "fp4" and not q.bnb_4bit_use_double_quant
+    assert q.bnb_4bit_compute_dtype == torch.float32

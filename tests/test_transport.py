@@ -61,7 +61,7 @@ def test_error_feedback_makes_the_decoded_sum_the_true_sum_up_to_the_last_residu
     for _ in range(30):
         change = torch.randn(40, generator=gen) * 0.1
         true += change
-        got += t._travel("A.m", change, state)
+        got += t._travel("A.m", change, state)[0]
     assert torch.allclose(got, true - state["comm.ef.A.m"], atol=1e-5)
     assert float(state["comm.ef.A.m"].abs().max()) < 0.1  # the residual stays bounded
     plain = QuantizedUpload("int4", error_feedback=False, block=16)
@@ -106,7 +106,7 @@ def test_florist_never_downloads_more_than_its_budget(tmp_path, builtin_base):
         "aggregation.name=florist",
         "federation.rounds=3",
         "lora.trainable_modules=[]",
-        f"aggregation.florist.download_budget_mb={budget_mb}",
+        f"aggregation.download_budget_mb={budget_mb}",
     )
     assert all(r.get("down_bytes_max", 0) <= budget_mb * 1e6 for r in rows)
     assert any(r.get("down_bytes_max", 0) > 0 for r in rows[2:])  # still something to merge
@@ -121,3 +121,58 @@ def test_budget_ranks_take_the_largest_share_that_fits():
     assert sum(4 * p * s[k][1] for k, p in ranks.items()) <= algo.budget_mb * 1e6
     assert ranks == {"a": 1, "b": 1} and share == 0.5  # one share for all: b needs 0.5, a then 1
     assert FLoRIST(tau=1.0, download_budget_mb=1e-9).budget_ranks(s)[0] == {"a": 0, "b": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fedit", "flexlora"])
+def test_fedit_and_flexlora_never_download_more_than_the_budget(strategy, tmp_path, builtin_base):
+    """Half of what each downloads freely: every round's largest download stays under it, and something
+    is still downloaded (a lower rank, padded and revived on the client, trains as usual)."""
+    common = (f"aggregation.name={strategy}", "federation.rounds=3", "lora.trainable_modules=[]")
+    free = _run(tmp_path, "free", *common)
+    top = max(r.get("down_bytes_max", 0) for r in free)
+    assert top > 0
+    budget_mb = top / 2 / 1e6
+    rows = _run(tmp_path, "budget", *common, f"aggregation.download_budget_mb={budget_mb}")
+    assert all(r.get("down_bytes_max", 0) <= budget_mb * 1e6 for r in rows)
+    assert all(r["down_bytes_max"] > 0 for r in rows[2:])
+    assert math.isfinite(rows[-1]["eval_loss"])
+
+
+def test_flexlora_budget_takes_the_largest_energy_share_of_the_global_svd():
+    from fedllm.aggregation.base import GlobalState
+    from fedllm.aggregation.flexlora import FlexLoRA
+    from fedllm.factors import LoraFactors
+    from fedllm.lowrank import singular_values
+
+    gen = torch.Generator().manual_seed(0)
+    q_b, _ = torch.linalg.qr(torch.randn(12, 4, generator=gen))
+    q_a, _ = torch.linalg.qr(torch.randn(10, 4, generator=gen))
+    s = torch.tensor([4.0, 2.0, 1.0, 0.5])
+    state = GlobalState({"m": LoraFactors(q_a.T.contiguous(), q_b * s, 1.0)}, {})
+    assert torch.allclose(singular_values(state.factors["m"]), s)
+    algo = FlexLoRA()
+    algo.budget_mb = 4 * 2 * (12 + 10) / 1e6  # two components of this module
+    got = algo.client_factors(state, rank=3, scale=0.5, client_id=0)["m"]
+    assert got.rank == 2  # the two largest, not the client's three
+    want = state.factors["m"].B[:, :2] @ state.factors["m"].A[:2]
+    assert torch.allclose(got.scale * got.B @ got.A, want, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["aggregation.name=flora", "aggregation.download_budget_mb=1"], "does not support; use it with"),
+        (["aggregation.name=fedit", "aggregation.download_budget_mb=1"], "lora.trainable_modules = "),
+        (
+            ["aggregation.name=florist", "aggregation.download_budget_mb=1",
+             "aggregation.florist.fixed_rank=2", "lora.trainable_modules=[]"],
+            "both choose the rank",
+        ),
+    ],
+)  # fmt: skip
+def test_a_budget_the_strategy_cannot_keep_is_refused_in_one_line(overrides, message):
+    from fedllm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedllm.factors import Adapter
+from fedllm.factors import Adapter, LoraFactors
 from fedllm.lowrank import fit_rank, weighted_mean
 from fedllm.protocol import ClientHook, ClientUpdate
 
@@ -95,6 +95,9 @@ class Strategy(abc.ABC):
     linear: ClassVar[bool] = False
     robust: str = "none"  # aggregation.robust: none, median or trimmed_mean (set by strategy_from_config)
     trim_fraction: float = 0.1
+    # aggregation.download_budget_mb bounds what each client downloads of the adapter per round
+    supports_download_budget: ClassVar[bool] = False
+    budget_mb: float = 0.0
     hook: ClassVar[type[ClientHook]] = ClientHook  # the client side (plain LoRA unless a strategy says else)
     # its own options (a dataclass of fedllm.options.opt fields), collected as aggregation.<name>.*
     options: ClassVar[type | None] = None
@@ -221,6 +224,11 @@ class Strategy(abc.ABC):
         return {}
 
 
+def module_io(f: LoraFactors) -> int:
+    """``out + in`` of a module's factors: a float32 rank component of it costs 4 (out + in) bytes."""
+    return f.B.shape[0] + f.A.shape[1]
+
+
 def leading_factors(state: GlobalState, rank: int, scale: float) -> Adapter | None:
     """Each client takes the leading ``rank`` components of the global adapter, at its own scale.
 
@@ -236,4 +244,6 @@ def strategy_from_config(agg) -> Strategy:
     """The strategy ``aggregation.name`` names, built from its own options (``aggregation.<name>.*``)."""
     strategy = STRATEGIES[agg.name].from_options(getattr(agg, agg.name, None))
     strategy.robust, strategy.trim_fraction = agg.robust, agg.trim_fraction
+    if agg.download_budget_mb:
+        strategy.budget_mb = agg.download_budget_mb
     return strategy

@@ -16,6 +16,7 @@ from fedllm.aggregation.base import (
     RoundResult,
     Strategy,
     leading_factors,
+    module_io,
 )
 from fedllm.factors import Adapter, LoraFactors
 from fedllm.lowrank import pad_rank
@@ -30,6 +31,7 @@ class FedIT(Strategy):
 
     name = "fedit"
     supports_robust = True
+    supports_download_budget = True
     linear = True  # the new A and B are weighted sums of the clients': central DP can noise those sums
 
     def aggregate_factors(
@@ -52,4 +54,13 @@ class FedIT(Strategy):
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
     def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
+        if self.budget_mb and state.factors:
+            rank = min(rank, budget_rank(state.factors, self.budget_mb))
         return leading_factors(state, rank, scale)
+
+
+def budget_rank(factors: Adapter, budget_mb: float) -> int:
+    """The largest rank whose download of every module fits ``budget_mb`` (float32): FedIT's averaged rows
+    are not ordered by energy, so under a budget a client takes the leading rows as a lower rank would."""
+    per_rank = sum(4 * module_io(f) for f in factors.values())
+    return int(budget_mb * 1e6 // per_rank)

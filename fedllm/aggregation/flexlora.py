@@ -18,9 +18,17 @@ from fedllm.aggregation.base import (
     RoundResult,
     Strategy,
     leading_factors,
+    module_io,
 )
 from fedllm.factors import Adapter
-from fedllm.lowrank import low_rank_svd, stack, svd_factors
+from fedllm.lowrank import (
+    low_rank_svd,
+    ranks_under_budget,
+    singular_values,
+    stack,
+    svd_factors,
+    truncate_rank,
+)
 from fedllm.options import one_of, opt
 
 
@@ -46,6 +54,7 @@ class FlexLoRA(Strategy):
 
     name = "flexlora"
     averages_parameters = False
+    supports_download_budget = True
     options = FlexLoRAOptions
 
     def __init__(self, split: str = "us") -> None:
@@ -72,4 +81,10 @@ class FlexLoRA(Strategy):
         return RoundResult(GlobalState(out, dict(state.residual), extras=dict(state.extras)))
 
     def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
-        return leading_factors(state, rank, scale)
+        if not (self.budget_mb and state.factors):
+            return leading_factors(state, rank, scale)
+        # under a budget: the largest energy share of the global SVD whose leading components, at most the
+        # client's rank per module, fit (one share for every module, as FLoRIST's budget)
+        spectra = {k: (singular_values(f), module_io(f)) for k, f in state.factors.items()}
+        ranks, _ = ranks_under_budget(spectra, self.budget_mb * 1e6, 1.0, cap=rank)
+        return {k: truncate_rank(f, ranks[k]).with_scale(scale) for k, f in state.factors.items()}

@@ -17,7 +17,7 @@ import torch
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.factors import Adapter
-from fedllm.lowrank import add_to_residual, energy_rank, low_rank_svd, stack, svd_factors
+from fedllm.lowrank import add_to_residual, energy_rank, low_rank_svd, ranks_under_budget, stack, svd_factors
 from fedllm.options import fraction, nonneg, opt
 
 
@@ -30,13 +30,6 @@ class FloristOptions:
         nonneg,
         "an integer >= 1, or 0 to use tau",
     )
-    download_budget_mb: float = opt(
-        0.0,
-        "megabytes (10^6 bytes, float32) each client may download per round: the largest energy share up "
-        "to tau whose broadcast fits, one share for every module (0: no budget)",
-        nonneg,
-        ">= 0",
-    )
 
 
 class FLoRIST(Strategy):
@@ -48,6 +41,7 @@ class FLoRIST(Strategy):
 
     name = "florist"
     merges_into_base = True
+    supports_download_budget = True
     averages_parameters = False
     options = FloristOptions
 
@@ -56,44 +50,25 @@ class FLoRIST(Strategy):
             raise ValueError(f"tau = {tau} is invalid: expected a value in (0, 1]")
         if fixed_rank < 0:
             raise ValueError(f"fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
-        if fixed_rank and download_budget_mb:
-            raise ValueError("fixed_rank and download_budget_mb both choose the rank: set one of them")
         self.tau, self.fixed_rank, self.budget_mb = tau, fixed_rank, download_budget_mb
 
     @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.aggregation.florist.fixed_rank and cfg.aggregation.download_budget_mb:
+            raise ValueError(
+                "aggregation.florist.fixed_rank and aggregation.download_budget_mb both choose the rank: set "
+                "one of them"
+            )
+
+    @classmethod
     def from_options(cls, options: FloristOptions) -> FLoRIST:
-        return cls(
-            tau=options.tau, fixed_rank=options.fixed_rank, download_budget_mb=options.download_budget_mb
-        )
+        return cls(tau=options.tau, fixed_rank=options.fixed_rank)
 
     def budget_ranks(self, spectra: dict[str, tuple[torch.Tensor, int]]) -> tuple[dict[str, int], float]:
-        """Each module's rank under the download budget, and the energy share chosen.
-
-        One share for all modules, the largest up to ``tau`` whose broadcast (``4 p_m (out_m + in_m)``
-        bytes summed over modules) fits: lowering FLoRIST's own threshold keeps the same fraction of
-        every module's update energy, so no module is starved for another's sake; a budget below even
-        one component per module leaves the round's merge empty (the budget is never exceeded).
-        ``spectra``: ``{module: (singular values, out + in)}``.
-        """
-        budget = self.budget_mb * 1e6
-        shares = {}
-        for key, (s, _) in spectra.items():
-            e = s.double() ** 2
-            shares[key] = (e.cumsum(0) / e.sum().clamp_min(1e-300)).tolist()
-
-        def ranks(t: float) -> dict[str, int]:
-            return {
-                k: (0 if t <= 0 else next((i + 1 for i, f in enumerate(c) if f >= t - 1e-12), len(c)))
-                for k, c in shares.items()
-            }
-
-        def cost(r: dict[str, int]) -> float:
-            return sum(4 * p * spectra[k][1] for k, p in r.items())
-
-        for t in sorted({self.tau, *(f for c in shares.values() for f in c if f <= self.tau)}, reverse=True):
-            if cost(ranks(t)) <= budget:
-                return ranks(t), t
-        return ranks(0.0), 0.0
+        """Each module's rank under ``aggregation.download_budget_mb`` and the energy share chosen (one
+        share for every module, the largest up to ``tau`` that fits: ``fedllm.lowrank.ranks_under_budget``);
+        a budget below one component per module leaves the round's merge empty."""
+        return ranks_under_budget(spectra, self.budget_mb * 1e6, self.tau)
 
     def aggregate_factors(
         self,

@@ -33,7 +33,7 @@ from fedllm.factors import (
     unprefixed,
     write_factors,
 )
-from fedllm.protocol import ClientHook, ClientStart, ClientUpdate, derive_seed
+from fedllm.protocol import ClientHook, ClientStart, ClientUpdate, derive_seed, fit_download
 
 Batches = Callable[[int, int], Iterator[dict[str, Tensor]]]  # (round, seed) -> that round's batch stream
 
@@ -95,7 +95,7 @@ class ModuleRuntime:
         started: Adapter = {}
         if self.adapter:
             fresh = fresh_factors(self.model, self.adapter, self.hook.fresh_seed(self.seed, start.round))
-            started = self.hook.start_factors(start.factors, fresh)
+            started = self.hook.start_factors(fit_download(start.factors, fresh), fresh)
             write_factors(self.model, self.adapter, started)
             for key, m in lora_modules(self.model, self.adapter).items():
                 trainable[f"{key}.A"] = m.lora_A[self.adapter].weight

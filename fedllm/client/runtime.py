@@ -78,6 +78,7 @@ from fedllm.protocol import (
     UploadContext,
     UploadTransform,
     derive_seed,
+    fit_download,
 )
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,7 @@ class ClientRuntime:
         restore_dequant_layers(self.model)  # the packed CPU 4-bit kernel has no backward
         with self.whole_adapters(modify=True):
             fresh = fresh_factors(self.model, name, self.hook.fresh_seed(self.seed, start.round))
-            factors = self.hook.start_factors(start.factors, fresh)
+            factors = self.hook.start_factors(fit_download(start.factors, fresh), fresh)
             write_factors(self.model, name, factors)
             write_dense(self.model, start.dense)
         params = adapter_params(self.model, name)

@@ -59,6 +59,31 @@ RULES: list[Rule] = [
         ),
     ),
     Rule(
+        "download budget",
+        lambda cfg, s, a: cfg.aggregation.download_budget_mb > 0 and not s.supports_download_budget,
+        lambda cfg, s, a: (
+            f"aggregation.download_budget_mb = {cfg.aggregation.download_budget_mb} truncates what a client "
+            f"downloads, which aggregation.name = {cfg.aggregation.name} does not support; use it with "
+            + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.supports_download_budget))
+        ),
+    ),
+    Rule(
+        "download budget with whole tensors",
+        lambda cfg, s, a: (
+            cfg.aggregation.download_budget_mb > 0
+            and (bool(cfg.lora.trainable_modules) or a.server_state_per_parameter)
+        ),
+        lambda cfg, s, a: (
+            "aggregation.download_budget_mb bounds the adapter's download, but "
+            + (
+                f"lora.trainable_modules = {cfg.lora.trainable_modules} travel whole"
+                if cfg.lora.trainable_modules
+                else f"client.algorithm = {cfg.client.algorithm}'s server state travels whole"
+            )
+            + ": set lora.trainable_modules=[] (and use client.algorithm=sft or fedprox)"
+        ),
+    ),
+    Rule(
         "robust average",
         lambda cfg, s, a: cfg.aggregation.robust != "none" and not s.supports_robust,
         lambda cfg, s, a: (

@@ -310,6 +310,14 @@ class AggregationSection:
         lambda x: 0 <= x < 0.5,
         "in [0, 0.5)",
     )
+    download_budget_mb: float = opt(
+        0.0,
+        "megabytes (10^6 bytes, float32) of the adapter each client may download per round (florist: the "
+        "largest energy share up to tau whose broadcast fits; flexlora: the largest share of the global "
+        "SVD, at most the client's rank; fedit: the largest rank that fits; 0: no budget)",
+        _nonneg,
+        ">= 0",
+    )
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """fedllm's messages as Flower records: tensors in an ArrayRecord, metadata as JSON in a ConfigRecord.
 
-Every tensor travels as float32 (an ArrayRecord cannot hold bfloat16), and
+Every tensor travels as float32 (an ArrayRecord cannot hold bfloat16), except a quantized upload's
+encoded changes, which travel as their payload bytes and scales (``fedllm/transport/wire.py``); and
 each message also carries the run's resolved config, so every site trains
 with the server's settings.
 """
@@ -23,8 +24,13 @@ from fedllm.protocol import (
 def _record(tensors: dict[str, torch.Tensor], meta: dict, **config):
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-    arrays = ArrayRecord(
-        torch_state_dict={k: v.detach().to("cpu", torch.float32) for k, v in tensors.items()}
+    from fedllm.transport.wire import WIRE
+
+    arrays = ArrayRecord(  # encoded payloads (fedllm/transport/wire.py) keep their bytes
+        torch_state_dict={
+            k: v.detach().to("cpu") if k.startswith(WIRE) else v.detach().to("cpu", torch.float32)
+            for k, v in tensors.items()
+        }
     )
     return RecordDict({"tensors": arrays, "meta": ConfigRecord({"json": json.dumps(meta), **config})})
 
@@ -46,7 +52,14 @@ def read_start(content) -> tuple[ClientStart, str, int]:
 
 
 def update_record(update: ClientUpdate):
-    return _record(*encode_update(update))
+    """A site's train reply: its update's tensors, each one its transport encodes as the encoded change
+    (payload and scales, ``comm.upload``), the rest as float32."""
+    tensors, meta = encode_update(update)
+    if update.wire:
+        from fedllm.transport.wire import to_wire
+
+        tensors, meta = to_wire(tensors, meta, update.wire)
+    return _record(tensors, meta)
 
 
 def evaluation_record(metrics: dict[str, float]):

@@ -21,7 +21,7 @@ from fedllm.server.trust import one_line
 MAX_META_CHARS = 1 << 16  # a reply's JSON metadata: ids, counts, scales and a few metrics
 EVALUATION_KEYS = ("global_loss", "global_acc", "personal_loss", "personal_acc")
 INFO_KEYS = {"client-id", "num-examples", "num-test", "categories"}
-UPDATE_KEYS = {"client_id", "num_examples", "scales", "metrics", "round", "plan"}
+UPDATE_KEYS = {"client_id", "num_examples", "scales", "metrics", "round", "plan", "wire"}
 
 
 class BadReply(ValueError):
@@ -128,10 +128,23 @@ def parse_update(content: Any, max_bytes: int, key: bytes | None = None, reply_t
             raise BadReply(f"its tensors exceed {max_bytes:,} bytes, the most its expected update can take")
     check_signature(records, key, reply_to)
     tensors = dict(arrays.to_torch_state_dict())
+    changed: list[str] = []
+    wire = meta.pop("wire", None)
+    if (
+        wire is not None
+    ):  # encoded changes (comm.upload): decoded here, added to their references by the driver
+        from fedllm.transport.wire import from_wire
+
+        try:
+            tensors, changed = from_wire(tensors, wire, max_bytes)
+        except ValueError as e:
+            raise BadReply(one_line(str(e))) from None
     try:
-        return decode_update(tensors, meta)
+        update = decode_update(tensors, meta)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise BadReply(one_line(f"its tensors do not match its metadata ({type(e).__name__}: {e})")) from None
+    update.wire = {"changed": changed, "fmt": wire["fmt"]} if changed else {}
+    return update
 
 
 def parse_evaluation(content: Any, key: bytes | None = None, reply_to: str = "") -> dict[str, float]:

@@ -256,9 +256,27 @@ class FlowerDriver(RoundLoop):
         shapes = self.server.expected(client_id).param_shapes()
         return 3 * 4 * sum(int(torch.Size(s).numel()) for s in shapes.values()) + (1 << 20)
 
+    def received(self, plan, k: int, update):
+        """A parsed update as the server uses it: encoded changes (``comm.upload``) added to what the server
+        knows client ``k`` started from (``fedllm/transport/wire.py``); an upload not encoded as the run's
+        transport says is that site's failure."""
+        fmt = self.cfg.comm.upload
+        changed = update.wire.get("changed", [])
+        if fmt == "float32" and changed:
+            raise BadReply("its upload is encoded, but comm.upload = float32")
+        if fmt != "float32" and (not changed or update.wire.get("fmt") != fmt):
+            raise BadReply(f"its upload is not encoded as comm.upload = {fmt} says")
+        if changed:
+            from fedllm.transport.wire import rebuild
+
+            start = plan.starts[k]
+            update = rebuild(update, changed, start, self.server.reference(plan.round, k, start))
+        return update
+
     def train_clients(self, plan) -> dict[int, Any]:
         def parse(k, content, reply_to):
-            return parse_update(content, self.max_reply_bytes(k), self.key_of(k), reply_to)
+            update = parse_update(content, self.max_reply_bytes(k), self.key_of(k), reply_to)
+            return self.received(plan, k, update)
 
         replies, failures = self._exchange(plan.starts, MessageType.TRAIN, plan.round, parse)
         return {**failures, **replies}

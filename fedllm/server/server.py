@@ -43,6 +43,7 @@ from fedllm.protocol import (
     ClientStart,
     ClientUpdate,
     derive_seed,
+    fit_download,
     sample_size,
 )
 from fedllm.server.catchup import MergeLog
@@ -362,7 +363,7 @@ class Server:
         c = self.clients[client_id]
         rank = self.strategy.adapter_rank(c.rank)
         fresh = init_factors(self.modules, rank, c.scale, self.hook.fresh_seed(self.sampling.seed, round_idx))
-        return self.hook.start_factors(start.factors, fresh)
+        return self.hook.start_factors(fit_download(start.factors, fresh), fresh)
 
     def _clip(self, plan: RoundPlan, updates: list[ClientUpdate]) -> dict[str, Any]:
         """Scale each update's change (from the server's reference) to at most ``clip_norm_ratio`` x the

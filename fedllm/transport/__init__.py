@@ -12,10 +12,8 @@ each upload's shapes and the run's format, not taken from what a client says.
 
 The feature hooks the core from outside only: an upload transform on the clients (after the privacy
 clip and noise, if any: what is quantized is what would travel) and the server's rule for counting
-upload bytes. Downloads travel in float32 (FLoRIST can bound them:
-``aggregation.florist.download_budget_mb``). In the Flower apps uploads still travel as float32
-arrays of the decoded values: the encoded payload is not built there yet (the simulation counts its
-bytes as if it were).
+upload bytes. Downloads travel in float32 (``aggregation.download_budget_mb`` can bound them). In the
+Flower apps the encodings themselves travel (``wire.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +25,8 @@ from torch import Tensor
 from fedllm.factors import LoraFactors
 from fedllm.options import one_of, opt, positive
 from fedllm.protocol import ClientUpdate, Feature, UploadContext, UploadTransform
-from fedllm.transport.codec import FORMATS, decode, encode, wire_bytes
+from fedllm.transport.codec import FORMATS, Encoded, decode, encode, wire_bytes
+from fedllm.transport.wire import reference, update_tensors
 
 EF = "comm.ef."  # the client-state prefix of the error-feedback residuals
 
@@ -54,41 +53,48 @@ def _tensors(update: ClientUpdate) -> list[Tensor]:
 
 
 class QuantizedUpload(UploadTransform):
-    """Each uploaded change encoded and decoded as it travels (see module docstring)."""
+    """Each uploaded change encoded and decoded as it travels (see module docstring); the encodings stay on
+    the update (``update.wire``) for a transport that sends them (the Flower apps, ``wire.py``)."""
 
     def __init__(self, fmt: str, error_feedback: bool = True, block: int = 64) -> None:
         self.fmt, self.error_feedback, self.block = fmt, error_feedback, block
 
-    def _travel(self, key: str, change: Tensor, state: dict[str, Tensor]) -> Tensor:
+    def _travel(self, key: str, change: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, Encoded]:
         residual = state.get(EF + key) if self.error_feedback else None
         sent = change + residual if residual is not None and residual.shape == change.shape else change
-        got = decode(encode(sent, self.fmt, self.block))
+        enc = encode(sent, self.fmt, self.block)
+        got = decode(enc)
         if self.error_feedback:
             state[EF + key] = (sent - got).detach().clone()
-        return got
+        return got, enc
 
     def apply(self, update: ClientUpdate, ctx: UploadContext) -> ClientUpdate:
-        start, started, state = ctx.start, ctx.started, ctx.state
+        wire: dict[str, Encoded] = {}
+        values: dict[str, Tensor] = {}
+        for name, t in update_tensors(update).items():
+            ref = reference(update, ctx.start, ctx.started, name)
+            got, wire[name] = self._travel(
+                _state_key(name), t.float() - ref if ref is not None else t.float(), ctx.state
+            )
+            values[name] = ref + got if ref is not None else got.to(t.dtype)
         factors = {}
         for k, f in update.factors.items():
-            ref = started[k].with_scale(f.scale) if k in started else LoraFactors(0 * f.A, 0 * f.B, f.scale)
-            a = ref.A + self._travel(f"A.{k}", f.A - ref.A, state) if f.A.numel() else f.A
-            b = ref.B + self._travel(f"B.{k}", f.B - ref.B, state) if f.B.numel() else f.B
+            a, b = values.get(f"factors.{k}.A", f.A), values.get(f"factors.{k}.B", f.B)
             factors[k] = LoraFactors(a, b, f.scale)
         update.factors = factors
-        update.dense = {
-            k: start.dense[k] + self._travel(f"D.{k}", t - start.dense[k], state)
-            if k in start.dense
-            else self._travel(f"D.{k}", t, state)
-            for k, t in update.dense.items()
-        }
-        update.extras = {
-            k: start.extras[k] + self._travel(f"E.{k}", t - start.extras[k], state)
-            if k in start.extras and start.extras[k].shape == t.shape
-            else self._travel(f"E.{k}", t.float(), state).to(t.dtype)
-            for k, t in update.extras.items()
-        }
+        update.dense = {k: values[f"dense.{k}"] for k in update.dense}
+        update.extras = {k: values[f"extras.{k}"] for k in update.extras}
+        update.wire = wire
         return update
+
+
+def _state_key(name: str) -> str:
+    """The error-feedback residual's name in the client's state: A.<module>, B.<module>, D.<dense>, E.<x>."""
+    part, _, rest = name.partition(".")
+    if part == "factors":
+        key, kind = rest.rsplit(".", 1)
+        return f"{kind}.{key}"
+    return f"{'D' if part == 'dense' else 'E'}.{rest}"
 
 
 class TransportFeature(Feature):

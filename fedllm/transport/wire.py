@@ -1,0 +1,138 @@
+"""Encoded uploads on a real wire (the Flower apps): what a site sends and how the server rebuilds it.
+
+In the simulation :class:`~fedllm.transport.QuantizedUpload` encodes each uploaded change and decodes it
+at once. Across organizations the encoded change itself travels: a site's reply carries, for each tensor
+its transport encodes, the payload (uint8 bytes: int8 values, int4 pairs, or the 16-bit floats' bytes)
+and the float32 block scales in place of the float32 tensor, with the format, block size and shape in its
+metadata. The server decodes them (a malformed encoding is that site's failure for the round, with the
+codec's reason) and adds each change to the reference it knows the site started from, the one the site
+subtracted: its download's factors (or the round's fresh init, which the server derives from the seed
+as the site does), its dense modules, its extras. So what the server aggregates is what the simulation
+aggregates with the same transport, and the bytes on the wire are the ledger's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedllm.factors import Adapter, LoraFactors
+from fedllm.protocol import ClientStart, ClientUpdate
+from fedllm.transport.codec import FLOATS, FORMATS, Encoded, EncodingError, decode
+
+WIRE = "wire."  # message tensors of encoded payloads: wire.<name>.payload / wire.<name>.scales
+
+
+def reference(update: ClientUpdate, start: ClientStart, started: Adapter, name: str) -> Tensor | None:
+    """What the change of message tensor ``name`` is measured from (None: from zero), the same on the client
+    (``started``: the factors it trained from) and on the server (its own derivation of them)."""
+    part, _, rest = name.partition(".")
+    if part == "factors":
+        key, kind = rest.rsplit(".", 1)
+        f = update.factors[key]
+        if key not in started:
+            return None
+        ref = started[key].with_scale(f.scale)
+        return ref.A if kind == "A" else ref.B
+    if part == "dense":
+        return start.dense.get(rest)
+    value = update.extras[rest]
+    ref = start.extras.get(rest)
+    return ref if ref is not None and ref.shape == value.shape else None
+
+
+def update_tensors(update: ClientUpdate) -> dict[str, Tensor]:
+    """Every tensor of ``update`` that a transport encodes, by message name (empty factors travel as is)."""
+    out = {}
+    for key, f in update.factors.items():
+        for kind, t in (("A", f.A), ("B", f.B)):
+            if isinstance(f, LoraFactors) and t.numel():
+                out[f"factors.{key}.{kind}"] = t
+    out.update({f"dense.{k}": t for k, t in update.dense.items()})
+    out.update({f"extras.{k}": t for k, t in update.extras.items()})
+    return out
+
+
+def to_wire(
+    tensors: dict[str, Tensor], meta: dict, wire: dict[str, Encoded]
+) -> tuple[dict[str, Tensor], dict]:
+    """A reply's tensors with each encoded one replaced by its payload bytes and scales (``meta['wire']``
+    says how to read them)."""
+    out = {k: v for k, v in tensors.items() if k not in wire}
+    shapes, fmt, block = {}, None, None
+    for name, e in wire.items():
+        fmt, block = e.fmt, e.block
+        out[f"{WIRE}{name}.payload"] = e.payload.contiguous().view(torch.uint8)
+        if e.scales is not None:
+            out[f"{WIRE}{name}.scales"] = e.scales.contiguous()
+        shapes[name] = list(e.shape)
+    return out, {**meta, "wire": {"fmt": fmt, "block": block, "shapes": shapes}}
+
+
+def from_wire(tensors: dict[str, Tensor], wire: Any, max_numel: int) -> tuple[dict[str, Tensor], list[str]]:
+    """The reply's tensors with every encoded one decoded to its change, and their names. Anything that does
+    not decode to what the metadata says raises ValueError with the reason (the site's failure)."""
+    if not isinstance(wire, dict) or set(wire) != {"fmt", "block", "shapes"}:
+        raise ValueError("its wire metadata is not {fmt, block, shapes}")
+    fmt, block, shapes = wire["fmt"], wire["block"], wire["shapes"]
+    if fmt not in FORMATS or fmt == "float32":
+        raise ValueError(f"its wire format {str(fmt)[:20]!r} is not one of {', '.join(FORMATS[1:])}")
+    if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 20:
+        raise ValueError(f"its block size {block!r} is not an integer in 1..2^20")
+    if not isinstance(shapes, dict):
+        raise ValueError("its wire shapes are not a mapping")
+    out = {k: v for k, v in tensors.items() if not k.startswith(WIRE)}
+    names = []
+    for name, shape in shapes.items():
+        ok = isinstance(shape, list) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        )
+        if not ok or not isinstance(name, str) or math.prod(shape) > max_numel:
+            raise ValueError(f"its wire shape of {str(name)[:80]!r} is not a list of sizes within its update")
+        payload = tensors.get(f"{WIRE}{name}.payload")
+        if payload is None or payload.dtype != torch.uint8 or name in out:
+            raise ValueError(f"its encoded {name[:80]!r} has no uint8 payload (or also travels unencoded)")
+        if fmt in FLOATS:
+            if payload.numel() % 2:
+                raise ValueError(f"its {fmt} payload of {name[:80]!r} is an odd number of bytes")
+            enc = Encoded(fmt, tuple(shape), payload.contiguous().view(FLOATS[fmt]), None, block)
+        else:
+            enc = Encoded(fmt, tuple(shape), payload, tensors.get(f"{WIRE}{name}.scales"), block)
+        try:
+            out[name] = decode(enc)
+        except EncodingError as e:
+            raise ValueError(f"its encoded {name[:80]!r} is malformed: {e}") from None
+        names.append(name)
+    extra = sorted(
+        k for k in tensors if k.startswith(WIRE) and k.rsplit(".", 1)[0][len(WIRE) :] not in shapes
+    )
+    if extra:
+        raise ValueError(f"its payloads {extra[:4]} are named in no wire shape")
+    return out, names
+
+
+def rebuild(update: ClientUpdate, changed: list[str], start: ClientStart, started: Adapter) -> ClientUpdate:
+    """``update`` whose tensors ``changed`` hold decoded changes, with each change added to its reference
+    (the server's own derivation of what the site started from)."""
+    for name in changed:
+        part, _, rest = name.partition(".")
+        if part == "factors":
+            key, kind = rest.rsplit(".", 1)
+            f = update.factors[key]
+            ref = reference(update, start, started, name)
+            value = getattr(f, kind) if ref is None else ref + getattr(f, kind)
+            update.factors[key] = (
+                LoraFactors(value, f.B, f.scale) if kind == "A" else LoraFactors(f.A, value, f.scale)
+            )
+        else:
+            ref = reference(update, start, started, name)
+            table = update.dense if part == "dense" else update.extras
+            if ref is not None:
+                table[rest] = ref + table[rest]
+    return update
+
+
+__all__ = ["from_wire", "rebuild", "reference", "to_wire", "update_tensors"]
