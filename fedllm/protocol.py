@@ -85,6 +85,8 @@ class ClientStart:
     algo: dict[str, Tensor] = field(default_factory=dict)
     accepted: int = 0
     plan: str = ""  # the plan this start belongs to: the update answering it names it
+    # how its tensors travel when a transport encodes them (comm.download): the encodings by message name
+    wire: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def numel(self) -> int:
         """Parameters this download carries (the communication ledger counts these)."""

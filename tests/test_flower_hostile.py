@@ -325,19 +325,22 @@ def _with_tensors(content, tensors) -> RecordDict:
 
 
 @pytest.mark.slow
-def test_int8_uploads_travel_encoded_and_give_the_simulations_result(grid_driver, tmp_path):
+@pytest.mark.parametrize("download", ["float32", "int8"])
+def test_int8_uploads_travel_encoded_and_give_the_simulations_result(grid_driver, tmp_path, download):
     """A site's reply carries the int8 payloads and float32 scales of its changes, no float32 copy of them,
-    and the server's rebuild of them gives the run the in-process simulation gives (same transport)."""
+    and the server's rebuild of them gives the run the in-process simulation gives (same transport); with
+    comm.download=int8 the server's train messages carry encoded payloads too."""
     from fedllm.simulation import Simulation
     from tests.conftest import assert_close_updates
 
-    extra = ("comm.upload=int8", "eval.personalized=false")
+    extra = ("comm.upload=int8", f"comm.download={download}", "eval.personalized=false")
     driver, grid = grid_driver(3, 2, False, *extra)
-    replies = []
+    replies, starts = [], []
 
     def keep(node, kind, message, content):
         if kind == "train":
             replies.append(content)
+            starts.append(message.content)
         return content
 
     grid.tamper = keep
@@ -353,6 +356,9 @@ def test_int8_uploads_travel_encoded_and_give_the_simulations_result(grid_driver
     numel = sum(torch.Size(s).numel() for s in shapes.values())
     sent = sum(v.numel() * v.element_size() for v in t.values())
     assert sent <= 0.27 * 4 * numel  # payload plus scales: the ledger's int8 bytes, not float32's
+    sent_down = _tensors(starts[-1])
+    encoded_down = [k for k in sent_down if k.endswith(".payload")]
+    assert bool(encoded_down) == (download == "int8")
     cfg = load_config(
         None,
         tiny_overrides(

@@ -176,3 +176,47 @@ def test_a_budget_the_strategy_cannot_keep_is_refused_in_one_line(overrides, mes
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.slow
+def test_an_encoded_download_is_what_the_client_and_the_servers_reference_start_from(tmp_path, builtin_base):
+    """comm.download=int8: the ledger counts the encoded download bytes (payload plus scales), the
+    client's start is the decoded download, which is also the server's reference for its update."""
+    rows = _run(tmp_path, "q", "comm.download=int8", "federation.rounds=2", "lora.trainable_modules=[]")
+    free = _run(tmp_path, "f", "federation.rounds=2", "lora.trainable_modules=[]")
+    down_q, down_f = (sum(r.get("down_bytes", 0) for r in x) for x in (rows, free))
+    assert sum(r.get("down_params", 0) for r in rows) == sum(r.get("down_params", 0) for r in free) > 0
+    assert 0 < down_q <= 0.27 * down_f
+    assert math.isfinite(rows[-1]["eval_loss"])
+
+
+def test_quantized_download_round_trip_and_bytes(gen):
+    from fedllm.factors import LoraFactors
+    from fedllm.protocol import ClientStart
+    from fedllm.transport import QuantizedDownload
+
+    start = ClientStart(
+        2,
+        factors={"m": LoraFactors(torch.randn(4, 64, generator=gen), torch.randn(32, 4, generator=gen), 0.5)},
+        dense={"d": torch.randn(128, generator=gen)},
+        algo={"c": torch.randn(64, generator=gen)},
+    )
+    q = QuantizedDownload("int8", 64)
+    got = q(start)
+    for a, b in ((got.factors["m"].A, start.factors["m"].A), (got.dense["d"], start.dense["d"])):
+        step = b.abs().max() / 127
+        assert float((a - b).abs().max()) <= float(step) / 2 + 1e-6
+    assert got.factors["m"].scale == 0.5 and set(got.wire) == {
+        "factors.m.A",
+        "factors.m.B",
+        "dense.d",
+        "algo.c",
+    }
+    assert q.nbytes(start) == sum(n + 4 * math.ceil(n / 64) for n in (256, 128, 128, 64))
+
+
+def test_an_encoded_download_is_refused_where_clients_merge_it_into_their_base():
+    from fedllm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="merge every round's update into their base"):
+        load_config(None, ["aggregation.name=florist", "comm.download=int8"])

@@ -42,12 +42,23 @@ def _parts(content) -> tuple[dict[str, torch.Tensor], dict, dict]:
 
 
 def start_record(start: ClientStart, config_text: str, client_id: int):
-    """What the server sends a site: its start, the run's config and its client id."""
-    return _record(*encode_start(start), config=config_text, **{"client-id": client_id})
+    """What the server sends a site: its start (encoded where ``comm.download`` encodes it), the run's config
+    and its client id."""
+    tensors, meta = encode_start(start)
+    if start.wire:
+        from fedllm.transport.wire import to_wire
+
+        tensors, meta = to_wire(tensors, meta, start.wire)
+    return _record(tensors, meta, config=config_text, **{"client-id": client_id})
 
 
 def read_start(content) -> tuple[ClientStart, str, int]:
     tensors, meta, config = _parts(content)
+    wire = meta.pop("wire", None)
+    if wire is not None:  # an encoded download: its values decoded (the server took the same as the start)
+        from fedllm.transport.wire import from_wire
+
+        tensors, _ = from_wire(tensors, wire, 1 << 40)
     return decode_start(tensors, meta), config["config"], int(config["client-id"])
 
 

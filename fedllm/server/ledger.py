@@ -29,15 +29,23 @@ class Ledger:
         0  # the encoded bytes of every upload so far (a quantized transport: fewer than 4 a value)
     )
     round_up_bytes: int = 0
-    round_down_max: int = 0  # the largest download of one client this round
+    down_bytes: int = 0  # the encoded bytes of every download so far (float32 unless a transport encodes)
+    round_down_bytes: int = 0
+    round_down_max: int = 0  # the largest download of one client this round, in bytes
 
     def start_round(self) -> None:
-        self.round_up = self.round_down = self.round_up_bytes = self.round_down_max = 0
+        self.round_up = self.round_down = self.round_up_bytes = self.round_down_max = (
+            self.round_down_bytes
+        ) = 0
 
-    def download(self, client: int, params: int) -> None:
+    def download(self, client: int, params: int, nbytes: int | None = None) -> None:
+        """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value)."""
         self.down_params[client if self.by_client else -1] += params
         self.round_down += params
-        self.round_down_max = max(self.round_down_max, params)
+        nbytes = params * self.bytes_per_param if nbytes is None else nbytes
+        self.down_bytes += nbytes
+        self.round_down_bytes += nbytes
+        self.round_down_max = max(self.round_down_max, nbytes)
 
     def upload(self, client: int, params: int, nbytes: int | None = None) -> None:
         """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value)."""
@@ -48,23 +56,21 @@ class Ledger:
         self.round_up_bytes += nbytes
 
     def round_summary(self) -> dict:
-        b = self.bytes_per_param
         return {
             "up_params": self.round_up,
             "down_params": self.round_down,
             "up_bytes": self.round_up_bytes,
-            "down_bytes": self.round_down * b,
-            "down_bytes_max": self.round_down_max * b,  # the largest download of one client
+            "down_bytes": self.round_down_bytes,
+            "down_bytes_max": self.round_down_max,  # the largest download of one client
         }
 
     def totals(self) -> dict:
-        b = self.bytes_per_param
         up, down = sum(self.up_params.values()), sum(self.down_params.values())
         return {
             "total_up_params": up,
             "total_down_params": down,
             "total_up_bytes": self.up_bytes,
-            "total_down_bytes": down * b,
+            "total_down_bytes": self.down_bytes,
             **(
                 {
                     "per_client": {
@@ -87,6 +93,7 @@ class Ledger:
             "bytes_per_param": self.bytes_per_param,
             "by_client": self.by_client,
             "up_bytes": self.up_bytes,
+            "down_bytes": self.down_bytes,
         }
 
     @classmethod
@@ -96,4 +103,5 @@ class Ledger:
         led.down_params.update({int(k): v for k, v in state["down"].items()})
         # (a checkpoint from before bytes were counted: its uploads travelled in float32)
         led.up_bytes = state.get("up_bytes", sum(led.up_params.values()) * led.bytes_per_param)
+        led.down_bytes = state.get("down_bytes", sum(led.down_params.values()) * led.bytes_per_param)
         return led

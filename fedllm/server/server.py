@@ -134,6 +134,10 @@ class Rules:
     max_client_weight: float = 1.0  # the largest share of one client in a round's average
     # the bytes an upload takes on the wire (None: float32, 4 bytes a value); set by a transport feature
     upload_bytes: Callable[[ClientUpdate], int] | None = None
+    # what each download becomes on its way (a transport's encoding: the client gets the decoded values) and
+    # the bytes it takes (None: as it is, float32)
+    download_transform: Callable[[ClientStart], ClientStart] | None = None
+    download_bytes: Callable[[ClientStart], int] | None = None
 
 
 class Server:
@@ -207,8 +211,12 @@ class Server:
         for k in sampled:
             if k in dropped:
                 continue
-            plan.starts[k] = self.client_start(round_idx, k, plan.token)
-            self.ledger.download(k, plan.starts[k].numel())
+            start = self.client_start(round_idx, k, plan.token)
+            if self.rules.download_transform is not None:
+                start = self.rules.download_transform(start)
+            plan.starts[k] = start
+            nbytes = self.rules.download_bytes(start) if self.rules.download_bytes is not None else None
+            self.ledger.download(k, start.numel(), nbytes)
         return plan
 
     def finish_round(self, plan: RoundPlan, results: dict[int, ClientUpdate | str]) -> RoundReport:

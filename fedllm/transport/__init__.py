@@ -18,13 +18,13 @@ Flower apps the encodings themselves travel (``wire.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
 from fedllm.factors import LoraFactors
 from fedllm.options import one_of, opt, positive
-from fedllm.protocol import ClientUpdate, Feature, UploadContext, UploadTransform
+from fedllm.protocol import ClientStart, ClientUpdate, Feature, UploadContext, UploadTransform
 from fedllm.transport.codec import FORMATS, Encoded, decode, encode, wire_bytes
 from fedllm.transport.wire import reference, update_tensors
 
@@ -45,6 +45,12 @@ class TransportOptions:
         True, "clients keep each upload's quantization residual and add it to the next (int8/int4/16-bit)"
     )
     block_size: int = opt(64, "values per quantization block (one float32 scale each)", positive, ">= 1")
+    download: str = opt(
+        "float32",
+        "how each client's download travels (its factors, dense modules, extras and algorithm state, encoded "
+        "from the server's exact state every round): float32, float16, bfloat16, int8 or int4",
+        *one_of(*FORMATS),
+    )
 
 
 def _tensors(update: ClientUpdate) -> list[Tensor]:
@@ -97,14 +103,82 @@ def _state_key(name: str) -> str:
     return f"{'D' if part == 'dense' else 'E'}.{rest}"
 
 
+def start_tensors(start: ClientStart) -> dict[str, Tensor]:
+    """Every tensor of a download that a transport encodes, by message name (as ``encode_start`` names
+    them); catch-up merges are refused with an encoded download (see :class:`QuantizedDownload`)."""
+    out = {}
+    for key, f in (start.factors or {}).items():
+        for kind, t in (("A", f.A), ("B", f.B)):
+            if t.numel():
+                out[f"factors.{key}.{kind}"] = t
+    for prefix, part in (("dense.", start.dense), ("extras.", start.extras), ("algo.", start.algo)):
+        out.update({prefix + k: t for k, t in part.items() if t.numel() and t.is_floating_point()})
+    return out
+
+
+class QuantizedDownload:
+    """Each client's download encoded as it leaves the server; the client gets the decoded values, which are
+    also what the server takes as the client's start (its reference for the update that comes back).
+
+    Encoded from the server's exact state every round: FedIT's global factors, FlexLoRA's SVD, dense
+    modules, SCAFFOLD's control variate are downloaded whole each time, so an encoding's error never
+    accumulates and needs no residual. A strategy that merges updates into the clients' bases (FLoRA,
+    FLoRIST, FedEx-LoRA) would need one (its bases would drift from the server's by every merge's error):
+    not built, refused by the config."""
+
+    def __init__(self, fmt: str, block: int = 64) -> None:
+        self.fmt, self.block = fmt, block
+
+    def __call__(self, start: ClientStart) -> ClientStart:
+        wire = {name: encode(t, self.fmt, self.block) for name, t in start_tensors(start).items()}
+        got = {name: decode(e) for name, e in wire.items()}
+        factors = None
+        if start.factors is not None:
+            factors = {
+                k: LoraFactors(got.get(f"factors.{k}.A", f.A), got.get(f"factors.{k}.B", f.B), f.scale)
+                for k, f in start.factors.items()
+            }
+
+        def part(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {k: got[prefix + k].to(t.dtype) if prefix + k in got else t for k, t in tensors.items()}
+
+        return replace(
+            start,
+            factors=factors,
+            dense=part("dense.", start.dense),
+            extras=part("extras.", start.extras),
+            algo=part("algo.", start.algo),
+            wire=wire,
+        )
+
+    def nbytes(self, start: ClientStart) -> int:
+        encoded = start_tensors(start)
+        rest = start.numel() - sum(t.numel() for t in encoded.values())
+        return sum(wire_bytes(t.numel(), self.fmt, self.block) for t in encoded.values()) + 4 * rest
+
+
 class TransportFeature(Feature):
     section = "comm"
     options = TransportOptions
+
+    def check_config(self, o: TransportOptions, cfg) -> None:
+        from fedllm.aggregation import STRATEGIES
+
+        if o.download != "float32" and STRATEGIES[cfg.aggregation.name].merges_into_base:
+            raise ValueError(
+                f"comm.download = {o.download} with aggregation.name = {cfg.aggregation.name}: its clients "
+                "merge every round's update into their base, where an encoding's error would accumulate "
+                "(a server-side residual is not built); use comm.download=float32, or fedit, flexlora, "
+                "hetlora, fedsa, ffa"
+            )
 
     def upload_transforms(self, o: TransportOptions, cfg) -> list:
         return [] if o.upload == "float32" else [QuantizedUpload(o.upload, o.error_feedback, o.block_size)]
 
     def server_rules(self, rules, o: TransportOptions, cfg):
+        if o.download != "float32":
+            down = QuantizedDownload(o.download, o.block_size)
+            rules.download_transform, rules.download_bytes = down, down.nbytes
         if o.upload == "float32":
             return rules
 
@@ -117,4 +191,4 @@ class TransportFeature(Feature):
 
 TRANSPORT = TransportFeature()
 
-__all__ = ["TRANSPORT", "QuantizedUpload", "TransportOptions"]
+__all__ = ["TRANSPORT", "QuantizedDownload", "QuantizedUpload", "TransportOptions"]
