@@ -112,14 +112,7 @@ def _read_records(path: Path) -> list[dict]:
             for row in csv.DictReader(io.StringIO(text, newline=""))
         ]
     if suffix == ".jsonl":
-        out = []
-        for i, line in enumerate(text.splitlines()):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise BenchmarkDataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
-        return out
+        return _read_records_lines(text, path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -172,39 +172,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from accelerate import Accelerator
 
     from eval.mmlu import load_benchmark, run_job
-    from fedllm.run.artifacts import load_for_eval
 
     if args.protocol != "harness-mmlu":
         return eval_flowertune(args)
     # bad data fails before the model loads
     bench = load_benchmark(args.data, args.shots, args.subjects, args.limit, args.overflow)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    model, tokenizer = load_for_eval(
-        args.model,
-        args.adapter,
-        args.run,
-        args.round,
-        args.client,
-        args.dtype,
-        accelerator.device,
-        quantization=args.quantization,
-    )
+    model, tokenizer = eval_model(args, accelerator.device)
     run_job(args, bench, model, tokenizer, accelerator)
     return 0
 
 
-def eval_flowertune(args: argparse.Namespace) -> int:
-    """``fedllm eval --protocol flowertune-*``: FlowerTune's generative evaluations (eval/flowertune.py)."""
-    import torch
-
-    from eval import flowertune
+def eval_model(args: argparse.Namespace, device, quant_type: str = "nf4"):
+    """The model ``fedllm eval`` scores: ``--model`` (+ ``--adapter``) or a run's, quantized as asked."""
     from fedllm.run.artifacts import load_for_eval
 
-    names = flowertune.benchmarks_of(args.protocol, args.benchmarks.split(",") if args.benchmarks else None)
-    data = None if args.data in ("builtin", "hub") else args.data  # the Hub ids unless a local copy is given
-    items = flowertune.load_items(args.protocol, data, names, args.limit)  # bad data fails before the model
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_for_eval(
+    return load_for_eval(
         args.model,
         args.adapter,
         args.run,
@@ -213,8 +196,23 @@ def eval_flowertune(args: argparse.Namespace) -> int:
         args.dtype,
         device,
         quantization=args.quantization,
-        quant_type="fp4",  # the leaderboard's BitsAndBytesConfig(load_in_4bit=True)
+        quant_type=quant_type,
     )
+
+
+def eval_flowertune(args: argparse.Namespace) -> int:
+    """``fedllm eval --protocol flowertune-*``: FlowerTune's generative evaluations (eval/flowertune.py)."""
+    import torch
+
+    from eval import flowertune
+
+    names = flowertune.benchmarks_of(args.protocol, args.benchmarks.split(",") if args.benchmarks else None)
+    data = None if args.data in ("builtin", "hub") else args.data  # the Hub ids unless a local copy is given
+    items = flowertune.load_items(args.protocol, data, names, args.limit)  # bad data fails before the model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = eval_model(
+        args, device, "fp4"
+    )  # the leaderboard's BitsAndBytesConfig(load_in_4bit=True)
     flowertune.run_job(args, items, model, tokenizer)
     return 0
 
