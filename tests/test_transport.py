@@ -220,3 +220,15 @@ def test_an_encoded_download_is_refused_where_clients_merge_it_into_their_base()
 
     with pytest.raises(ConfigError, match="merge every round's update into their base"):
         load_config(None, ["aggregation.name=florist", "comm.download=int8"])
+
+
+def test_a_run_written_before_the_budget_moved_still_loads(tmp_path):
+    """aggregation.florist.download_budget_mb became aggregation.download_budget_mb: a run folder's
+    config.yaml of the old name is read under the new one (export, resume, eval keep working)."""
+    from fedllm.config import load_config
+
+    old = tmp_path / "config.yaml"
+    old.write_text(
+        "aggregation:\n  name: florist\n  florist:\n    download_budget_mb: 0.25\nlora:\n  trainable_modules: []\n"
+    )
+    assert load_config(old).aggregation.download_budget_mb == 0.25

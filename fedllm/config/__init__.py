@@ -131,6 +131,10 @@ def valid_keys() -> list[str]:
     return [key for name, cls in _SECTIONS for key, _, _ in _leaves(cls, f"{name}.")]
 
 
+# keys renamed after runs were written with them: read under the new name (run folders must keep loading)
+RENAMED = {"aggregation.florist.download_budget_mb": "aggregation.download_budget_mb"}
+
+
 def legacy_keys() -> dict[str, str]:
     """The flat keys of the layout before methods owned their options, each with the key that replaced it:
     ``aggregation.<field>`` and ``aggregation.<method>_<field>`` (``client.`` alike)."""
@@ -225,7 +229,9 @@ def _unknown(key: str) -> ConfigError:
 
 def set_key(cfg, key: str, value: Any) -> None:
     """Set one dotted key (type-checked; an unknown key is refused with the closest known one, an old flat
-    key with the key that replaced it)."""
+    key with the key that replaced it; a key renamed since a run was made is read under its new name, so
+    that older run folders still load)."""
+    key = RENAMED.get(key, key)
     *path, name = key.split(".")
     obj = cfg
     for part in path:
