@@ -44,6 +44,7 @@ def load_run(run_dir: Path) -> dict:
         "benchmark": summary.get("benchmark", config.get("eval", {}).get("benchmark")),
         "seed": config.get("federation", {}).get("seed"),
         "config": config,
+        "settings": _settings(run, config),
         "final_accuracy": evals[-1]["accuracy"] if evals else None,
         "best_accuracy": max((r["accuracy"] for r in evals), default=None),
         "final_loss": next((r["eval_loss"] for r in reversed(rows) if r.get("eval_loss") is not None), None),
@@ -61,19 +62,34 @@ def load_run(run_dir: Path) -> dict:
     }
 
 
-def _variant_key(config: dict) -> str:
-    """The config without what differs between seeds of one variant."""
-    c = json.loads(json.dumps(config))
-    c.get("federation", {}).pop("seed", None)
-    c.get("output", {}).pop("dir", None)
-    return json.dumps(c, sort_keys=True)
+def _settings(run: RunFolder, config: dict) -> dict:
+    """Every setting of the run as this version reads its config.yaml (defaults filled in), so runs of one
+    variant group together even when a later version wrote keys an earlier one did not; the raw file when
+    this version cannot read it."""
+    from fedllm.config import flat_config
+
+    try:
+        return flat_config(run.config())
+    except Exception:  # an older or foreign config: group by what the file says
+        return {"raw": config}
+
+
+def _variant_key(settings: dict) -> str:
+    """The settings without what differs between seeds of one variant."""
+    c = {k: v for k, v in settings.items() if k not in ("federation.seed", "output.dir")}
+    if "raw" in c:
+        raw = json.loads(json.dumps(c["raw"]))
+        raw.get("federation", {}).pop("seed", None)
+        raw.get("output", {}).pop("dir", None)
+        c = {"raw": raw}
+    return json.dumps(c, sort_keys=True, default=str)
 
 
 def group_runs(runs: list[dict]) -> list[dict]:
     """Runs grouped by config except the seed, in first-seen order; each group named and summarized."""
     groups: dict[str, list[dict]] = {}
     for r in runs:
-        groups.setdefault(_variant_key(r["config"]), []).append(r)
+        groups.setdefault(_variant_key(r["settings"]), []).append(r)
     out = []
     for members in groups.values():
         parents = {Path(m["dir"]).resolve().parent.name for m in members}
@@ -111,6 +127,10 @@ def group_runs(runs: list[dict]) -> list[dict]:
                 },
             }
         )
+    names = [g["name"] for g in out]
+    for g, members in zip(out, groups.values(), strict=True):
+        if names.count(g["name"]) > 1:  # e.g. seed-0 of several variants: name them by their folder too
+            g["name"] = f"{Path(members[0]['dir']).resolve().parent.name}/{g['name']}"
     return out
 
 
