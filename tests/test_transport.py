@@ -229,6 +229,7 @@ def test_a_run_written_before_the_budget_moved_still_loads(tmp_path):
 
     old = tmp_path / "config.yaml"
     old.write_text(
-        "aggregation:\n  name: florist\n  florist:\n    download_budget_mb: 0.25\nlora:\n  trainable_modules: []\n"
+        "aggregation:\n  name: florist\n  florist:\n    download_budget_mb: 0.25\n"
+        "lora:\n  trainable_modules: []\n"
     )
     assert load_config(old).aggregation.download_budget_mb == 0.25
