@@ -186,9 +186,10 @@ def fit_download(download: Adapter | None, fresh: Adapter) -> Adapter | None:
     out = {}
     for k, f in download.items():
         r = fresh[k].rank if k in fresh else f.rank
+        plain = f.A.shape[0] == f.B.shape[1]  # both factors of one lower rank (FFA-LoRA downloads B alone)
         out[k] = (
             f
-            if f.rank >= r
+            if not plain or f.rank >= r
             else LoraFactors(
                 torch.cat([f.A, f.A.new_zeros(r - f.rank, f.A.shape[1])]),
                 torch.cat([f.B, f.B.new_zeros(f.B.shape[0], r - f.rank)], dim=1),

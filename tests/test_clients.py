@@ -152,6 +152,7 @@ def test_scaffold_with_unequal_sizes_and_cosine_finds_the_weighted_optimum():
     assert torch.linalg.norm(theta - uniform).item() > 0.5
 
 
+@pytest.mark.slow
 def test_scaffold_clips_the_raw_gradient_and_stops_where_the_clipped_gradients_balance():
     """The clip bounds each client's own gradient, never the correction (c - c_k) added after it: the fixed
     point is where sum_k p_k clip(g_k) = 0 (the optimum itself wherever no client's gradient there is

@@ -112,6 +112,7 @@ def test_compare_runs_every_variant_on_the_same_partitions(tmp_path, builtin_bas
     )
 
 
+@pytest.mark.slow
 def test_compare_never_reuses_a_run_of_other_settings(tmp_path, builtin_base, capsys):
     """The same command reuses its runs; a changed shared override is refused naming the key (no run
     starts), and with --rerun runs again and changes the numbers."""

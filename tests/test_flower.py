@@ -44,7 +44,7 @@ SLOW = pytest.mark.slow
     "strategy,more",
     [
         pytest.param("fedit", [], id="fedit"),
-        pytest.param("flexlora", [], id="flexlora"),
+        pytest.param("flexlora", [], marks=SLOW, id="flexlora"),
         pytest.param("florist", [], marks=SLOW, id="florist"),
         pytest.param("flora", [], marks=SLOW, id="flora"),
         pytest.param("floral", ["lora.ranks=[4]"], marks=SLOW, id="floral"),

@@ -72,7 +72,7 @@ LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.florist.f
         "fedit",
         pytest.param("flora", marks=pytest.mark.slow),
         pytest.param("flexlora", marks=pytest.mark.slow),
-        "florist",
+        pytest.param("florist", marks=pytest.mark.slow),
         pytest.param("floral", marks=pytest.mark.slow),
         pytest.param("fedex", marks=pytest.mark.slow),
         pytest.param("hetlora", marks=pytest.mark.slow),
@@ -95,6 +95,7 @@ def test_two_processes_equal_one(tmp_path, strategy):
     assert rows2[-1]["cumulative"] == rows1[-1]["cumulative"]
 
 
+@pytest.mark.slow
 def test_data_parallel_two_processes_equal_one(tmp_path):
     """federation.parallel=data: both processes train every client, each on half of every batch.
 
@@ -124,6 +125,7 @@ def test_data_parallel_two_processes_equal_one(tmp_path):
             assert r2["client_loss"][c] == pytest.approx(losses, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_mmlu_two_processes_equal_one(tmp_path, builtin_base):
     """Two processes with prefix reuse (2 shots) give one process's full scoring, question by question."""
     args = [

@@ -142,6 +142,7 @@ def test_shipped_accelerate_configs_load(name):
         assert config.deepspeed_config["zero3_init_flag"] == (plugin.zero_stage == 3)
 
 
+@pytest.mark.slow
 def test_run_federated_script_launches_processes(tmp_path, builtin_base):
     """scripts/run_federated.sh with the multi-GPU config, on 2 CPU processes, bf16 from the config."""
     run_dir = tmp_path / "run"
@@ -232,7 +233,8 @@ def plain_flora(tmp_path_factory, builtin_base):
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-3 (sharded) by default
+@pytest.mark.slow  # 75 s on 2 cores: run before stopping, with -m slow
+@pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_through_shipped_config_matches_plain_run(tmp_path, stage, plain_flora):
     """A DeepSpeed ZeRO-2/3 engine (one CPU process) trains every client to the plain run's result.
 

@@ -155,6 +155,7 @@ def fedllm_cmd(*args):
     return [sys.executable, "-m", "fedllm.cli", "--log-level", "WARNING", *args]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_round_then_resume_matches_uninterrupted(tmp_path):
     from safetensors.torch import load_file
 

@@ -208,7 +208,7 @@ def test_floral_linear_beats_its_baselines_and_finds_the_clusters(tmp_path):
     assert min(routers) >= 0.9, routers
 
 
-@pytest.mark.parametrize("name", ["floral-linear", "perfedavg-digits"])
+@pytest.mark.parametrize("name", [pytest.param("floral-linear", marks=pytest.mark.slow), "perfedavg-digits"])
 def test_each_reproduction_runs_at_its_quick_size(tmp_path, capsys, name):
     if name == "perfedavg-digits":
         pytest.importorskip("sklearn")

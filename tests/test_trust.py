@@ -325,6 +325,7 @@ def crashed(r, k, u):
     return u
 
 
+@pytest.mark.slow
 def test_a_hostile_client_end_to_end_is_contained(tmp_path, builtin_base):
     """One of four clients lies (a 1e12 count, a NaN scale) or sends 30x its honest update: the run finishes
     normally; the liar is left out every round (the run equals one without it), and the 30x client is
