@@ -296,7 +296,6 @@ def _mmlu_hub(subjects: list[str], limit: int) -> list[dict]:
             raise BenchmarkDataError(
                 f"lukaemon/mmlu {s}: cannot load from the Hub ({e}); pass --data"
             ) from None
+        rows = rows[:limit] if limit else rows
         out += [{**r, "subset": s, "_where": f"lukaemon/mmlu {s}, row {i}"} for i, r in enumerate(rows)]
-        if limit:
-            out = out[: len(out) - len(rows) + min(limit, len(rows))]
     return out
