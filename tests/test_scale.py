@@ -263,6 +263,8 @@ def test_tokens_are_cached_per_data_tokenizer_template_and_length(tmp_path, buil
         if one is not None:
             got = rows.select_table_rows([row_of[i]])[0]
             assert got == one and rows.lengths()[row_of[i]] == len(one.input_ids)
+    picked = rows.select([3, 0, 4, 1])  # a batch's read in one call: the rows, in the batch's order
+    assert picked.take([2, 0, 3]) == [picked[2], picked[0], picked[3]]
     for change in [(examples[:-1], "plain", 40), (examples, "alpaca", 40), (examples, "plain", 24)]:
         tokenize_cached(change[0], tok, change[1], change[2], tmp_path)
     assert len(list(tmp_path.glob("tokens-*.arrow"))) == 4  # every change is a new cache file

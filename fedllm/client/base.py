@@ -124,9 +124,10 @@ def batch_stream(
     """Endless seeded shuffled batches (reshuffled every epoch); see :func:`epoch_batches`."""
     rng = random.Random(seed)
     lengths = token_lengths(data) if group_by_length else [0] * len(data)
+    take = getattr(data, "take", None)  # a table's rows: one read per batch
     while True:
         for chunk in epoch_batches(lengths, batch_size, rng, group_by_length):
-            yield collate([data[j] for j in chunk], pad_id)
+            yield collate(take(chunk) if take else [data[j] for j in chunk], pad_id)
 
 
 class ClientAlgorithm:
