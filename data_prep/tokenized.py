@@ -87,10 +87,7 @@ class TokenRows(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return self.select(range(*i.indices(len(self))))
-        if i < 0:
-            i += len(self)
-        row = self.table[int(self.rows[i])]
-        return TokenizedExample(row["input_ids"].tolist(), row["labels"].tolist())
+        return self.take([i])[0]
 
     def take(self, positions: Sequence[int]) -> list[TokenizedExample]:
         """The examples at ``positions``, read in one call on the table (a training batch: one read per
