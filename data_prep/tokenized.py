@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.prompts import TokenizedExample, tokenize_batch
+from data_prep.prompts import IGNORE_INDEX, TokenizedExample, collate, tokenize_batch
 from data_prep.schema import Example
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class TokenRows(Sequence):
         self.table = table  # a datasets.Dataset in numpy format with input_ids, labels, length
         self.rows = np.arange(len(table)) if rows is None else np.asarray(rows, dtype=np.int64)
         self._lengths: np.ndarray | None = None
+        self._flat: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -98,16 +99,60 @@ class TokenRows(Sequence):
             for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)
         ]
 
+    def batch(self, positions: Sequence[int], pad_token_id: int, ignore_index: int = IGNORE_INDEX) -> dict:
+        """The examples at ``positions`` as one right-padded training batch (what ``collate(take(positions))``
+        gives), read straight from the table's memory-mapped token buffers.
+
+        A batch read through ``take`` turns every row into Python lists and back into tensors (1.2 ms for a
+        batch of 8 on the built-in data, as long as a tenth of the local step); here each column is one flat
+        array of tokens and one of row offsets, taken zero-copy once, and a batch is two numpy gathers.
+        """
+        import torch
+
+        flat = self._columns()
+        if flat is None:
+            return collate(self.take(positions), pad_token_id)
+        rows = self.rows[np.asarray(positions, dtype=np.int64)]
+        offsets, _ = flat["input_ids"]
+        starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
+        width = int(lengths.max())
+        real = np.arange(width)[None, :] < lengths[:, None]
+        source = (starts[:, None] + np.arange(width)[None, :])[real]
+        out = {}
+        for name, fill in (("input_ids", pad_token_id), ("labels", ignore_index)):
+            values = np.full((len(rows), width), fill, dtype=np.int64)
+            values[real] = flat[name][1][source]
+            out[name] = torch.from_numpy(values)
+        out["attention_mask"] = torch.from_numpy(real.astype(np.int64))
+        return out
+
+    def _columns(self) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+        """Each token column as (row offsets, flat values), zero-copy from Arrow; None where the table is a
+        view through an indices mapping (then rows are read through ``take``)."""
+        if self._flat is None:
+            if getattr(self.table, "_indices", None) is not None:
+                return None
+            flat = {}
+            for name in ("input_ids", "labels"):
+                column = self.table.data.column(name)
+                array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+                # a sliced array's offsets still index its (unsliced) values: no re-basing needed
+                flat[name] = (array.offsets.to_numpy().astype(np.int64), array.values.to_numpy())
+            if not np.array_equal(flat["input_ids"][0], flat["labels"][0]):
+                return None
+            self._flat = flat
+        return self._flat
+
     def select(self, rows: Sequence[int]) -> TokenRows:
         """The rows at positions ``rows`` of this selection (sharing the table)."""
         out = TokenRows(self.table, self.rows[np.asarray(list(rows), dtype=np.int64)])
-        out._lengths = self._lengths
+        out._lengths, out._flat = self._lengths, self._flat
         return out
 
     def select_table_rows(self, table_rows: Sequence[int]) -> TokenRows:
         """The given rows of the underlying table (e.g. from ``tokenize_cached``'s row numbers)."""
         out = TokenRows(self.table, table_rows)
-        out._lengths = self._lengths
+        out._lengths, out._flat = self._lengths, self._flat
         return out
 
     def __repr__(self) -> str:

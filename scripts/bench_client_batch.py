@@ -78,6 +78,92 @@ def one(args) -> None:
     print(json.dumps({"k": args.one, "seconds": seconds, "peak_mb": peak}))
 
 
+def model_only(k: int, args) -> dict:
+    """Forward + backward of the model alone (no optimizer, clip, schedule or batch reads) for round 1's first
+    ``k`` clients, on one batch each: every client through its own adapter one at a time (peft's forward, as
+    K = 1 trains), against the k of them routed in one stacked forward (as K = k trains). Isolates what the
+    stacked forward gains; the adapters' own products stay one per client either way."""
+    import contextlib
+
+    from accelerate import Accelerator
+
+    from fedllm import assembly
+    from fedllm.client.base import lm_loss
+    from fedllm.client.batched import Routing, _Span, _stack, client_losses, ensure_slot, slot_name
+    from fedllm.config import load_config
+    from fedllm.model.modeling import activate
+
+    overrides = [
+        f"federation.num_clients={max(args.clients, k)}",
+        "lora.trainable_modules=[]",
+        "eval.benchmark=none",
+        *([f"model.name={args.model}"] if args.model else []),
+        *args.extra,
+    ]
+    fed = assembly.assemble(load_config(None, overrides), Accelerator(cpu=not torch.cuda.is_available()))
+    plan = fed.server.plan_round(1)
+    runtime, model = fed.runtime, fed.runtime.model
+    device = runtime.acc.device
+    group = [fed.clients[c] for c in plan.active][:k]
+    with contextlib.ExitStack() as stack:
+        jobs = []
+        for i, client in enumerate(group):
+            ensure_slot(model, slot_name(i, client.rank), client.rank, runtime.lora_cfg)
+            jobs.append(
+                runtime.begin_training(
+                    client, plan.starts[client.client_id], stack, slot_name(i, client.rank)
+                )
+            )
+        batches = [next(j.batches) for j in jobs]
+        model.train()
+
+        stacked = {key: v.to(device) for key, v in _stack(batches, runtime.tokenizer.pad_token_id).items()}
+        spans, row = [], 0
+        for job, batch in zip(jobs, batches, strict=True):
+            spans.append(
+                _Span(job.adapter, row, batch["input_ids"].shape[0], batch["input_ids"].shape[1], None)
+            )
+            row += batch["input_ids"].shape[0]
+
+        def together() -> None:
+            sum(client_losses(model(**stacked).logits, batches)).backward()
+
+        def seconds(fn, n: int) -> float:
+            fn()
+            best = float("inf")
+            for _ in range(3):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                best = min(best, (time.perf_counter() - t0) / n)
+            return best
+
+        n = max(1, args.ceiling_reps // 4)
+        t_alone = 0.0
+        for job, batch in zip(jobs, batches, strict=True):  # each switched in once, as a lone round does
+            activate(model, job.adapter)
+            t_alone += seconds(lambda batch=batch: lm_loss(model, batch, runtime.acc).backward(), n)
+        for job in jobs:  # every slot trainable again, as when they train together
+            for p in job.params.values():
+                p.requires_grad_(True)
+        routing = Routing(model, jobs[0].adapter)
+        routing.route(spans)
+        try:
+            t_together = seconds(together, n)
+        finally:
+            routing.close()
+    return {
+        "k": k,
+        "alone_ms": 1000 * t_alone,
+        "together_ms": 1000 * t_together,
+        "ratio": t_alone / t_together,
+    }
+
+
 def base_model(folder: str | None):
     """The base a bench row trained: the built-in default's architecture, or the TinyLlama-shaped folder."""
     from transformers import AutoModelForCausalLM
@@ -145,12 +231,16 @@ def main() -> int:
     p.add_argument("--ceiling-seq-len", type=int, default=48, help="sequence length of the ceiling's batches")
     p.add_argument("--ceiling-reps", type=int, default=40, help="steps of one batch timed for the ceiling")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--model-only", type=int, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
     args, extra = p.parse_known_args()
     args.extra = extra
     if args.one:
         one(args)
+        return 0
+    if args.model_only:
+        print(json.dumps(model_only(args.model_only, args)))
         return 0
     from safetensors.torch import load_file
 
@@ -192,6 +282,32 @@ def main() -> int:
             print(
                 f"{name:<22} ceiling (bare base, forward + backward): "
                 + "  ".join(f"K={k} x{c:.2f}" for k, c in ceilings.items()),
+                flush=True,
+            )
+            adapters = {}
+            for k in args.ks:
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--model-only",
+                    str(k),
+                    "--clients",
+                    str(args.clients),
+                    *extra,
+                ]
+                cmd += ["--model", model] if model else []
+                cmd += ["--ceiling-reps", str(args.ceiling_reps)]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode != 0:
+                    raise SystemExit(
+                        f"{name} model-only K={k} failed: "
+                        f"{(res.stderr or res.stdout).strip().splitlines()[-1:]}"
+                    )
+                adapters[k] = json.loads(res.stdout.strip().splitlines()[-1])["ratio"]
+            out.setdefault("model_only", {})[name] = adapters
+            print(
+                f"{name:<22} model with adapters, forward + backward (K routed vs one at a time): "
+                + "  ".join(f"K={k} x{c:.2f}" for k, c in adapters.items()),
                 flush=True,
             )
     print(json.dumps(out))

@@ -3,6 +3,9 @@ is the one it gets alone."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 import torch
 
@@ -55,7 +58,8 @@ def _updates(builtin_base, strategy: str, algorithm: str, k: int, optimizer: str
     for round_idx in (1, 2):
         plan = fed.server.plan_round(round_idx)
         clients = [fed.clients[c] for c in plan.active]
-        got = fed.runtime.train_many(clients, [plan.starts[c.client_id] for c in clients])
+        with _no_fallback():  # clients trained alone after a failed batch would pass for equal
+            got = fed.runtime.train_many(clients, [plan.starts[c.client_id] for c in clients])
         for u in got:
             assert not isinstance(u, Exception), u
             out.update({(round_idx, u.client_id, m, "A"): f.A for m, f in u.factors.items()})
@@ -65,6 +69,25 @@ def _updates(builtin_base, strategy: str, algorithm: str, k: int, optimizer: str
         if report.merged:
             fed.runtime.merge(round_idx, report.merged)
     return out
+
+
+@contextlib.contextmanager
+def _no_fallback():
+    """Fails if client-batched training fell back to training each client alone."""
+    seen: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Catch(logging.WARNING)
+    logger = logging.getLogger("fedllm.client.runtime")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "client-batched training failed" in m], seen
 
 
 def _valid(strategy: str, algorithm: str) -> bool:
@@ -157,3 +180,83 @@ def test_a_failing_batch_falls_back_to_each_client_alone(builtin_base, monkeypat
         in caplog.text
     )
     assert torch.isfinite(torch.tensor([u.metrics["loss_last"] for u in got])).all()
+
+
+def _routed_case(dtype=torch.float64, dropout=(True, False, True), frozen_a=False):
+    """Three clients' rows of a stacked batch (4, 2 and 3 rows of width 5), ranks 2, 5 and 3, one base
+    projection 6 -> 7, and the routed layer's description; the masks as a client's lone dropout draws them."""
+    from fedllm.client.batched import _Layer
+
+    g = torch.Generator().manual_seed(0)
+    rows, width, ranks, scales = [4, 2, 3], 5, [2, 5, 3], [0.5, 2.0, 1.25]
+    x = torch.randn(sum(rows), width, 6, generator=g, dtype=dtype)
+    w = torch.randn(7, 6, generator=g, dtype=dtype)
+    a = [torch.randn(r, 6, generator=g, dtype=dtype).requires_grad_(not frozen_a) for r in ranks]
+    b = [torch.randn(7, r, generator=g, dtype=dtype).requires_grad_() for r in ranks]
+    bounds, noise, at = [], [], 0
+    for n, drops in zip(rows, dropout, strict=True):
+        bounds.append((at * width, (at + n) * width))
+        at += n
+        mask = (torch.rand(n * width, 6, generator=g) > 0.3).to(dtype) / 0.7
+        noise.append(mask if drops else None)
+    return x, w, a, b, _Layer(a, b, scales, bounds, noise, dtype)
+
+
+def _reference(x, w, a, b, layer):
+    """Each client's rows through ``x W^T + s B A drop(x)`` with plain autograd."""
+    flat = x.reshape(-1, x.shape[-1])
+    parts = []
+    for (lo, hi), ak, bk, s, noise in zip(layer.bounds, a, b, layer.scales, layer.noise, strict=True):
+        xk = flat[lo:hi] if noise is None else flat[lo:hi] * noise
+        parts.append(flat[lo:hi] @ w.T + s * (xk @ ak.T) @ bk.T)
+    return torch.cat(parts).view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("frozen_a", [False, True])
+def test_the_routed_layer_is_autograd_through_each_clients_adapter(frozen_a):
+    """Output and gradients (input, A, B) of the hand-written backward equal plain autograd's in float64, with
+    unequal ranks, rows and scales, dropout on two of three clients and (FFA-LoRA) a frozen A."""
+    from fedllm.client.batched import _RoutedLoRA
+
+    x, w, a, b, layer = _routed_case(frozen_a=frozen_a)
+    x.requires_grad_()
+    upstream = torch.randn(
+        x.shape[0], x.shape[1], 7, dtype=x.dtype, generator=torch.Generator().manual_seed(1)
+    )
+    got = _RoutedLoRA.apply(torch.nn.functional.linear(x, w), x, layer, *a, *b)
+    grads = torch.autograd.grad((got * upstream).sum(), [x, *[t for t in a + b if t.requires_grad]])
+    want = _reference(x, w, a, b, layer)
+    wants = torch.autograd.grad((want * upstream).sum(), [x, *[t for t in a + b if t.requires_grad]])
+    torch.testing.assert_close(got, want)
+    for g, r in zip(grads, wants, strict=True):
+        torch.testing.assert_close(g, r)
+    assert all(t.grad is None for t in a + b)
+
+    def fn(xx, *weights):
+        return _RoutedLoRA.apply(torch.nn.functional.linear(xx, w), xx, layer, *weights)
+
+    small = [t.detach().clone().requires_grad_(t.requires_grad) for t in a + b]
+    assert torch.autograd.gradcheck(fn, (x.detach().clone().requires_grad_(), *small))
+
+
+def test_the_routed_layer_under_bf16_autocast_is_the_modules_bf16_product():
+    """Under autocast (a GPU's bf16, here the CPU's) the adapters' products run in the autocast dtype, as
+    peft's modules run there, and their gradients arrive in the adapters' own dtype."""
+    from fedllm.client.batched import _Layer, _RoutedLoRA
+
+    x, w, a, b, layer = _routed_case(dtype=torch.float32, dropout=(False, False, False))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = _Layer(a, b, layer.scales, layer.bounds, layer.noise, torch.bfloat16)
+        got = _RoutedLoRA.apply(torch.nn.functional.linear(x, w), x, bf16, *a, *b)
+        flat = x.reshape(-1, 6)
+        want = torch.cat(
+            [
+                torch.nn.functional.linear(flat[lo:hi], w)
+                + torch.nn.functional.linear(torch.nn.functional.linear(flat[lo:hi], ak), bk) * s
+                for (lo, hi), ak, bk, s in zip(layer.bounds, a, b, layer.scales, strict=True)
+            ]
+        ).view(got.shape)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    got.float().sum().backward()
+    assert all(t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in a + b)

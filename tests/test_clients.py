@@ -434,3 +434,16 @@ def test_client_dropout_and_heterogeneous_steps(tmp_path):
     for r in rows[1:]:
         assert len(r["dropped"]) == 2 and r["n_updates"] == 2
     assert [fed.runtime.local_steps(c) for c in fed.clients] == [1, 3, 1, 3]
+
+
+def test_a_clients_adamw_is_torchs_fused_kernel_except_under_deepspeed():
+    """One fused call per step for all of a client's tensors (torch loops over them in Python on a CPU
+    otherwise); DeepSpeed's engine steps the optimizer itself, so there the choice is left to torch."""
+    from fedllm.client.sft import SFT
+    from fedllm.model.parallel import Layout
+
+    params = {"a": nn.Parameter(torch.randn(4, 3)), "b": nn.Parameter(torch.randn(3, 4))}
+    plan = LocalPlan(round=1, client_id=0, steps=2, seed=0, lr=1e-2, batch_size=2)
+    assert SFT().make_optimizer(params, plan).defaults["fused"] is True
+    plan.layout = Layout("data", 0, 1, deepspeed=True)
+    assert not SFT().make_optimizer(params, plan).defaults["fused"]

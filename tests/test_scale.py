@@ -265,9 +265,45 @@ def test_tokens_are_cached_per_data_tokenizer_template_and_length(tmp_path, buil
             assert got == one and rows.lengths()[row_of[i]] == len(one.input_ids)
     picked = rows.select([3, 0, 4, 1])  # a batch's read in one call: the rows, in the batch's order
     assert picked.take([2, 0, 3]) == [picked[2], picked[0], picked[3]]
+    _assert_batches_read_from_buffers_are_collated_rows(picked, [2, 0, 3, 2], tok.pad_token_id)
     for change in [(examples[:-1], "plain", 40), (examples, "alpaca", 40), (examples, "plain", 24)]:
         tokenize_cached(change[0], tok, change[1], change[2], tmp_path)
     assert len(list(tmp_path.glob("tokens-*.arrow"))) == 4  # every change is a new cache file
+
+
+def _assert_batches_read_from_buffers_are_collated_rows(rows, positions, pad_id) -> None:
+    """``TokenRows.batch`` (numpy gathers on the token buffers) gives what collating the rows gives."""
+    from data_prep.prompts import collate
+
+    got, want = rows.batch(positions, pad_id), collate(rows.take(positions), pad_id)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+def test_batch_reads_from_token_buffers_equal_collated_rows_in_every_table_layout():
+    """One chunk, several chunks (a table concatenated from parts: offsets per chunk), and a table seen
+    through an indices mapping (read row by row instead)."""
+    import datasets
+
+    from data_prep.tokenized import TokenRows
+
+    ids = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15], [16, 17, 18]]
+    labels = [[-100, 6, 7], [8], [-100, -100, 11, 12, 13], [14, 15], [-100, 17, 18]]
+
+    def table(lo: int, hi: int):
+        rows = {"input_ids": ids[lo:hi], "labels": labels[lo:hi], "length": [len(i) for i in ids[lo:hi]]}
+        return datasets.Dataset.from_dict(rows).with_format("numpy")
+
+    one = table(0, 5)
+    parts = datasets.concatenate_datasets([table(0, 2), table(2, 5)]).with_format("numpy")
+    assert parts.data.column("input_ids").num_chunks == 2
+    mapped = one.select([4, 3, 2, 1, 0])
+    for t in (one, parts, mapped):
+        rows = TokenRows(t).select([4, 2, 0, 3, 1])
+        for positions in ([0, 1, 2, 3, 4], [3, 3, 1], [2]):
+            _assert_batches_read_from_buffers_are_collated_rows(rows, positions, pad_id=0)
+    assert TokenRows(mapped)._columns() is None and TokenRows(parts)._columns() is not None
 
 
 def test_length_grouped_batches_pad_less_cover_every_example_and_stay_shuffled():

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from fedllm.client.base import LocalResult, LocalRun
 from fedllm.factors import lora_modules
@@ -89,87 +88,168 @@ class _Span:
     generator: torch.Generator  # its dropout masks
 
 
+class _RoutedLoRA(torch.autograd.Function):
+    """``out += scale_k B_k A_k drop_k(x)`` on each client k's rows, in place: one autograd node per layer.
+
+    Autograd through per-client slices, a padded stack of the adapters and a batched matmul cost as much as
+    the K clients' adapters trained one at a time (docs/scale.md); here each client's products run at its own
+    rank on its own rows, and the backward is written out: with ``g`` the output's gradient on client k's rows
+    and ``h = drop_k(x) A_k^T``: ``dB_k = s g^T h``, ``dh = s g B_k``, ``dA_k = dh^T drop_k(x)``,
+    ``dx = drop_k(dh A_k)`` (the same mask, scaled). ``routing.current`` holds the layer's adapters, scales,
+    row ranges and masks for this forward.
+    """
+
+    @staticmethod
+    def forward(ctx, out, x, layer, *weights):
+        k = len(layer.scales)
+        a_list, b_list = weights[:k], weights[k:]
+        dtype = layer.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            flat = x.reshape(-1, x.shape[-1])
+            of = out.view(-1, out.shape[-1])
+            xs, hs = [], []
+            for (lo, hi), a, b, s, noise in zip(
+                layer.bounds, a_list, b_list, layer.scales, layer.noise, strict=True
+            ):
+                xk = flat[lo:hi].to(dtype)
+                if noise is not None:
+                    xk = xk * noise
+                h = torch.mm(xk, a.to(dtype).T)
+                delta = torch.mm(h, b.to(dtype).T)
+                of[lo:hi].add_(delta.to(out.dtype), alpha=s)
+                xs.append(xk)
+                hs.append(h)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(*xs, *hs, *weights)
+        ctx.layer, ctx.x_shape, ctx.x_dtype = layer, x.shape, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        layer = ctx.layer
+        k = len(layer.scales)
+        saved = ctx.saved_tensors
+        xs, hs, a_list, b_list = saved[:k], saved[k : 2 * k], saved[2 * k : 3 * k], saved[3 * k :]
+        gf = grad.reshape(-1, grad.shape[-1])
+        need_x = ctx.needs_input_grad[1]
+        gx = gf.new_empty((gf.shape[0], ctx.x_shape[-1]), dtype=ctx.x_dtype) if need_x else None
+        ga, gb = [], []
+        for i, ((lo, hi), s, noise) in enumerate(zip(layer.bounds, layer.scales, layer.noise, strict=True)):
+            a, b = a_list[i], b_list[i]
+            g = gf[lo:hi].to(layer.dtype)
+            dh = torch.mm(g, b.to(layer.dtype)).mul_(s)
+            gb.append(torch.mm(g.T, hs[i]).mul_(s).to(b.dtype) if ctx.needs_input_grad[3 + k + i] else None)
+            ga.append(torch.mm(dh.T, xs[i]).to(a.dtype) if ctx.needs_input_grad[3 + i] else None)
+            if need_x and noise is None and gx.dtype == layer.dtype:
+                torch.mm(dh, a.to(layer.dtype), out=gx[lo:hi])
+            elif need_x:
+                dx = torch.mm(dh, a.to(layer.dtype))
+                gx[lo:hi] = dx if noise is None else dx.mul_(noise)
+        return (grad, None if gx is None else gx.view(ctx.x_shape), None, *ga, *gb)
+
+
+@dataclass
+class _Layer:
+    """One LoRA layer's part of a routed forward: each client's adapter, scale, flattened row range and
+    dropout mask (None: no dropout), and the dtype its products run in."""
+
+    a: list[Tensor]
+    b: list[Tensor]
+    scales: list[float]
+    bounds: list[tuple[int, int]]
+    noise: list[Tensor | None]
+    dtype: torch.dtype
+
+
 class Routing:
     """Every LoRA layer's forward replaced, while open, by one that routes each row through its client's
-    adapter (see module docstring); :attr:`spans` says whose rows are where for the next forward."""
+    adapter (see module docstring). :meth:`route` says whose rows are where for the next forward."""
 
     def __init__(self, model, adapter: str) -> None:
         self.modules = list(lora_modules(model, adapter).values())
         self.spans: list[_Span] = []
-        self._scale_cache: dict = {}
+        self._per_slots: dict[tuple[str, ...], dict[int, tuple]] = {}
         for m in self.modules:
             m.forward = self._forward_of(m)
+
+    def route(self, spans: list[_Span]) -> None:
+        """The next forward's clients: whose rows are where (``spans``, in the stacked batch's order)."""
+        self.spans = spans
 
     def close(self) -> None:
         for m in self.modules:
             del m.forward  # back to the class's forward
 
+    def _adapters(self, m, slots: tuple[str, ...]) -> tuple:
+        """(hooked, A's, B's, scales) of layer ``m`` for these slots, looked up once per set of slots."""
+        cache = self._per_slots.setdefault(slots, {})
+        got = cache.get(id(m))
+        if got is None:
+            mods = [(m.lora_A[s], m.lora_B[s]) for s in slots]
+            hooked = any(
+                mod._forward_hooks or mod._forward_pre_hooks or getattr(mod, "bias", None) is not None
+                for pair in mods
+                for mod in pair
+            )
+            got = (
+                hooked,
+                [a.weight for a, _ in mods],
+                [b.weight for _, b in mods],
+                [float(m.scaling[s]) for s in slots],
+            )
+            cache[id(m)] = got
+        return got
+
     def _forward_of(self, m):
         def forward(x: Tensor, *args, **kwargs) -> Tensor:
             result = m.base_layer(x, *args, **kwargs)
-            return result + self._lora(m, x).to(result.dtype)
+            slots = tuple(s.slot for s in self.spans)
+            hooked, a_list, b_list, scales = self._adapters(m, slots)
+            if hooked:  # through the modules, so that their hooks fire
+                return result + self._through_modules(m, x, slots).to(result.dtype)
+            autocast = torch.is_autocast_enabled(x.device.type)
+            dtype = torch.get_autocast_dtype(x.device.type) if autocast else a_list[0].dtype
+            width = x.shape[1]
+            bounds = [(s.row * width, (s.row + s.rows) * width) for s in self.spans]
+            layer = _Layer(a_list, b_list, scales, bounds, self._noise(m, x, dtype), dtype)
+            return _RoutedLoRA.apply(result, x, layer, *a_list, *b_list)
 
         return forward
 
-    def _inputs(self, m, x: Tensor) -> tuple[list[Tensor], bool]:
-        """Each client's rows, dropped out as its lone forward would be (its own mask, its own width), and
-        whether they are plain slices of ``x`` (no dropout, no cast)."""
-        out, plain = [], True
+    def _noise(self, m, x: Tensor, dtype) -> list[Tensor | None]:
+        """Each client's dropout mask over its rows of the stacked batch (scaled by 1 / (1 - p); ones past its
+        own width), drawn from its own generator in its lone batch's shape, so that it is the one its lone
+        forward draws; None for a client without dropout."""
+        out = []
         for s in self.spans:
-            xk = x[s.row : s.row + s.rows]
             drop = m.lora_dropout[s.slot]
+            p = getattr(drop, "p", 0.0)
+            if not (drop.training and p > 0):
+                out.append(None)
+                continue
+            own = torch.empty((s.rows, s.width, x.shape[-1]), dtype=x.dtype, device=x.device)
+            own.bernoulli_(1 - p, generator=s.generator).div_(1 - p)
+            full = torch.ones((s.rows, x.shape[1], x.shape[-1]), dtype=dtype, device=x.device)
+            full[:, : s.width] = own
+            out.append(full.view(-1, x.shape[-1]))
+        return out
+
+    def _through_modules(self, m, x: Tensor, slots: tuple[str, ...]) -> Tensor:
+        """Each client's rows through its own lora_A / lora_B modules (a layer with hooks or a bias), dropped
+        out as its lone forward would be (its own mask on its own width)."""
+        ys = []
+        for s, slot in zip(self.spans, slots, strict=True):
+            xk = x[s.row : s.row + s.rows]
+            drop = m.lora_dropout[slot]
             p = getattr(drop, "p", 0.0)
             if drop.training and p > 0:
                 own = xk[:, : s.width]
                 noise = torch.empty(own.shape, dtype=own.dtype, device=own.device)
                 noise.bernoulli_(1 - p, generator=s.generator).div_(1 - p)
                 xk = torch.cat([own * noise, xk[:, s.width :]], dim=1)
-                plain = False
-            if xk.dtype != m.lora_A[s.slot].weight.dtype:
-                xk, plain = xk.to(m.lora_A[s.slot].weight.dtype), False
-            out.append(xk)
-        return out, plain
-
-    def _lora(self, m, x: Tensor) -> Tensor:
-        xs, plain = self._inputs(m, x)
-        slots = [s.slot for s in self.spans]
-        hooked = any(
-            mod._forward_hooks or mod._forward_pre_hooks or getattr(mod, "bias", None) is not None
-            for s in slots
-            for mod in (m.lora_A[s], m.lora_B[s])
-        )
-        if hooked:  # through the modules, so that their hooks fire
-            ys = [m.lora_B[s](m.lora_A[s](xk)) * m.scaling[s] for s, xk in zip(slots, xs, strict=True)]
-            return torch.cat(ys, dim=0)
-        k, t, d = len(slots), x.shape[1], x.shape[-1]
-        even = len({s.rows for s in self.spans}) == 1
-        if even and plain:
-            flat = x.reshape(k, -1, d)  # the rows already lie client by client: a view
-        elif even:
-            flat = torch.stack([xk.reshape(-1, d) for xk in xs])
-        else:
-            flat = pad_sequence([xk.reshape(-1, d) for xk in xs], batch_first=True)  # K x rows*T x in
-        a_list = [m.lora_A[s].weight for s in slots]
-        b_list = [m.lora_B[s].weight for s in slots]
-        if len({w.shape[0] for w in a_list}) == 1:  # one rank: a plain stack
-            a, b = torch.stack(a_list), torch.stack(b_list)  # K x r x in, K x out x r
-        else:  # zero-padded to the largest rank (exact: see module docstring)
-            a = pad_sequence(a_list, batch_first=True)
-            b = pad_sequence([w.T for w in b_list], batch_first=True).transpose(1, 2)
-        scale = self._scales(m, slots, flat)  # folded into B (K x out x r): cheaper than scaling the output
-        y = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2) * scale)
-        if even:
-            return y.reshape(k * self.spans[0].rows, t, -1)
-        return torch.cat([y[i, : s.rows * t].reshape(s.rows, t, -1) for i, s in enumerate(self.spans)], dim=0)
-
-    def _scales(self, m, slots: list[str], like: Tensor) -> Tensor:
-        key = (id(m), tuple(slots), like.dtype, like.device)
-        cached = self._scale_cache.get(key)
-        if cached is None:
-            values = [float(m.scaling[s]) for s in slots]
-            cached = torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
-            self._scale_cache[key] = cached
-        return cached
+            xk = xk.to(m.lora_A[slot].weight.dtype)
+            ys.append(m.lora_B[slot](m.lora_A[slot](xk)) * m.scaling[slot])
+        return torch.cat(ys, dim=0)
 
 
 def _stack(batches: list[dict[str, Tensor]], pad_id: int) -> dict[str, Tensor]:
@@ -239,12 +319,13 @@ def train_together(runtime, jobs: list, algos: list, accelerator) -> list[tuple[
             totals = dict.fromkeys(active, 0.0)
             for _ in range(accum):
                 batches = [next(jobs[k].batches) for k in active]
-                routing.spans, row = [], 0
+                spans, row = [], 0
                 for k, b in zip(active, batches, strict=True):
                     n, width = b["input_ids"].shape
-                    routing.spans.append(_Span(jobs[k].adapter, row, n, width, runs[k].generator))
+                    spans.append(_Span(jobs[k].adapter, row, n, width, runs[k].generator))
                     row += n
                 stacked = {key: v.to(device) for key, v in _stack(batches, pad_id).items()}
+                routing.route(spans)
                 with autocast():
                     logits = model(**stacked).logits
                 losses = client_losses(logits, batches)
