@@ -8,8 +8,11 @@ and a TinyLlama-shaped base with ``--layers`` decoder layers (random weights, th
 
 The ceiling: what stacking alone can give on this machine. The bare frozen base (no adapters, no optimizer,
 no data loading) runs forward and backward (to its input embeddings, as the adapters' gradients need) on
-one client's batch and on K stacked batches; ``ceiling_vs_k1`` is K times the first time over the second.
-Client batching cannot beat it by more than what the adapters' own small operations add per client.
+one client's batch and on K stacked batches; ``ceiling_vs_k1`` is K times the first time over the second
+(on a CPU also timed on one thread, where a second core cannot help). The model alone: forward and backward
+of the first K clients' adapters on one batch each, each client through peft one at a time (as K = 1
+trains) against the K routed together (as K = K trains), without optimizer, clip or data; the gap between it
+and the ceiling is the adapters' own products, which stay one client's work either way.
 Last line: one JSON object.
 
     python scripts/bench_client_batch.py [--ks 1 2 4 8] [--clients 8] [--local-steps 20] [--layers 1]
@@ -164,6 +167,50 @@ def model_only(k: int, args) -> dict:
     }
 
 
+def step_costs(args) -> dict:
+    """What every client pays per step besides forward and backward, in two ways each, on round 1's first
+    client of the built-in default: its AdamW step over its adapter tensors (torch's CPU default, a loop over
+    the tensors in Python, against the fused kernel fedllm uses) and the read of one batch (the rows as
+    Python lists collated, against ``TokenRows.batch`` on the token buffers)."""
+    from accelerate import Accelerator
+
+    from data_prep.prompts import collate
+    from fedllm import assembly
+    from fedllm.config import load_config
+
+    overrides = ["lora.trainable_modules=[]", "eval.benchmark=none", *args.extra]
+    fed = assembly.assemble(load_config(None, overrides), Accelerator(cpu=True))
+    plan = fed.server.plan_round(1)
+    client = fed.clients[plan.active[0]]
+    params, _ = fed.runtime.switch_in(client, plan.starts[client.client_id])
+    tensors = [p for p in params.values() if p.requires_grad]
+    for t in tensors:
+        t.grad = torch.randn_like(t)
+
+    def ms(fn, n: int = 200) -> float:
+        for _ in range(20):
+            fn()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / n)
+        return 1000 * best
+
+    loop = torch.optim.AdamW(tensors, lr=1e-6, foreach=False)
+    fused = torch.optim.AdamW(tensors, lr=1e-6, fused=True)
+    pad, positions = fed.runtime.tokenizer.pad_token_id, list(range(8))
+    data = client.train
+    return {
+        "adapter_tensors": len(tensors),
+        "adamw_loop_ms": ms(loop.step),
+        "adamw_fused_ms": ms(fused.step),
+        "batch_rows_collated_ms": ms(lambda: collate(data.take(positions), pad)),
+        "batch_from_buffers_ms": ms(lambda: data.batch(positions, pad)),
+    }
+
+
 def base_model(folder: str | None):
     """The base a bench row trained: the built-in default's architecture, or the TinyLlama-shaped folder."""
     from transformers import AutoModelForCausalLM
@@ -186,8 +233,8 @@ def tinyllama_folder(layers: int, root: Path) -> str:
 
 
 def ceiling(model, ks: list[int], batch: int, seq_len: int, reps: int) -> dict[int, float]:
-    """``ceiling_vs_k1`` for each K: the bare base's forward + backward on K stacked batches against K times
-    one batch (random token ids of ``seq_len``; the loss over every position)."""
+    """The bare base's forward + backward time (ms) of one step on K stacked batches, for each K (random token
+    ids of ``seq_len``; the loss over every position); ``ceiling_vs_k1`` is K times the K = 1 time over it."""
     cuda = torch.cuda.is_available()
     model = model.to("cuda" if cuda else "cpu").train()
     for p in model.parameters():
@@ -212,8 +259,13 @@ def ceiling(model, ks: list[int], batch: int, seq_len: int, reps: int) -> dict[i
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n
 
-    per_client = {k: seconds(k * batch, max(1, reps // k)) / k for k in ks}
-    return {k: per_client[ks[0]] / per_client[k] for k in ks}
+    return {k: 1000 * seconds(k * batch, max(1, reps // k)) for k in ks}
+
+
+def vs_k1(step_ms: dict[int, float]) -> dict[int, float]:
+    """Each K's gain per client over K = 1 from the time of one step on K clients' rows."""
+    first = min(step_ms)
+    return {k: (step_ms[first] / first) / (ms / k) for k, ms in step_ms.items()}
 
 
 def max_relative_difference(a: dict, b: dict) -> float:
@@ -232,6 +284,7 @@ def main() -> int:
     p.add_argument("--ceiling-reps", type=int, default=40, help="steps of one batch timed for the ceiling")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
     p.add_argument("--model-only", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--step-costs", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
     args, extra = p.parse_known_args()
@@ -242,9 +295,23 @@ def main() -> int:
     if args.model_only:
         print(json.dumps(model_only(args.model_only, args)))
         return 0
+    if args.step_costs:
+        print(json.dumps(step_costs(args)))
+        return 0
     from safetensors.torch import load_file
 
     out: dict = {"machine": os.uname().machine, "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}
+    res = subprocess.run([sys.executable, __file__, "--step-costs", *extra], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"step costs failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+    out["step_costs"] = costs = json.loads(res.stdout.strip().splitlines()[-1])
+    print(
+        f"per client step, built-in ({costs['adapter_tensors']} adapter tensors): AdamW "
+        f"{costs['adamw_loop_ms']:.2f} ms looped / {costs['adamw_fused_ms']:.2f} ms fused; batch read "
+        f"{costs['batch_rows_collated_ms']:.2f} ms rows collated / {costs['batch_from_buffers_ms']:.2f} ms "
+        "from the token buffers",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         bases = {"builtin": (None, args.local_steps)}
         if not args.skip_tinyllama:
@@ -277,8 +344,24 @@ def main() -> int:
                     flush=True,
                 )
             out[name] = rows
-            ceilings = ceiling(base_model(model), args.ks, 8, args.ceiling_seq_len, args.ceiling_reps)
+            base = base_model(model)
+            step_ms = ceiling(base, args.ks, 8, args.ceiling_seq_len, args.ceiling_reps)
+            ceilings = vs_k1(step_ms)
             out["ceiling"][name] = ceilings
+            out.setdefault("ceiling_step_ms", {})[name] = {"threads": torch.get_num_threads(), **step_ms}
+            if not torch.cuda.is_available():  # what stacking gives where no second core can help
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    single = ceiling(base, args.ks, 8, args.ceiling_seq_len, args.ceiling_reps)
+                finally:
+                    torch.set_num_threads(threads)
+                out.setdefault("ceiling_step_ms_one_thread", {})[name] = single
+                print(
+                    f"{name:<22} bare base step, ms ({threads} threads / 1 thread): "
+                    + "  ".join(f"K={k} {step_ms[k]:.1f} / {single[k]:.1f}" for k in args.ks),
+                    flush=True,
+                )
             print(
                 f"{name:<22} ceiling (bare base, forward + backward): "
                 + "  ".join(f"K={k} x{c:.2f}" for k, c in ceilings.items()),
@@ -303,11 +386,14 @@ def main() -> int:
                         f"{name} model-only K={k} failed: "
                         f"{(res.stderr or res.stdout).strip().splitlines()[-1:]}"
                     )
-                adapters[k] = json.loads(res.stdout.strip().splitlines()[-1])["ratio"]
+                adapters[k] = json.loads(res.stdout.strip().splitlines()[-1])
             out.setdefault("model_only", {})[name] = adapters
             print(
                 f"{name:<22} model with adapters, forward + backward (K routed vs one at a time): "
-                + "  ".join(f"K={k} x{c:.2f}" for k, c in adapters.items()),
+                + "  ".join(
+                    f"K={k} x{c['ratio']:.2f} ({c['alone_ms']:.1f} / {c['together_ms']:.1f} ms)"
+                    for k, c in adapters.items()
+                ),
                 flush=True,
             )
     print(json.dumps(out))

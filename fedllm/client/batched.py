@@ -2,12 +2,11 @@
 
 In a simulated round every client trains on the same frozen base; only their small adapters differ. So K
 clients' batches are stacked into one batch that goes through the base once, each row routed through its
-own client's adapter: every LoRA layer computes the base projection for all rows, then each client's
-``B_k A_k x`` on its own rows, as one batched matmul over the K adapters zero-padded to the largest rank
-(exact: a padded row of A meets a padded column of B, both zero, so the padding adds nothing and gets no
-gradient). A layer with hooks of its own (HetLoRA's pruning mask) or a LoRA bias computes each client
-through its modules instead, so the hooks still fire. The loss is the sum of the clients' own mean losses;
-their adapters are disjoint parameters, so each one's gradient is its own.
+own client's adapter: every LoRA layer computes the base projection for all rows, then adds each client's
+``B_k A_k x`` on its own rows, at its own rank, in one autograd node with its backward written out
+(:class:`_RoutedLoRA`). A layer with hooks of its own (HetLoRA's pruning mask) or a LoRA bias computes
+each client through its modules instead, so the hooks still fire. The loss is the sum of the clients'
+own mean losses; their adapters are disjoint parameters, so each one's gradient is its own.
 
 Each client keeps its own adapter slot (a peft adapter ``b<i>r<rank>``: clients of equal rank need
 separate weights), optimizer, schedule, gradient clip, correction (SCAFFOLD), proximal pull (FedProx),
@@ -91,12 +90,11 @@ class _Span:
 class _RoutedLoRA(torch.autograd.Function):
     """``out += scale_k B_k A_k drop_k(x)`` on each client k's rows, in place: one autograd node per layer.
 
-    Autograd through per-client slices, a padded stack of the adapters and a batched matmul cost as much as
-    the K clients' adapters trained one at a time (docs/scale.md); here each client's products run at its own
-    rank on its own rows, and the backward is written out: with ``g`` the output's gradient on client k's rows
-    and ``h = drop_k(x) A_k^T``: ``dB_k = s g^T h``, ``dh = s g B_k``, ``dA_k = dh^T drop_k(x)``,
-    ``dx = drop_k(dh A_k)`` (the same mask, scaled). ``routing.current`` holds the layer's adapters, scales,
-    row ranges and masks for this forward.
+    Each client's products run at its own rank on its own rows (no stack zero-padded to the largest rank, no
+    padded copies in the graph), and the backward is written out: with ``g`` the output's gradient on
+    client k's rows and ``h = drop_k(x) A_k^T``: ``dB_k = s g^T h``, ``dh = s g B_k``,
+    ``dA_k = dh^T drop_k(x)``, ``dx = drop_k(dh A_k)`` (the same mask, scaled). ``layer`` (a
+    :class:`_Layer`) holds the adapters, scales, row ranges and masks of this forward.
     """
 
     @staticmethod
