@@ -92,7 +92,15 @@ def model_only(k: int, args) -> dict:
 
     from fedllm import assembly
     from fedllm.client.base import lm_loss
-    from fedllm.client.batched import Routing, _Span, _stack, client_losses, ensure_slot, slot_name
+    from fedllm.client.batched import (
+        Routing,
+        _Masks,
+        _Span,
+        _stack,
+        client_losses,
+        ensure_slot,
+        slot_name,
+    )
     from fedllm.config import load_config
     from fedllm.model.modeling import activate
 
@@ -124,7 +132,13 @@ def model_only(k: int, args) -> dict:
         spans, row = [], 0
         for job, batch in zip(jobs, batches, strict=True):
             spans.append(
-                _Span(job.adapter, row, batch["input_ids"].shape[0], batch["input_ids"].shape[1], None)
+                _Span(
+                    job.adapter,
+                    row,
+                    batch["input_ids"].shape[0],
+                    batch["input_ids"].shape[1],
+                    _Masks(job.plan.seed, device),
+                )
             )
             row += batch["input_ids"].shape[0]
 

@@ -119,3 +119,55 @@ def _cpu():
     import types
 
     return types.SimpleNamespace(device=torch.device("cpu"), main_process_first=contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "fedprox"])
+def test_client_batched_rounds_on_an_accelerator_mix_no_devices(tmp_path, builtin_base, caplog, algorithm):
+    """Clients trained together (their stacked batch, the routed layers and their gradients, SCAFFOLD's and
+    FedProx's per-client state) stay on the device; a device mix would fail the batch, and the fallback to
+    training each client alone would hide it, so the test fails on that warning too. Without dropout: a
+    generator cannot be made on the pretend device (a GPU's dropout masks come from one on the GPU)."""
+    from fedllm import assembly
+    from fedllm.client import batched
+    from fedllm.simulation import Simulation
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"client.algorithm={algorithm}",
+            "lora.trainable_modules=[]",
+            "federation.client_batch=4",
+            "eval.limit=1",
+            "client.local_steps=2",
+            "eval.personalized=false",
+        ),
+    )
+    parts = assembly.load_partitions(cfg)
+    model, tokenizer = assembly.load_model(cfg, _cpu())
+    data, eval_data = assembly.tokenize_partitions(cfg, parts, model, tokenizer)
+    routed = []
+    original = batched._RoutedLoRA.forward
+
+    def counted(*args):
+        routed.append(args[1].device.type)
+        return original(*args)
+
+    with PretendDevice(), caplog.at_level("WARNING", logger="fedllm.client.runtime"):
+        to_pretend_device(model)
+        acc = pretend_accelerator()
+        fed = assembly.federation_on(
+            cfg, acc, model, tokenizer, data, eval_data=eval_data, benchmark=assembly.benchmark_for(cfg)
+        )
+        sim = Simulation(cfg, tmp_path, accelerator=acc, federation=fed)
+        batched._RoutedLoRA.forward = staticmethod(counted)
+        try:
+            for r in (1, 2):
+                row = sim.run_round(r).row
+                assert row["n_updates"] == 4, row["failed"]
+        finally:
+            batched._RoutedLoRA.forward = staticmethod(original)
+    assert "client-batched training failed" not in caplog.text, caplog.text
+    assert routed and set(routed) == {"lazy"}
+    tensors, _ = sim.server.state_dict()
+    assert all(on_cpu(t) for t in tensors.values())

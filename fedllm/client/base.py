@@ -339,8 +339,6 @@ class LocalRun:
         self.algo, self.params, self.plan = algo, params, plan
         self.state = state if state is not None else {}
         torch.manual_seed(plan.seed)  # LoRA dropout and any sampling inside the step
-        # the same stream for a client trained with others (its dropout masks drawn from it)
-        self.generator = torch.Generator().manual_seed(plan.seed)
         self.optimizer = algo.make_optimizer(params, plan)
         warmup = int(plan.warmup_ratio * plan.steps)
         sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)

@@ -78,13 +78,28 @@ def ensure_slot(model, name: str, rank: int, lora_cfg) -> None:
         model.add_adapter(name, peft_lora_config(rank, lora_cfg))
 
 
+class _Masks:
+    """A client's dropout-mask stream on the run's device: the stream its lone training draws from the global
+    generator (seeded with its plan's seed), made at the first draw (a client without dropout needs none)."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed, self.device = seed, device
+        self._generator: torch.Generator | None = None
+
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        return self._generator
+
+
 @dataclass
 class _Span:
     slot: str
     row: int  # its first row in the stacked batch
     rows: int
     width: int  # its own batch's sequence length (the stacked batch is padded to the longest)
-    generator: torch.Generator  # its dropout masks
+    masks: _Masks | None  # its dropout masks
 
 
 class _RoutedLoRA(torch.autograd.Function):
@@ -102,7 +117,12 @@ class _RoutedLoRA(torch.autograd.Function):
         k = len(layer.scales)
         a_list, b_list = weights[:k], weights[k:]
         dtype = layer.dtype
-        with torch.autocast(x.device.type, enabled=False):
+        kind = x.device.type  # products in ``dtype`` whatever autocast would pick (a device may have none)
+        with (
+            torch.autocast(kind, enabled=False)
+            if torch.amp.is_autocast_available(kind)
+            else contextlib.nullcontext()
+        ):
             flat = x.reshape(-1, x.shape[-1])
             of = out.view(-1, out.shape[-1])
             xs, hs = [], []
@@ -205,8 +225,9 @@ class Routing:
             hooked, a_list, b_list, scales = self._adapters(m, slots)
             if hooked:  # through the modules, so that their hooks fire
                 return result + self._through_modules(m, x, slots).to(result.dtype)
-            autocast = torch.is_autocast_enabled(x.device.type)
-            dtype = torch.get_autocast_dtype(x.device.type) if autocast else a_list[0].dtype
+            kind = x.device.type
+            autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+            dtype = torch.get_autocast_dtype(kind) if autocast else a_list[0].dtype
             width = x.shape[1]
             bounds = [(s.row * width, (s.row + s.rows) * width) for s in self.spans]
             layer = _Layer(a_list, b_list, scales, bounds, self._noise(m, x, dtype), dtype)
@@ -226,7 +247,7 @@ class Routing:
                 out.append(None)
                 continue
             own = torch.empty((s.rows, s.width, x.shape[-1]), dtype=x.dtype, device=x.device)
-            own.bernoulli_(1 - p, generator=s.generator).div_(1 - p)
+            own.bernoulli_(1 - p, generator=s.masks.generator).div_(1 - p)
             full = torch.ones((s.rows, x.shape[1], x.shape[-1]), dtype=dtype, device=x.device)
             full[:, : s.width] = own
             out.append(full.view(-1, x.shape[-1]))
@@ -243,7 +264,7 @@ class Routing:
             if drop.training and p > 0:
                 own = xk[:, : s.width]
                 noise = torch.empty(own.shape, dtype=own.dtype, device=own.device)
-                noise.bernoulli_(1 - p, generator=s.generator).div_(1 - p)
+                noise.bernoulli_(1 - p, generator=s.masks.generator).div_(1 - p)
                 xk = torch.cat([own * noise, xk[:, s.width :]], dim=1)
             xk = xk.to(m.lora_A[slot].weight.dtype)
             ys.append(m.lora_B[slot](m.lora_A[slot](xk)) * m.scaling[slot])
@@ -300,9 +321,7 @@ def train_together(runtime, jobs: list, algos: list, accelerator) -> list[tuple[
         LocalRun(a, j.params, j.plan, j.algo_state, j.start.algo) for a, j in zip(algos, jobs, strict=True)
     ]
     device = accelerator.device if accelerator is not None else torch.device("cpu")
-    for run in runs:
-        if device.type != "cpu":
-            run.generator = torch.Generator(device=device).manual_seed(run.plan.seed)
+    masks = [_Masks(run.plan.seed, device) for run in runs]
     routing = Routing(model, jobs[0].adapter)
     steps = max(j.plan.steps for j in jobs)
     accum = jobs[0].plan.grad_accum
@@ -320,7 +339,7 @@ def train_together(runtime, jobs: list, algos: list, accelerator) -> list[tuple[
                 spans, row = [], 0
                 for k, b in zip(active, batches, strict=True):
                     n, width = b["input_ids"].shape
-                    spans.append(_Span(jobs[k].adapter, row, n, width, runs[k].generator))
+                    spans.append(_Span(jobs[k].adapter, row, n, width, masks[k]))
                     row += n
                 stacked = {key: v.to(device) for key, v in _stack(batches, pad_id).items()}
                 routing.route(spans)
