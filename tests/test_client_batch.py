@@ -199,7 +199,7 @@ def _routed_case(dtype=torch.float64, dropout=(True, False, True), frozen_a=Fals
         at += n
         mask = (torch.rand(n * width, 6, generator=g) > 0.3).to(dtype) / 0.7
         noise.append(mask if drops else None)
-    return x, w, a, b, _Layer(a, b, scales, bounds, noise, dtype)
+    return x, w, a, b, _Layer(scales, bounds, noise, dtype)
 
 
 def _reference(x, w, a, b, layer):
@@ -246,7 +246,7 @@ def test_the_routed_layer_under_bf16_autocast_is_the_modules_bf16_product():
 
     x, w, a, b, layer = _routed_case(dtype=torch.float32, dropout=(False, False, False))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = _Layer(a, b, layer.scales, layer.bounds, layer.noise, torch.bfloat16)
+        bf16 = _Layer(layer.scales, layer.bounds, layer.noise, torch.bfloat16)
         got = _RoutedLoRA.apply(torch.nn.functional.linear(x, w), x, bf16, *a, *b)
         flat = x.reshape(-1, 6)
         want = torch.cat(

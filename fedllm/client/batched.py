@@ -168,11 +168,10 @@ class _RoutedLoRA(torch.autograd.Function):
 
 @dataclass
 class _Layer:
-    """One LoRA layer's part of a routed forward: each client's adapter, scale, flattened row range and
-    dropout mask (None: no dropout), and the dtype its products run in."""
+    """One LoRA layer's part of a routed forward (its adapters are the function's own inputs, so that
+    autograd sees them): each client's scale, flattened row range and dropout mask (None: no dropout), and
+    the dtype its products run in."""
 
-    a: list[Tensor]
-    b: list[Tensor]
     scales: list[float]
     bounds: list[tuple[int, int]]
     noise: list[Tensor | None]
@@ -230,7 +229,7 @@ class Routing:
             dtype = torch.get_autocast_dtype(kind) if autocast else a_list[0].dtype
             width = x.shape[1]
             bounds = [(s.row * width, (s.row + s.rows) * width) for s in self.spans]
-            layer = _Layer(a_list, b_list, scales, bounds, self._noise(m, x, dtype), dtype)
+            layer = _Layer(scales, bounds, self._noise(m, x, dtype), dtype)
             return _RoutedLoRA.apply(result, x, layer, *a_list, *b_list)
 
         return forward
