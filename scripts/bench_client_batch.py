@@ -168,7 +168,7 @@ def model_only(k: int, args) -> dict:
             for p in job.params.values():
                 p.requires_grad_(True)
         routing = Routing(model, jobs[0].adapter)
-        routing.route(spans)
+        routing.spans = spans
         try:
             t_together = seconds(together, n)
         finally:

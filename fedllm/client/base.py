@@ -408,7 +408,7 @@ def fused_adamw(groups: list[dict], plan: LocalPlan) -> bool | None:
     computes the same update (to float rounding). Left to torch (None) under DeepSpeed, which steps
     through its own engine, and for tensors the kernel does not take.
     """
-    if plan.layout is not None and getattr(plan.layout, "deepspeed", False):
+    if plan.layout is not None and plan.layout.deepspeed:
         return None
     params = [p for g in groups for p in g["params"]]
     ok = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)

@@ -99,7 +99,7 @@ class _Span:
     row: int  # its first row in the stacked batch
     rows: int
     width: int  # its own batch's sequence length (the stacked batch is padded to the longest)
-    masks: _Masks | None  # its dropout masks
+    masks: _Masks  # its dropout masks
 
 
 class _RoutedLoRA(torch.autograd.Function):
@@ -180,18 +180,14 @@ class _Layer:
 
 class Routing:
     """Every LoRA layer's forward replaced, while open, by one that routes each row through its client's
-    adapter (see module docstring). :meth:`route` says whose rows are where for the next forward."""
+    adapter (see module docstring); :attr:`spans` says whose rows are where for the next forward."""
 
     def __init__(self, model, adapter: str) -> None:
         self.modules = list(lora_modules(model, adapter).values())
-        self.spans: list[_Span] = []
+        self.spans: list[_Span] = []  # the next forward's clients, in the stacked batch's order
         self._per_slots: dict[tuple[str, ...], dict[int, tuple]] = {}
         for m in self.modules:
             m.forward = self._forward_of(m)
-
-    def route(self, spans: list[_Span]) -> None:
-        """The next forward's clients: whose rows are where (``spans``, in the stacked batch's order)."""
-        self.spans = spans
 
     def close(self) -> None:
         for m in self.modules:
@@ -223,7 +219,8 @@ class Routing:
             slots = tuple(s.slot for s in self.spans)
             hooked, a_list, b_list, scales = self._adapters(m, slots)
             if hooked:  # through the modules, so that their hooks fire
-                return result + self._through_modules(m, x, slots).to(result.dtype)
+                noise = self._noise(m, x, x.dtype)
+                return result + self._through_modules(m, x, slots, noise).to(result.dtype)
             kind = x.device.type
             autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
             dtype = torch.get_autocast_dtype(kind) if autocast else a_list[0].dtype
@@ -252,20 +249,15 @@ class Routing:
             out.append(full.view(-1, x.shape[-1]))
         return out
 
-    def _through_modules(self, m, x: Tensor, slots: tuple[str, ...]) -> Tensor:
+    def _through_modules(self, m, x: Tensor, slots: tuple[str, ...], noise: list[Tensor | None]) -> Tensor:
         """Each client's rows through its own lora_A / lora_B modules (a layer with hooks or a bias), dropped
-        out as its lone forward would be (its own mask on its own width)."""
+        out by its mask from :meth:`_noise` (drawn in ``x``'s dtype, as its lone forward drops ``x``)."""
+        flat = x.reshape(-1, x.shape[-1])
+        width = x.shape[1]
         ys = []
-        for s, slot in zip(self.spans, slots, strict=True):
-            xk = x[s.row : s.row + s.rows]
-            drop = m.lora_dropout[slot]
-            p = getattr(drop, "p", 0.0)
-            if drop.training and p > 0:
-                own = xk[:, : s.width]
-                noise = torch.empty(own.shape, dtype=own.dtype, device=own.device)
-                noise.bernoulli_(1 - p, generator=s.masks.generator).div_(1 - p)
-                xk = torch.cat([own * noise, xk[:, s.width :]], dim=1)
-            xk = xk.to(m.lora_A[slot].weight.dtype)
+        for s, slot, mask in zip(self.spans, slots, noise, strict=True):
+            xk = flat[s.row * width : (s.row + s.rows) * width]
+            xk = (xk if mask is None else xk * mask).view(s.rows, width, -1).to(m.lora_A[slot].weight.dtype)
             ys.append(m.lora_B[slot](m.lora_A[slot](xk)) * m.scaling[slot])
         return torch.cat(ys, dim=0)
 
@@ -341,7 +333,7 @@ def train_together(runtime, jobs: list, algos: list, accelerator) -> list[tuple[
                     spans.append(_Span(jobs[k].adapter, row, n, width, masks[k]))
                     row += n
                 stacked = {key: v.to(device) for key, v in _stack(batches, pad_id).items()}
-                routing.route(spans)
+                routing.spans = spans
                 with autocast():
                     logits = model(**stacked).logits
                 losses = client_losses(logits, batches)
