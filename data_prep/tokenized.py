@@ -99,7 +99,7 @@ class TokenRows(Sequence):
             for ids, labels in zip(rows["input_ids"], rows["labels"], strict=True)
         ]
 
-    def batch(self, positions: Sequence[int], pad_token_id: int, ignore_index: int = IGNORE_INDEX) -> dict:
+    def batch(self, positions: Sequence[int], pad_token_id: int) -> dict:
         """The examples at ``positions`` as one right-padded training batch (what ``collate(take(positions))``
         gives), read straight from the table's memory-mapped token buffers.
 
@@ -116,12 +116,12 @@ class TokenRows(Sequence):
         rows = self.rows[np.asarray(positions, dtype=np.int64)]
         offsets, _ = flat["input_ids"]
         starts, lengths = offsets[rows], offsets[rows + 1] - offsets[rows]
-        width = int(lengths.max())
-        real = np.arange(width)[None, :] < lengths[:, None]
-        source = (starts[:, None] + np.arange(width)[None, :])[real]
+        columns = np.arange(int(lengths.max()))[None, :]
+        real = columns < lengths[:, None]
+        source = (starts[:, None] + columns)[real]
         out = {}
-        for name, fill in (("input_ids", pad_token_id), ("labels", ignore_index)):
-            values = np.full((len(rows), width), fill, dtype=np.int64)
+        for name, fill in (("input_ids", pad_token_id), ("labels", IGNORE_INDEX)):
+            values = np.full(real.shape, fill, dtype=np.int64)
             values[real] = flat[name][1][source]
             out[name] = torch.from_numpy(values)
         out["attention_mask"] = torch.from_numpy(real.astype(np.int64))
