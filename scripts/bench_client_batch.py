@@ -81,6 +81,24 @@ def one(args) -> None:
     print(json.dumps({"k": args.one, "seconds": seconds, "peak_mb": peak}))
 
 
+def best_seconds(fn, n: int, warmup: int, repeats: int) -> float:
+    """Seconds per call of ``fn``: ``warmup`` calls untimed, then the best of ``repeats`` blocks of ``n``
+    (synchronized around each block on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
 def model_only(k: int, args) -> dict:
     """Forward + backward of the model alone (no optimizer, clip, schedule or batch reads) for round 1's first
     ``k`` clients, on one batch each: every client through its own adapter one at a time (peft's forward, as
@@ -145,32 +163,18 @@ def model_only(k: int, args) -> dict:
         def together() -> None:
             sum(client_losses(model(**stacked).logits, batches)).backward()
 
-        def seconds(fn, n: int) -> float:
-            fn()
-            best = float("inf")
-            for _ in range(3):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                best = min(best, (time.perf_counter() - t0) / n)
-            return best
-
         n = max(1, args.ceiling_reps // 4)
         t_alone = 0.0
         for job, batch in zip(jobs, batches, strict=True):  # each switched in once, as a lone round does
             activate(model, job.adapter)
-            t_alone += seconds(lambda batch=batch: lm_loss(model, batch, runtime.acc).backward(), n)
+            t_alone += best_seconds(lambda b=batch: lm_loss(model, b, runtime.acc).backward(), n, 1, 3)
         for job in jobs:  # every slot trainable again, as when they train together
             for p in job.params.values():
                 p.requires_grad_(True)
         routing = Routing(model, jobs[0].adapter)
         routing.spans = spans
         try:
-            t_together = seconds(together, n)
+            t_together = best_seconds(together, n, 1, 3)
         finally:
             routing.close()
     return {
@@ -201,16 +205,8 @@ def step_costs(args) -> dict:
     for t in tensors:
         t.grad = torch.randn_like(t)
 
-    def ms(fn, n: int = 200) -> float:
-        for _ in range(20):
-            fn()
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / n)
-        return 1000 * best
+    def ms(fn) -> float:
+        return 1000 * best_seconds(fn, 200, 20, 3)
 
     loop = torch.optim.AdamW(tensors, lr=1e-6, foreach=False)
     fused = torch.optim.AdamW(tensors, lr=1e-6, fused=True)
@@ -261,19 +257,7 @@ def ceiling(model, ks: list[int], batch: int, seq_len: int, reps: int) -> dict[i
         x = embed(ids).detach().requires_grad_(True)
         model(inputs_embeds=x, labels=ids).loss.backward()
 
-    def seconds(rows: int, n: int) -> float:
-        for _ in range(3):
-            step(rows)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step(rows)
-        if cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n
-
-    return {k: 1000 * seconds(k * batch, max(1, reps // k)) for k in ks}
+    return {k: 1000 * best_seconds(lambda r=k * batch: step(r), max(1, reps // k), 3, 1) for k in ks}
 
 
 def vs_k1(step_ms: dict[int, float]) -> dict[int, float]:
