@@ -7,6 +7,8 @@ moves tensors onto the model's device when it switches a client in and back when
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -70,8 +72,6 @@ def test_the_pretend_device_trains_and_catches_a_mix():
     ("algorithm", "strategy", "extra"), CASES, ids=[f"{a}-{s}{'+' if e else ''}" for a, s, e in CASES]
 )
 def test_a_round_on_an_accelerator_mixes_no_devices(tmp_path, builtin_base, algorithm, strategy, extra):
-    from fedllm import assembly
-    from fedllm.simulation import Simulation
 
     floral = STRATEGIES[strategy].hook.local_params
     cfg = load_config(
@@ -87,16 +87,7 @@ def test_a_round_on_an_accelerator_mixes_no_devices(tmp_path, builtin_base, algo
             *extra,
         ),
     )
-    parts = assembly.load_partitions(cfg)
-    model, tokenizer = assembly.load_model(cfg, _cpu())  # loaded on the CPU, then moved in the mode
-    data, eval_data = assembly.tokenize_partitions(cfg, parts, model, tokenizer)
-    with PretendDevice():
-        to_pretend_device(model)
-        acc = pretend_accelerator()
-        fed = assembly.federation_on(
-            cfg, acc, model, tokenizer, data, eval_data=eval_data, benchmark=assembly.benchmark_for(cfg)
-        )
-        sim = Simulation(cfg, tmp_path, accelerator=acc, federation=fed)
+    with _simulation_on_pretend_device(cfg, tmp_path) as sim:
         for r in (1, 2):
             row = sim.run_round(r).row
             assert row["n_updates"] == 4, row["failed"]  # a device mix fails a client (the run goes on)
@@ -114,8 +105,26 @@ def test_a_round_on_an_accelerator_mixes_no_devices(tmp_path, builtin_base, algo
     assert all(on_cpu(t) for t in crossing), [type(t).__name__ for t in crossing if not on_cpu(t)][:3]
 
 
+@contextlib.contextmanager
+def _simulation_on_pretend_device(cfg, tmp_path):
+    """A simulation of ``cfg`` whose model is on the pretend device, open while the mode is: data and model
+    loaded on the CPU, then the model moved in the mode, as a driver moves it to a GPU."""
+    from fedllm import assembly
+    from fedllm.simulation import Simulation
+
+    parts = assembly.load_partitions(cfg)
+    model, tokenizer = assembly.load_model(cfg, _cpu())
+    data, eval_data = assembly.tokenize_partitions(cfg, parts, model, tokenizer)
+    with PretendDevice():
+        to_pretend_device(model)
+        acc = pretend_accelerator()
+        fed = assembly.federation_on(
+            cfg, acc, model, tokenizer, data, eval_data=eval_data, benchmark=assembly.benchmark_for(cfg)
+        )
+        yield Simulation(cfg, tmp_path, accelerator=acc, federation=fed)
+
+
 def _cpu():
-    import contextlib
     import types
 
     return types.SimpleNamespace(device=torch.device("cpu"), main_process_first=contextlib.nullcontext)
@@ -127,9 +136,7 @@ def test_client_batched_rounds_on_an_accelerator_mix_no_devices(tmp_path, builti
     FedProx's per-client state) stay on the device; a device mix would fail the batch, and the fallback to
     training each client alone would hide it, so the test fails on that warning too. Without dropout: a
     generator cannot be made on the pretend device (a GPU's dropout masks come from one on the GPU)."""
-    from fedllm import assembly
     from fedllm.client import batched
-    from fedllm.simulation import Simulation
 
     cfg = load_config(
         None,
@@ -143,9 +150,6 @@ def test_client_batched_rounds_on_an_accelerator_mix_no_devices(tmp_path, builti
             "eval.personalized=false",
         ),
     )
-    parts = assembly.load_partitions(cfg)
-    model, tokenizer = assembly.load_model(cfg, _cpu())
-    data, eval_data = assembly.tokenize_partitions(cfg, parts, model, tokenizer)
     routed = []
     original = batched._RoutedLoRA.forward
 
@@ -153,13 +157,10 @@ def test_client_batched_rounds_on_an_accelerator_mix_no_devices(tmp_path, builti
         routed.append(args[1].device.type)
         return original(*args)
 
-    with PretendDevice(), caplog.at_level("WARNING", logger="fedllm.client.runtime"):
-        to_pretend_device(model)
-        acc = pretend_accelerator()
-        fed = assembly.federation_on(
-            cfg, acc, model, tokenizer, data, eval_data=eval_data, benchmark=assembly.benchmark_for(cfg)
-        )
-        sim = Simulation(cfg, tmp_path, accelerator=acc, federation=fed)
+    with (
+        _simulation_on_pretend_device(cfg, tmp_path) as sim,
+        caplog.at_level("WARNING", logger="fedllm.client.runtime"),
+    ):
         batched._RoutedLoRA.forward = staticmethod(counted)
         try:
             for r in (1, 2):
