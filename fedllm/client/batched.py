@@ -184,10 +184,23 @@ class Routing:
 
     def __init__(self, model, adapter: str) -> None:
         self.modules = list(lora_modules(model, adapter).values())
-        self.spans: list[_Span] = []  # the next forward's clients, in the stacked batch's order
+        self._spans: list[_Span] = []
+        self._drawn: dict[
+            int, list[Tensor | None]
+        ] = {}  # per layer: its clients' generator states at its draw
         self._per_slots: dict[tuple[str, ...], dict[int, tuple]] = {}
         for m in self.modules:
             m.forward = self._forward_of(m)
+
+    @property
+    def spans(self) -> list[_Span]:
+        """The next forward's clients, in the stacked batch's order."""
+        return self._spans
+
+    @spans.setter
+    def spans(self, spans: list[_Span]) -> None:
+        self._spans = spans
+        self._drawn = {}  # a new forward: every layer draws afresh
 
     def close(self) -> None:
         for m in self.modules:
@@ -234,16 +247,34 @@ class Routing:
     def _noise(self, m, x: Tensor, dtype) -> list[Tensor | None]:
         """Each client's dropout mask over its rows of the stacked batch (scaled by 1 / (1 - p); ones past its
         own width), drawn from its own generator in its lone batch's shape, so that it is the one its lone
-        forward draws; None for a client without dropout."""
+        forward draws; None for a client without dropout.
+
+        A layer that draws a second time in one forward is being recomputed (gradient checkpointing): torch's
+        checkpoint restores the global generator around a recompute, which is what a lone forward draws
+        from, but not a client's own. So the first draw records each generator's state and a recompute
+        draws again from it, then puts the generator back where the forward left it: the backward then
+        sees the masks the forward used, as it does alone."""
         out = []
-        for s in self.spans:
+        replay = self._drawn.get(id(m))
+        states = self._drawn.setdefault(id(m), []) if replay is None else None
+        for i, s in enumerate(self.spans):
             drop = m.lora_dropout[s.slot]
             p = getattr(drop, "p", 0.0)
             if not (drop.training and p > 0):
                 out.append(None)
+                if states is not None:
+                    states.append(None)
                 continue
+            generator = s.masks.generator
             own = torch.empty((s.rows, s.width, x.shape[-1]), dtype=x.dtype, device=x.device)
-            own.bernoulli_(1 - p, generator=s.masks.generator).div_(1 - p)
+            if replay is None:
+                states.append(generator.get_state())
+                own.bernoulli_(1 - p, generator=generator).div_(1 - p)
+            else:
+                now = generator.get_state()
+                generator.set_state(replay[i])
+                own.bernoulli_(1 - p, generator=generator).div_(1 - p)
+                generator.set_state(now)
             full = torch.ones((s.rows, x.shape[1], x.shape[-1]), dtype=dtype, device=x.device)
             full[:, : s.width] = own
             out.append(full.view(-1, x.shape[-1]))

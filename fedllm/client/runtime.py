@@ -334,7 +334,10 @@ class ClientRuntime:
         fedllm/client/batched.py), else one at a time; each one's update, or the error that left it out.
 
         Should the joint training fail, each client is trained alone, so that one faulty client leaves
-        only itself out.
+        only itself out. Its state (settled algorithm state, the strategy's client-side part, a transport's
+        error-feedback residual) is put back first as it was before the batch: a client read out before the
+        failing one has already written its own, and training it again on top of that would count its
+        round twice.
         """
         from fedllm.client.batched import ensure_slot, slot_name, train_together, why_not_batched
 
@@ -344,6 +347,7 @@ class ClientRuntime:
                 log.info("federation.client_batch: clients train one at a time: %s", reason)
                 self._said_unbatched = True
             return [self._train_or_error(c, s) for c, s in zip(clients, starts, strict=True)]
+        before = [{k: v.clone() for k, v in c.state.items()} for c in clients]
         try:
             with contextlib.ExitStack() as stack:
                 jobs = []
@@ -363,6 +367,8 @@ class ClientRuntime:
             log.warning(
                 "client-batched training failed (%s: %s); training each client alone", type(e).__name__, e
             )
+            for client, state in zip(clients, before, strict=True):
+                client.state = state
             return [self._train_or_error(c, s) for c, s in zip(clients, starts, strict=True)]
 
     def _train_or_error(self, client: ClientData, start: ClientStart) -> ClientUpdate | Exception:
