@@ -185,9 +185,8 @@ class Routing:
     def __init__(self, model, adapter: str) -> None:
         self.modules = list(lora_modules(model, adapter).values())
         self._spans: list[_Span] = []
-        self._drawn: dict[
-            int, list[Tensor | None]
-        ] = {}  # per layer: its clients' generator states at its draw
+        # per layer: each client's generator state when the layer drew its masks in this forward
+        self._drawn: dict[int, list[Tensor | None]] = {}
         self._per_slots: dict[tuple[str, ...], dict[int, tuple]] = {}
         for m in self.modules:
             m.forward = self._forward_of(m)
