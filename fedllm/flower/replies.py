@@ -14,9 +14,12 @@ import json
 import math
 from typing import Any
 
+import torch
+
 from fedllm.flower.signing import verify
 from fedllm.protocol import ClientUpdate, decode_update
 from fedllm.server.trust import one_line
+from fedllm.transport.wire import WIRE, from_wire
 
 MAX_META_CHARS = 1 << 16  # a reply's JSON metadata: ids, counts, scales and a few metrics
 EVALUATION_KEYS = ("global_loss", "global_acc", "personal_loss", "personal_acc")
@@ -108,13 +111,19 @@ def parse_update(content: Any, max_bytes: int, key: bytes | None = None, reply_t
         raise BadReply(f"its metadata holds fields {sorted(rest)[:8]} beyond the protocol's")
     if set(meta) - UPDATE_KEYS or not {"client_id", "num_examples", "scales", "metrics"} <= set(meta):
         raise BadReply(f"its metadata holds {sorted(meta)[:8]}, expected {sorted(UPDATE_KEYS)}")
+    _int(meta["client_id"], "client_id")
+    _int(meta["num_examples"], "num_examples")
     scales, metrics = meta["scales"], meta["metrics"]
     numbers = isinstance(scales, dict) and all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+        isinstance(k, str)
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and 0 < v < 1e15
         for k, v in scales.items()
     )
     if not numbers:
-        raise BadReply("its scales are not a mapping of module names to numbers")
+        raise BadReply("its scales are not a mapping of module names to finite positive numbers")
     if not isinstance(metrics, dict):
         raise BadReply("its metrics are not a mapping")
     size = 0
@@ -128,13 +137,15 @@ def parse_update(content: Any, max_bytes: int, key: bytes | None = None, reply_t
             raise BadReply(f"its tensors exceed {max_bytes:,} bytes, the most its expected update can take")
     check_signature(records, key, reply_to)
     tensors = dict(arrays.to_torch_state_dict())
+    for name, t in tensors.items():  # the protocol's dtypes (records.py): float32, encoded payloads' bytes
+        allowed = (torch.uint8, torch.float32) if name.startswith(WIRE) else (torch.float32,)
+        if t.dtype not in allowed:
+            raise BadReply(f"tensor {name[:80]!r} is {t.dtype}, not {' or '.join(map(str, allowed))}")
     changed: list[str] = []
     wire = meta.pop("wire", None)
     if (
         wire is not None
     ):  # encoded changes (comm.upload): decoded here, added to their references by the driver
-        from fedllm.transport.wire import from_wire
-
         try:
             tensors, changed = from_wire(tensors, wire, max_bytes)
         except ValueError as e:

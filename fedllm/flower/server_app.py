@@ -144,8 +144,8 @@ class FlowerDriver(RoundLoop):
                 continue
             try:
                 info = parse_info(reply.content)
-            except BadReply as e:
-                log.warning("node %s sent an unusable handshake: %s", node, e)
+            except Exception as e:  # BadReply, or anything its content made the parser raise
+                log.warning("node %s sent an unusable handshake: %s", node, one_line(str(e)))
                 continue
             k, n = info["client-id"], info["num-examples"]
             if not 0 <= k < self.cfg.federation.num_clients:
@@ -239,6 +239,9 @@ class FlowerDriver(RoundLoop):
                     failures[k] = f"unusable reply: {e}"
                     if "signature" in str(e) and attempt == 1:
                         retry[k] = starts[k]
+                except Exception as e:  # a reply the parser let through and its use did not: still the site's
+                    failures[k] = one_line(f"unusable reply ({type(e).__name__}: {e})")
+                    log.debug("round %d: client %d's reply raised", round_idx, k, exc_info=True)
             if not retry:
                 break
             log.warning(
@@ -270,7 +273,12 @@ class FlowerDriver(RoundLoop):
             from fedllm.transport.wire import rebuild
 
             start = plan.starts[k]
-            update = rebuild(update, changed, start, self.server.reference(plan.round, k, start))
+            try:
+                update = rebuild(update, changed, start, self.server.reference(plan.round, k, start))
+            except (KeyError, ValueError) as e:
+                raise BadReply(
+                    one_line(f"its encoded changes do not fit what it started from ({e})")
+                ) from None
         return update
 
     def train_clients(self, plan) -> dict[int, Any]:

@@ -74,8 +74,15 @@ def decode(e: Encoded) -> Tensor:
             f"format {e.fmt!r} with a {e.payload.dtype} payload and scales {e.scales is not None}"
         )
     blocks = math.ceil(n / e.block)
-    if e.scales.numel() != blocks or not bool(torch.isfinite(e.scales).all()) or bool((e.scales < 0).any()):
-        raise EncodingError(f"{e.scales.numel()} scales for {blocks} blocks, or scales not finite and >= 0")
+    if (
+        e.scales.dtype != torch.float32
+        or e.scales.numel() != blocks
+        or not bool(torch.isfinite(e.scales).all())
+        or bool((e.scales < 0).any())
+    ):
+        raise EncodingError(
+            f"{e.scales.numel()} {e.scales.dtype} scales for {blocks} blocks: expected float32, finite, >= 0"
+        )
     if e.fmt == "int8":
         if e.payload.numel() != n:
             raise EncodingError(f"int8 payload of {e.payload.numel()} bytes for {n} values")

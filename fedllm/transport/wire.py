@@ -82,8 +82,8 @@ def from_wire(tensors: dict[str, Tensor], wire: Any, max_numel: int) -> tuple[di
         raise ValueError(f"its wire format {str(fmt)[:20]!r} is not one of {', '.join(FORMATS[1:])}")
     if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 20:
         raise ValueError(f"its block size {block!r} is not an integer in 1..2^20")
-    if not isinstance(shapes, dict):
-        raise ValueError("its wire shapes are not a mapping")
+    if not isinstance(shapes, dict) or not shapes:
+        raise ValueError("its wire shapes are not a mapping that names the tensors it encodes")
     out = {k: v for k, v in tensors.items() if not k.startswith(WIRE)}
     names = []
     for name, shape in shapes.items():
@@ -96,8 +96,10 @@ def from_wire(tensors: dict[str, Tensor], wire: Any, max_numel: int) -> tuple[di
         if payload is None or payload.dtype != torch.uint8 or name in out:
             raise ValueError(f"its encoded {name[:80]!r} has no uint8 payload (or also travels unencoded)")
         if fmt in FLOATS:
-            if payload.numel() % 2:
-                raise ValueError(f"its {fmt} payload of {name[:80]!r} is an odd number of bytes")
+            if payload.numel() % 2 or payload.dim() != 1:
+                raise ValueError(
+                    f"its {fmt} payload of {name[:80]!r} is not a row of an even number of bytes"
+                )
             enc = Encoded(fmt, tuple(shape), payload.contiguous().view(FLOATS[fmt]), None, block)
         else:
             enc = Encoded(fmt, tuple(shape), payload, tensors.get(f"{WIRE}{name}.scales"), block)
@@ -116,22 +118,30 @@ def from_wire(tensors: dict[str, Tensor], wire: Any, max_numel: int) -> tuple[di
 
 def rebuild(update: ClientUpdate, changed: list[str], start: ClientStart, started: Adapter) -> ClientUpdate:
     """``update`` whose tensors ``changed`` hold decoded changes, with each change added to its reference
-    (the server's own derivation of what the site started from)."""
+    (the server's own derivation of what the site started from). A change whose shape is not its
+    reference's (encoded against another rank) raises ValueError: the site's failure."""
+
+    def added(ref: Tensor | None, change: Tensor) -> Tensor:
+        if ref is None:
+            return change
+        if ref.shape != change.shape:
+            raise ValueError(
+                f"its change of {name[:80]!r} has shape {list(change.shape)}, its reference {list(ref.shape)}"
+            )
+        return ref + change
+
     for name in changed:
         part, _, rest = name.partition(".")
         if part == "factors":
             key, kind = rest.rsplit(".", 1)
             f = update.factors[key]
-            ref = reference(update, start, started, name)
-            value = getattr(f, kind) if ref is None else ref + getattr(f, kind)
+            value = added(reference(update, start, started, name), getattr(f, kind))
             update.factors[key] = (
                 LoraFactors(value, f.B, f.scale) if kind == "A" else LoraFactors(f.A, value, f.scale)
             )
         else:
-            ref = reference(update, start, started, name)
             table = update.dense if part == "dense" else update.extras
-            if ref is not None:
-                table[rest] = ref + table[rest]
+            table[rest] = added(reference(update, start, started, name), table[rest])
     return update
 
 
