@@ -68,6 +68,48 @@ def test_error_feedback_makes_the_decoded_sum_the_true_sum_up_to_the_last_residu
     assert plain._travel("A.m", torch.ones(3), {}) is not None
 
 
+@pytest.mark.parametrize("fmt,big", [("float16", 7e4), ("bfloat16", float("inf")), ("int8", float("nan"))])
+def test_a_value_its_format_cannot_carry_is_refused_at_the_site_and_the_residual_stays_clean(fmt, big, gen):
+    """A change of 7e4 would travel as float16's inf (and a non-finite one as anything's): the upload is
+    refused with a line naming the format, the tensor and the value, the error-feedback residuals are
+    those from before it (none half-written), and the next, ordinary upload arrives finite."""
+    from fedllm.factors import LoraFactors
+    from fedllm.protocol import ClientStart, ClientUpdate, UploadContext
+
+    t = QuantizedUpload(fmt, error_feedback=True, block=16)
+    zero = {m: LoraFactors(torch.zeros(2, 8), torch.zeros(8, 2), 1.0) for m in ("m1", "m2")}
+
+    def upload(scale_b: float):
+        factors = {
+            m: LoraFactors(
+                torch.randn(2, 8, generator=gen) * 0.1, torch.randn(8, 2, generator=gen) * 0.1, 1.0
+            )
+            for m in zero
+        }
+        factors["m2"].B[0, 0] = scale_b
+        update = ClientUpdate(client_id=0, num_examples=4, factors=factors)
+        return t.apply(update, UploadContext(ClientStart(round=1), zero, state))
+
+    state: dict = {}
+    upload(0.05)
+    before = {k: v.clone() for k, v in state.items()}
+    assert len(before) == 4
+    with pytest.raises(EncodingError, match=f"comm.upload = {fmt}: the change of B.m2: .*"):
+        upload(big)
+    assert state.keys() == before.keys()
+    for k, v in before.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=0)
+    after = upload(0.05)
+    assert all(torch.isfinite(f.A).all() and torch.isfinite(f.B).all() for f in after.factors.values())
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_float16_overflow_names_the_largest_value(gen):
+    with pytest.raises(EncodingError, match="magnitude 7e\\+04 is beyond float16's largest, 65504"):
+        encode(torch.tensor([1.0, -7e4]), "float16")
+    assert torch.isfinite(decode(encode(torch.tensor([65504.0]), "float16"))).all()
+
+
 def _run(tmp_path, name, *extra):
     from fedllm.config import load_config
     from fedllm.simulation import Simulation

@@ -25,7 +25,7 @@ from torch import Tensor
 from fedllm.factors import LoraFactors
 from fedllm.options import one_of, opt, positive
 from fedllm.protocol import ClientStart, ClientUpdate, Feature, UploadContext, UploadTransform
-from fedllm.transport.codec import FORMATS, Encoded, decode, encode, wire_bytes
+from fedllm.transport.codec import FORMATS, Encoded, EncodingError, decode, encode, wire_bytes
 from fedllm.transport.wire import reference, update_tensors
 
 EF = "comm.ef."  # the client-state prefix of the error-feedback residuals
@@ -68,21 +68,29 @@ class QuantizedUpload(UploadTransform):
     def _travel(self, key: str, change: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, Encoded]:
         residual = state.get(EF + key) if self.error_feedback else None
         sent = change + residual if residual is not None and residual.shape == change.shape else change
-        enc = encode(sent, self.fmt, self.block)
+        try:
+            enc = encode(sent, self.fmt, self.block)
+        except EncodingError as e:
+            raise EncodingError(f"comm.upload = {self.fmt}: the change of {key}: {e}") from None
         got = decode(enc)
         if self.error_feedback:
             state[EF + key] = (sent - got).detach().clone()
         return got, enc
 
     def apply(self, update: ClientUpdate, ctx: UploadContext) -> ClientUpdate:
+        """The update as it arrives. Its residuals are written to the client's state only once every tensor
+        has encoded: an upload refused part-way (a value its format cannot carry) leaves the state as it
+        was, and the client's failure for the round is that one line."""
         wire: dict[str, Encoded] = {}
         values: dict[str, Tensor] = {}
+        residuals = {k: v for k, v in ctx.state.items() if k.startswith(EF)}
         for name, t in update_tensors(update).items():
             ref = reference(update, ctx.start, ctx.started, name)
             got, wire[name] = self._travel(
-                _state_key(name), t.float() - ref if ref is not None else t.float(), ctx.state
+                _state_key(name), t.float() - ref if ref is not None else t.float(), residuals
             )
             values[name] = ref + got if ref is not None else got.to(t.dtype)
+        ctx.state.update(residuals)
         factors = {}
         for k, f in update.factors.items():
             a, b = values.get(f"factors.{k}.A", f.A), values.get(f"factors.{k}.B", f.B)

@@ -44,9 +44,20 @@ class Encoded:
 
 
 def encode(t: Tensor, fmt: str, block: int = 64) -> Encoded:
+    """``t`` as ``fmt`` carries it. A value the format cannot carry raises :class:`EncodingError` rather than
+    travel as inf (a change beyond float16's 65504 would arrive as inf, and an error-feedback residual
+    computed from it would poison every later upload): non-finite input, or float16 overflow."""
     t = t.detach().to("cpu", torch.float32)
+    if not bool(torch.isfinite(t).all()):
+        raise EncodingError(f"{int((~torch.isfinite(t)).sum())} non-finite value(s) cannot travel as {fmt}")
     if fmt in FLOATS:
-        return Encoded(fmt, tuple(t.shape), t.to(FLOATS[fmt]).reshape(-1), None, block)
+        payload = t.to(FLOATS[fmt]).reshape(-1)
+        if not bool(torch.isfinite(payload).all()):
+            raise EncodingError(
+                f"a value of magnitude {float(t.abs().max()):.3g} is beyond {fmt}'s largest, "
+                f"{torch.finfo(FLOATS[fmt]).max:.6g}"
+            )
+        return Encoded(fmt, tuple(t.shape), payload, None, block)
     if fmt not in LEVELS:
         raise ValueError(f"comm.upload = {fmt!r}: expected one of {', '.join(FORMATS)}")
     levels, n = LEVELS[fmt], t.numel()
