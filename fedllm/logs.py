@@ -62,3 +62,25 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# Whether a log line may name a client of a round. Under a secret sample (privacy.sampling=secret) the
+# round loop turns it off for the run: a line that names who trained, failed or was asked again would
+# reveal the sample the accountant's amplification assumes hidden.
+_names_clients = True
+
+
+def names_clients() -> bool:
+    return _names_clients
+
+
+def set_names_clients(value: bool) -> bool:
+    """Turn the naming of a round's clients on or off; returns what it was (to restore it after a run)."""
+    global _names_clients
+    before, _names_clients = _names_clients, value
+    return before
+
+
+def client_label(client_id: int) -> str:
+    """A round's client as a log line names it: ``client 3``, or ``a client`` while the sample is secret."""
+    return f"client {client_id}" if _names_clients else "a client"

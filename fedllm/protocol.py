@@ -266,6 +266,7 @@ class ClientHook:
     local_params: ClassVar[bool] = False
     frozen: ClassVar[tuple[str, ...]] = ()  # factors its clients never train (FFA-LoRA: A)
     uploads_statistics: ClassVar[bool] = False  # extras that are statistics of the data (FLoRAL's routers)
+    keeps_state: ClassVar[bool] = False  # its clients keep state between rounds (a router, a B, a rank)
     # extras that are parameters trained like the adapter (FLoRAL's bias adaptors, FedSA-LoRA's shared B):
     # clipped and noised with the update; their change is measured from the download of the same name
     shared_extras: ClassVar[tuple[str, ...]] = ()
@@ -446,3 +447,13 @@ class Feature:
 
     def add_commands(self, subparsers) -> None:
         """Subcommands of ``fedllm`` this feature brings."""
+
+    def client_state(self, options, cfg) -> str:
+        """The settings of this feature that make each client keep state between rounds (an error-feedback
+        residual), as a user would write them; empty when none do."""
+        return ""
+
+    def hidden_sample(self, options, cfg) -> str:
+        """Why this feature needs each round's sample kept secret and how a user lifts that, as one clause
+        (e.g. an accountant's amplification by sampling); empty when it needs no such thing."""
+        return ""

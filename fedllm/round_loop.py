@@ -29,6 +29,7 @@ from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.client.store import ClientStore
 from fedllm.config import Config, flat_config
+from fedllm.logs import set_names_clients
 from fedllm.model.evaluation import evaluate_global
 from fedllm.protocol import derive_seed
 from fedllm.run.export import save_global_adapter
@@ -224,6 +225,15 @@ class RoundLoop(abc.ABC):
 
     # ------------------------------------------------------------------ run
     def run(self, resume: bool = False) -> dict:
+        """Every round from the first not yet done, evaluated, checkpointed and logged; the summary. A round's
+        clients are named in the log only when the sample is public (``fedllm.logs.client_label``)."""
+        before = set_names_clients(self.server.sampling.public)
+        try:
+            return self._run(resume)
+        finally:
+            set_names_clients(before)
+
+    def _run(self, resume: bool) -> dict:
         cfg = self.cfg
         if cfg.output.log_with:
             self.acc.init_trackers("fedllm", config=tracker_config(cfg))

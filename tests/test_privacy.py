@@ -253,6 +253,11 @@ def test_ffa_run_sends_b_only_and_never_changes_a(tmp_path, builtin_base):
         (["federation.dropout=0.1"], "federation.dropout > 0 changes the sampling"),
         (["aggregation.robust=median"], "aggregation.robust is data-dependent"),
         (
+            ["comm.upload=int8"],
+            "comm.upload = int8 with comm.error_feedback = true: each client keeps state between rounds, .*"
+            "privacy.sampling = secret: the accountant's amplification assumes the sample hidden",
+        ),
+        (
             ["privacy.target_epsilon=1"],
             "privacy.target_epsilon=1.0: 2 rounds at noise_multiplier=1.2 spend epsilon",
         ),
@@ -411,3 +416,82 @@ def test_a_round_released_before_a_crash_is_never_noised_again(tmp_path, builtin
     if path.exists():  # round 2's state is the one released before the crash, not a redrawn one
         again, _ = ckpt.load_checkpoint(path)
         assert all(torch.equal(again[k], tensors[k]) for k in tensors)
+
+
+def _per_client_rounds(obj, path="") -> list[str]:
+    """Where a JSON object holds a map from client ids to integers (a round per client), by path."""
+    found = []
+    if isinstance(obj, dict):
+        if (
+            obj
+            and all(isinstance(k, str) and k.isdigit() for k in obj)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in obj.values())
+        ):
+            found.append(path)
+        for k, v in obj.items():
+            found += _per_client_rounds(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found += _per_client_rounds(v, f"{path}[{i}]")
+    return found
+
+
+def test_a_secret_sample_run_writes_no_trace_of_who_was_sampled(tmp_path, builtin_base, caplog, capsys):
+    """Under privacy.sampling=secret nothing the run writes names a round's clients: the log (a failing
+    client included), every file name and text of the run folder (rows, summary, checkpoints' metadata,
+    the pending row), the report. The sample is recorded by the test, from the server, and searched for."""
+    import re
+
+    from fedllm.cli import main
+    from fedllm.config import load_config
+    from fedllm.simulation import Simulation
+    from tests.conftest import faulty
+
+    run_dir = tmp_path / "secret"
+    cfg = load_config(None, dp_overrides(run_dir, "federation.rounds=3", "eval.personalized=true"))
+    samples: dict[int, list[int]] = {}
+
+    def fail_the_smallest(round_idx, client_id, update):
+        if client_id == min(samples[round_idx]):
+            raise RuntimeError("out of memory")
+        return update
+
+    sim = faulty(Simulation)(cfg, run_dir, fault=fail_the_smallest)
+    sim.setup()
+    plan_round = sim.server.plan_round
+
+    def recorded(round_idx):
+        plan = plan_round(round_idx)
+        samples[round_idx] = sorted(plan.sampled)
+        return plan
+
+    sim.server.plan_round = recorded
+    with caplog.at_level("DEBUG", logger="fedllm"):
+        sim.run()
+    assert main(["report", str(run_dir), "--output", str(tmp_path / "report")]) == 0
+    assert len(samples) == 3 and all(len(s) == 4 for s in samples.values())
+    assert len({tuple(s) for s in samples.values()}) > 1  # the sample changes: there is something to find
+
+    named = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name != "fedllm.run.folder" and re.search(r"clients? \[?\d", r.getMessage())
+    ]
+    assert not named, named[:3]  # the partition's lines (every client, before any round) are the only ones
+    assert "round 2: a client left out: out of memory" in caplog.text  # the failure is reported, anonymously
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert not [p for p in files if re.search(r"client-\d", p.name)]
+    texts = {p: p.read_text() for p in files if p.suffix in (".json", ".jsonl", ".yaml", ".md", ".txt")}
+    texts[tmp_path / "report.out"] = capsys.readouterr().out
+    texts.update({p: p.read_text() for p in (tmp_path / "report").rglob("*") if p.suffix in (".md", ".json")})
+    for path, text in texts.items():
+        for line in text.splitlines():
+            for r, s in samples.items():
+                assert json.dumps(s) not in line.replace(" ", "").replace(",", ", "), (path, r, s)
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            assert not _per_client_rounds(obj), (path, _per_client_rounds(obj))
+        if path.suffix == ".json":
+            assert not _per_client_rounds(json.loads(text)), (path, _per_client_rounds(json.loads(text)))

@@ -94,6 +94,7 @@ class FedSAClient(ClientHook):
     """FedSA-LoRA's client side: trains A (downloaded) and its own B (kept), uploads A only."""
 
     personalizes = True  # its personalized model is its own B on the global A
+    keeps_state = True  # its own B
     uploads: ClassVar[tuple[str, ...]] = ("A",)
     shared_extras: ClassVar[tuple[str, ...]] = (B_SHARED,)  # its B on sharing rounds: clipped with A
 

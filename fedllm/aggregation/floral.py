@@ -93,6 +93,7 @@ class FloralClient(ClientHook):
     personalizes = True
     local_params = True
     uploads_statistics = True  # its router probabilities
+    keeps_state = True  # its router
     shared_extras = ("bias.",)  # its bias adaptors: averaged like the adaptors
 
     def __init__(self, options: MixtureOptions) -> None:

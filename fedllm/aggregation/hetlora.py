@@ -175,6 +175,8 @@ class PruningSession(HookSession):
 class HetLoRAClient(ClientHook):
     """HetLoRA's client side with self-pruning on: see :class:`PruningSession`."""
 
+    keeps_state = True  # its pruned rank and last tail norm
+
     def __init__(self, gamma: float, lam: float) -> None:
         self.gamma, self.lam = gamma, lam
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from data_prep.prompts import TokenizedExample, collate
+from fedllm.logs import client_label
 from fedllm.model.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
 from fedllm.protocol import AlgorithmServer
 
@@ -145,6 +146,7 @@ class ClientAlgorithm:
     # the server half keeps state for every trainable tensor (SCAFFOLD's c): every one must be trained
     server_state_per_parameter: ClassVar[bool] = False
     uploads_extras: ClassVar[bool] = False  # it uploads tensors beside the model update (control variates)
+    keeps_state: ClassVar[bool] = False  # each client keeps state between rounds (its control variate)
     changes_gradients: ClassVar[bool] = True  # it changes gradients between backward and step
     # its own options (a dataclass of fedllm.options.opt fields), collected as client.<name>.*
     options: ClassVar[type | None] = None
@@ -351,7 +353,7 @@ class LocalRun:
         self._t0 = self._said = time.monotonic()
         self.bar = tqdm(
             total=plan.steps,
-            desc=f"client {plan.client_id}",
+            desc=client_label(plan.client_id),
             leave=False,
             disable=None if plan.progress else True,
         )
@@ -377,8 +379,8 @@ class LocalRun:
             self._said = time.monotonic()  # a compact line in logs (no terminal): at most every few seconds
             done, rate = len(self.losses), len(self.losses) / max(1e-9, self._said - self._t0)
             log.info(
-                "client %d: step %d/%d, loss %.4f (running mean), %.1f steps/s, about %.0f s left",
-                plan.client_id,
+                "%s: step %d/%d, loss %.4f (running mean), %.1f steps/s, about %.0f s left",
+                client_label(plan.client_id),
                 done,
                 plan.steps,
                 sum(window) / len(window),

@@ -54,6 +54,7 @@ from fedllm.factors import (
     write_dense,
     write_factors,
 )
+from fedllm.logs import names_clients
 from fedllm.lowrank import add_to_residual
 from fedllm.model.evaluation import heldout
 from fedllm.model.modeling import (
@@ -379,7 +380,10 @@ class ClientRuntime:
 
     def log_client(self, msg: str, *args) -> None:
         """A per-client line: INFO for a few clients a round, DEBUG above ``quiet_above`` (the round line
-        summarizes them)."""
+        summarizes them); none while the round's clients may not be named (a secret sample: its rank and
+        losses would name it too)."""
+        if not names_clients():
+            return
         log.log(logging.DEBUG if self.clients_per_round > self.quiet_above else logging.INFO, msg, *args)
 
     clients_per_round = 0  # set by the driver each round

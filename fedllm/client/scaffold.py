@@ -164,6 +164,7 @@ class Scaffold(ClientAlgorithm):
     }
     server_state_per_parameter = True
     uploads_extras = True
+    keeps_state = True
     needs_parameter_averaging = True
 
     def __init__(self, optimizer: str = "sgd") -> None:

@@ -95,9 +95,34 @@ RULES: list[Rule] = [
 ]
 
 
+def _hidden_sample(cfg) -> str:
+    return "; ".join(w for f in FEATURES if (w := f.hidden_sample(getattr(cfg, f.section), cfg)))
+
+
+def _state_keepers(cfg, s, a) -> list[str]:
+    """What makes each client keep state between rounds, as the settings that turn it on."""
+    out = [f"aggregation.name = {cfg.aggregation.name}"] if s.hook.keeps_state else []
+    out += [f"client.algorithm = {cfg.client.algorithm}"] if a.keeps_state else []
+    return out + [w for f in FEATURES if (w := f.client_state(getattr(cfg, f.section), cfg))]
+
+
+# checked after the features' own rules: a combination they refuse for a reason of its own says that reason
+SECRET_SAMPLE = Rule(
+    "a secret sample leaves no per-client trace",
+    lambda cfg, s, a: bool(_hidden_sample(cfg)) and bool(_state_keepers(cfg, s, a)),
+    lambda cfg, s, a: (
+        ", ".join(_state_keepers(cfg, s, a))
+        + ": each client keeps state between rounds, which a simulation writes to the run folder per client "
+        "and round and which changes only for the clients sampled, so it would reveal the sample; "
+        + _hidden_sample(cfg)
+        + ". Turn that state off (e.g. comm.error_feedback=false)"
+    ),
+)
+
+
 def all_rules() -> list[Rule]:
     """The table above and every feature's rules, in the order they are checked."""
-    return [*RULES, *(r for f in FEATURES for r in f.rules())]
+    return [*RULES, *(r for f in FEATURES for r in f.rules()), SECRET_SAMPLE]
 
 
 def refusal(cfg) -> str | None:

@@ -40,7 +40,7 @@ from fedllm.data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
 from fedllm.flower.records import info_record, start_record
 from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update
-from fedllm.logs import setup_logging
+from fedllm.logs import client_label, names_clients, setup_logging
 from fedllm.round_loop import RoundLoop, personal_summary
 from fedllm.server.trust import one_line
 
@@ -241,16 +241,16 @@ class FlowerDriver(RoundLoop):
                         retry[k] = starts[k]
                 except Exception as e:  # a reply the parser let through and its use did not: still the site's
                     failures[k] = one_line(f"unusable reply ({type(e).__name__}: {e})")
-                    log.debug("round %d: client %d's reply raised", round_idx, k, exc_info=True)
+                    log.debug("round %d: %s's reply raised", round_idx, client_label(k), exc_info=True)
             if not retry:
                 break
             log.warning(
-                "round %d: asking clients %s again after a reply that failed its signature",
+                "round %d: asking %s again after a reply that failed its signature",
                 round_idx,
-                sorted(retry),
+                f"clients {sorted(retry)}" if names_clients() else f"{len(retry)} client(s)",
             )
         for k, why in sorted(failures.items()):
-            log.warning("round %d: client %d left out: %s", round_idx, k, why)
+            log.warning("round %d: %s left out: %s", round_idx, client_label(k), why)
         return parsed, failures
 
     def max_reply_bytes(self, client_id: int) -> int:

@@ -121,6 +121,14 @@ class PrivacyFeature(Feature):
             ),
         ]
 
+    def hidden_sample(self, p: PrivacyOptions, cfg) -> str:
+        if p.mode != "central" or p.sampling != "secret":  # local DP claims no amplification by sampling
+            return ""
+        return (
+            "privacy.sampling = secret: the accountant's amplification assumes the sample hidden (or use "
+            "privacy.sampling=public: epsilon without amplification)"
+        )
+
     def check_config(self, p: PrivacyOptions, cfg) -> None:
         if p.mode == "none":
             default = PrivacyOptions()

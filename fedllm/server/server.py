@@ -37,6 +37,7 @@ from fedllm.factors import (
     prefixed,
     unprefixed,
 )
+from fedllm.logs import client_label
 from fedllm.protocol import (
     AlgorithmServer,
     ClientInfo,
@@ -325,7 +326,7 @@ class Server:
                 why = one_line(
                     str(e) if isinstance(e, ClientFailure) else f"unreadable update ({type(e).__name__}: {e})"
                 )
-                log.warning("round %d: client %d left out: %s", plan.round, k, why)
+                log.warning("round %d: %s left out: %s", plan.round, client_label(k), why)
                 failures[str(k)] = f"ClientFailure: {why}"
         return sorted(updates, key=lambda u: u.client_id), failures
 
@@ -499,6 +500,8 @@ class Server:
             "updated": self.updated_rounds,
             **merges,
         }
+        if not self.sampling.public:  # each client's last round would name who took part in which round
+            del meta["accepted"], meta["synced"]
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:

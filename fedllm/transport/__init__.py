@@ -180,6 +180,10 @@ class TransportFeature(Feature):
                 "hetlora, fedsa, ffa"
             )
 
+    def client_state(self, o: TransportOptions, cfg) -> str:
+        on = o.upload != "float32" and o.error_feedback
+        return f"comm.upload = {o.upload} with comm.error_feedback = true" if on else ""
+
     def upload_transforms(self, o: TransportOptions, cfg) -> list:
         return [] if o.upload == "float32" else [QuantizedUpload(o.upload, o.error_feedback, o.block_size)]
 
