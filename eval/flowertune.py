@@ -180,7 +180,7 @@ def sentiment_label(value: float) -> str:
 def finance_items(name: str, records: list[dict]) -> list[Item]:
     out = []
     if name in ("fpb", "fiqa"):
-        records = data.held_out_quarter(records)
+        records = data.held_out(name, records)
     for i, r in enumerate(records):
         if name == "fpb":
             label = as_int(r, "label")

@@ -245,12 +245,22 @@ def as_int(rec: dict, key: str) -> int:
         ) from None
 
 
-def held_out_quarter(records: list[dict]) -> list[dict]:
-    """FlowerTune's held-out quarter of FPB and FiQA: ``train_test_split(0.25, seed=42)["test"]`` of the
-    datasets library, on the rows in their order (the library's own call, so the same rows)."""
+# the share of FPB and FiQA FlowerTune scores: its finance ``utils.load_data`` (adap/flower, benchmarks/
+# flowertune-llm/evaluation/finance, since 13d315a of 2024-08-23) takes train_test_split(0.25, seed=42) of
+# both, FiQA's three splits concatenated first. Its first version (finance/fiqa.py, July-August 2024) and
+# FinGPT's benchmarks took 0.226 of FiQA (266 of 1,173 rows instead of 294): not what the leaderboard's code
+# runs now. scripts/check_flowertune_agreement.py checks the rows against that code at the real sizes.
+HELD_OUT_SHARE = {"fpb": 0.25, "fiqa": 0.25}
+
+
+def held_out(bench: str, records: list[dict]) -> list[dict]:
+    """The rows of ``bench`` (fpb or fiqa) FlowerTune's evaluation scores: ``train_test_split(share,
+    seed=42)["test"]`` of the datasets library, on the rows in their order (the library's own call, so the
+    same rows)."""
     from datasets import Dataset
 
-    idx = Dataset.from_dict({"i": list(range(len(records)))}).train_test_split(0.25, seed=42)["test"]["i"]
+    share = HELD_OUT_SHARE[bench]
+    idx = Dataset.from_dict({"i": list(range(len(records)))}).train_test_split(share, seed=42)["test"]["i"]
     return [records[i] for i in idx]
 
 

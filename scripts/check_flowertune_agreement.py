@@ -118,6 +118,42 @@ def local_hub(data: Path):
     return load
 
 
+# the real benchmarks' sizes (pauri32/fiqa-2018's three splits, takala/financial_phrasebank sentences_50agree)
+HELD_OUT_SIZES = {"fiqa": (938, 117, 118), "fpb": (4846,)}
+
+
+def held_out_reference(domain_dir: Path) -> dict[str, dict]:
+    """Which rows FlowerTune's finance ``load_data`` holds out of FiQA (its three splits concatenated) and FPB
+    at their real sizes: the count and the sha256 of the row indices, from its own code on index columns."""
+    import hashlib
+
+    import datasets
+    from datasets import Dataset, DatasetDict
+
+    out = {}
+    saved = datasets.load_dataset
+    with reference(domain_dir) as (_, utils_mod):
+        try:
+            for bench, sizes in HELD_OUT_SIZES.items():
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                splits = ("train", "validation", "test")[: len(sizes)]
+                parts = {
+                    s: Dataset.from_dict({"i": list(range(a, a + n))})
+                    for s, a, n in zip(splits, starts, sizes, strict=True)
+                }
+                datasets.load_dataset = lambda *a, parts=parts, **k: DatasetDict(parts)
+                rows = utils_mod.load_data("local", concat=len(sizes) > 1)
+                idx = [int(v) for v in rows["i"]]
+                out[bench] = {
+                    "rows": sum(sizes),
+                    "held_out": len(idx),
+                    "sha256": hashlib.sha256(json.dumps(idx).encode()).hexdigest(),
+                }
+        finally:
+            datasets.load_dataset = saved
+    return out
+
+
 def run_reference(
     domain_dir: Path, data: Path, model, tokenizer, calls: list[tuple]
 ) -> dict[str, list[dict]]:
@@ -229,6 +265,21 @@ def reference_fixture(protocol: str, ref: dict, result: dict) -> dict:
     return out
 
 
+def fedllm_held_out() -> dict[str, dict]:
+    """The same as :func:`held_out_reference`, from fedllm's ``held_out`` on rows in the same order."""
+    import hashlib
+
+    out = {}
+    for bench, sizes in HELD_OUT_SIZES.items():
+        idx = [r["i"] for r in ftd.held_out(bench, [{"i": i} for i in range(sum(sizes))])]
+        out[bench] = {
+            "rows": sum(sizes),
+            "held_out": len(idx),
+            "sha256": hashlib.sha256(json.dumps(idx).encode()).hexdigest(),
+        }
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -291,6 +342,12 @@ def main() -> int:
             "awkward_mismatches": odd,
         }
         fixture[protocol] = reference_fixture(protocol, ref, result)
+        if protocol == "flowertune-finance":
+            held = held_out_reference(ref_root / domain)
+            fixture[protocol]["held_out"] = held
+            mine = fedllm_held_out()
+            summary["held_out_equal"] = mine == held
+            failed |= mine != held
         print(f"{protocol}: {len(records)} questions, {n_bad} disagreement(s)")
         for kind, rows in mism.items():
             for r in rows[:5]:
