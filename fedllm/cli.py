@@ -147,7 +147,13 @@ def print_summary(s: dict) -> None:
         )
     print(
         f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
-        f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB)"
+        f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB"
+        + (
+            f", of which {c['total_down_catchup_bytes'] / 1e6:.2f} MB catch-ups of merges clients had missed"
+            if c.get("total_down_catchup_bytes")
+            else ""
+        )
+        + ")"
     )
     if s.get("comm_budget_mib"):
         from fedllm.server.ledger import MIB

@@ -275,3 +275,32 @@ def test_a_run_written_before_the_budget_moved_still_loads(tmp_path):
         "lora:\n  trainable_modules: []\n"
     )
     assert load_config(old).aggregation.download_budget_mb == 0.25
+
+
+def test_under_partial_participation_the_budget_bounds_each_rounds_state_and_catchup_is_counted_apart(
+    tmp_path, builtin_base
+):
+    """FLoRIST under a budget with 2 of 6 clients a round: a client that missed rounds downloads their merges
+    too (its catch-up, exact, so its base is the server's). What the budget bounds, one round's state, stays
+    within it in every round (down_bytes_max_round); the earlier merges are counted apart
+    (down_catchup_bytes, their total in the summary), and the whole download is their sum."""
+    budget_mb = 0.03
+    rows = _run(
+        tmp_path,
+        "partial",
+        "aggregation.name=florist",
+        "federation.num_clients=6",
+        "federation.client_fraction=0.34",
+        "federation.rounds=6",
+        "lora.trainable_modules=[]",
+        f"aggregation.download_budget_mb={budget_mb}",
+    )[1:]
+    assert all(r["down_bytes_max_round"] <= budget_mb * 1e6 for r in rows), [
+        r["down_bytes_max_round"] for r in rows
+    ]
+    assert any(r["down_bytes_max_round"] > 0 for r in rows[1:])  # something is merged under the budget
+    catchup = [r["down_catchup_bytes"] for r in rows]
+    assert sum(catchup) > 0 and any(r["down_bytes_max"] > budget_mb * 1e6 for r in rows)
+    assert all(r["down_bytes"] >= r["down_catchup_bytes"] for r in rows)
+    summary = json.loads((tmp_path / "partial" / "summary.json").read_text())
+    assert summary["communication"]["total_down_catchup_bytes"] == sum(catchup)

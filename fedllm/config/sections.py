@@ -314,7 +314,9 @@ class AggregationSection:
         0.0,
         "megabytes (10^6 bytes, float32) of the adapter each client may download per round (florist: the "
         "largest energy share up to tau whose broadcast fits; flexlora: the largest share of the global "
-        "SVD, at most the client's rank; fedit: the largest rank that fits; 0: no budget)",
+        "SVD, at most the client's rank; fedit: the largest rank that fits; 0: no budget). It bounds one "
+        "round's state: a florist client that missed rounds also downloads their merges (its catch-up), "
+        "counted apart as down_catchup_bytes",
         _nonneg,
         ">= 0",
     )

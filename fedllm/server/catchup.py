@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from fedllm.factors import Adapter, adapter_from_tensors, adapter_tensors
+from fedllm.factors import Adapter, adapter_from_tensors, adapter_numel, adapter_tensors
 from fedllm.lowrank import add_to_residual
 from fedllm.protocol import Catchup
 
@@ -54,6 +54,16 @@ class MergeLog:
             else:
                 self._cache[at] = Catchup(0, last, residual)
         return self._cache[at]
+
+    def behind_newest(self, catchup: Catchup | None) -> int:
+        """Parameters of ``catchup`` beyond the newest merge: what a client that missed earlier merges
+        downloads on top of what one whose base had all but the newest does (0 for that one)."""
+        if catchup is None or not self.recent:
+            return 0
+        before_newest = self.recent[-2][0] if len(self.recent) > 1 else self.evicted
+        if catchup.from_round >= before_newest:
+            return 0
+        return max(0, adapter_numel(catchup.update) - adapter_numel(self.recent[-1][1]))
 
     def add(self, round_idx: int, merged: Adapter) -> None:
         """A round's merged update (nothing when it merged none)."""

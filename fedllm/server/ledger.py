@@ -32,20 +32,29 @@ class Ledger:
     down_bytes: int = 0  # the encoded bytes of every download so far (float32 unless a transport encodes)
     round_down_bytes: int = 0
     round_down_max: int = 0  # the largest download of one client this round, in bytes
+    # a catch-up's merges of rounds before the newest, downloaded by clients that missed them (FLoRA,
+    # FLoRIST): beyond what aggregation.download_budget_mb bounds, which is one round's merge
+    catchup_bytes: int = 0
+    round_catchup_bytes: int = 0
+    round_down_max_round: int = 0  # the largest download of this round's state alone (what a budget bounds)
 
     def start_round(self) -> None:
         self.round_up = self.round_down = self.round_up_bytes = self.round_down_max = (
             self.round_down_bytes
-        ) = 0
+        ) = self.round_catchup_bytes = self.round_down_max_round = 0
 
-    def download(self, client: int, params: int, nbytes: int | None = None) -> None:
-        """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value)."""
+    def download(self, client: int, params: int, nbytes: int | None = None, catchup_bytes: int = 0) -> None:
+        """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value), of which
+        ``catchup_bytes`` were merges of rounds before the newest that the client missed."""
         self.down_params[client if self.by_client else -1] += params
         self.round_down += params
         nbytes = params * self.bytes_per_param if nbytes is None else nbytes
         self.down_bytes += nbytes
         self.round_down_bytes += nbytes
         self.round_down_max = max(self.round_down_max, nbytes)
+        self.catchup_bytes += catchup_bytes
+        self.round_catchup_bytes += catchup_bytes
+        self.round_down_max_round = max(self.round_down_max_round, nbytes - catchup_bytes)
 
     def upload(self, client: int, params: int, nbytes: int | None = None) -> None:
         """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value)."""
@@ -62,6 +71,9 @@ class Ledger:
             "up_bytes": self.round_up_bytes,
             "down_bytes": self.round_down_bytes,
             "down_bytes_max": self.round_down_max,  # the largest download of one client
+            # ... without merges of earlier rounds it had missed: what aggregation.download_budget_mb bounds
+            "down_bytes_max_round": self.round_down_max_round,
+            "down_catchup_bytes": self.round_catchup_bytes,  # those earlier merges, over the round's clients
         }
 
     def totals(self) -> dict:
@@ -71,6 +83,7 @@ class Ledger:
             "total_down_params": down,
             "total_up_bytes": self.up_bytes,
             "total_down_bytes": self.down_bytes,
+            "total_down_catchup_bytes": self.catchup_bytes,
             **(
                 {
                     "per_client": {
@@ -94,6 +107,7 @@ class Ledger:
             "by_client": self.by_client,
             "up_bytes": self.up_bytes,
             "down_bytes": self.down_bytes,
+            "catchup_bytes": self.catchup_bytes,
         }
 
     @classmethod
@@ -104,4 +118,5 @@ class Ledger:
         # (a checkpoint from before bytes were counted: its uploads travelled in float32)
         led.up_bytes = state.get("up_bytes", sum(led.up_params.values()) * led.bytes_per_param)
         led.down_bytes = state.get("down_bytes", sum(led.down_params.values()) * led.bytes_per_param)
+        led.catchup_bytes = state.get("catchup_bytes", 0)
         return led

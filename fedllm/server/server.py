@@ -217,7 +217,8 @@ class Server:
                 start = self.rules.download_transform(start)
             plan.starts[k] = start
             nbytes = self.rules.download_bytes(start) if self.rules.download_bytes is not None else None
-            self.ledger.download(k, start.numel(), nbytes)
+            behind = self.merges.behind_newest(start.catchup) * self.ledger.bytes_per_param  # float32 only
+            self.ledger.download(k, start.numel(), nbytes, behind)
         return plan
 
     def finish_round(self, plan: RoundPlan, results: dict[int, ClientUpdate | str]) -> RoundReport:
