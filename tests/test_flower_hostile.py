@@ -319,3 +319,30 @@ def test_a_corrupted_encoding_is_that_sites_failure_without_a_traceback(grid_dri
         assert row["n_updates"] == 2 and not row["skipped"], name
         assert reason in row["failed"]["1"] and "\n" not in row["failed"]["1"], (name, row["failed"])
     assert "Traceback" not in caplog.text
+
+
+def test_each_round_counts_the_bytes_its_train_messages_take_on_flower(grid_driver):
+    """The ledger counts the tensors (int8 payloads and scales); a Flower message also carries each array's
+    NumPy header, the names, the metadata and the config. The row's flower_up_bytes / flower_down_bytes are
+    the serialized records' sizes, so they exceed the ledger's by at least a header per array."""
+    from flwr.common.serde import recorddict_to_proto
+
+    driver, grid = grid_driver(2, 1, False, "comm.upload=int8", "eval.personalized=false")
+    sent, replies = [], []
+
+    def keep(node, kind, message, content):
+        if kind == "train":
+            sent.append(message.content)
+            replies.append(content)
+        return content
+
+    grid.tamper = keep
+    driver.setup()
+    driver.run()
+    row = [json.loads(x) for x in (driver.run_dir / "metrics.jsonl").read_text().splitlines()][1]
+    assert row["flower_up_bytes"] == sum(recorddict_to_proto(r).ByteSize() for r in replies)
+    assert row["flower_down_bytes"] == sum(recorddict_to_proto(m).ByteSize() for m in sent)
+    arrays = sum(len(list(r["tensors"])) for r in replies)
+    assert row["flower_up_bytes"] >= row["up_bytes"] + 64 * arrays  # a NumPy header per array, at least
+    payload = sum(len(r["tensors"][k].data) for r in replies for k in r["tensors"])
+    assert payload >= row["up_bytes"] and payload - row["up_bytes"] <= 256 * arrays

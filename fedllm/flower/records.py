@@ -80,6 +80,21 @@ def evaluation_record(metrics: dict[str, float]):
     return RecordDict({"metrics": MetricRecord(metrics), "meta": ConfigRecord({"json": "{}"})})
 
 
+def record_bytes(content) -> int:
+    """The bytes a message's content takes serialized as Flower sends it (its protobuf): the arrays' data
+    with each one's NumPy header (about 128 bytes), their names, the JSON metadata and the config; 0 for
+    content that is not a record dict (a malformed reply)."""
+    from flwr.app import RecordDict
+    from flwr.common.serde import recorddict_to_proto
+
+    if not isinstance(content, RecordDict):
+        return 0
+    try:
+        return int(recorddict_to_proto(content).ByteSize())
+    except Exception:  # content Flower itself could not serialize never travelled as such
+        return 0
+
+
 def signed(records, key, reply_to: str):
     """``records`` with a site's signature (``fedllm/flower/signing.py``) in its ``meta`` record; as they
     are without a key (a plain deployment)."""

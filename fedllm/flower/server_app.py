@@ -38,7 +38,7 @@ from fedllm.aggregation import strategy_from_config
 from fedllm.config import Config, config_to_text, load_config
 from fedllm.data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
-from fedllm.flower.records import info_record, start_record
+from fedllm.flower.records import info_record, record_bytes, start_record
 from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update
 from fedllm.logs import client_label, names_clients, setup_logging
 from fedllm.round_loop import RoundLoop, personal_summary
@@ -69,6 +69,7 @@ class FlowerDriver(RoundLoop):
         # answers it in seconds)
         self.timeout = cfg.federation.client_timeout_s or cfg.flower.round_timeout_s
         self.handshake_timeout = cfg.flower.handshake_timeout_s
+        self.record_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}  # this round's, serialized
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -197,6 +198,9 @@ class FlowerDriver(RoundLoop):
                 group_id=str(round_idx),
             )
         got = self.grid.send_and_receive(list(messages.values()), timeout=self.timeout) if messages else []
+        if message_type == MessageType.TRAIN:  # what the ledger's down_bytes / up_bytes are the tensors of
+            self.record_bytes["flower_down_bytes"] += sum(record_bytes(m.content) for m in messages.values())
+            self.record_bytes["flower_up_bytes"] += sum(record_bytes(r.content) for r in got)
         # the grid gave each message its id; an error reply for a node that is gone comes from the SuperLink
         sent = {m.metadata.message_id: k for k, m in messages.items()}
         replies = {}
@@ -280,6 +284,15 @@ class FlowerDriver(RoundLoop):
                     one_line(f"its encoded changes do not fit what it started from ({e})")
                 ) from None
         return update
+
+    def run_round(self, round_idx: int):
+        """The round loop's round, its row with the bytes the train messages took serialized on Flower
+        (``flower_down_bytes``, ``flower_up_bytes``): the ledger's tensors plus each array's header, the
+        metadata and the config a message carries."""
+        self.record_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}
+        done = super().run_round(round_idx)
+        done.row.update(self.record_bytes)
+        return done
 
     def train_clients(self, plan) -> dict[int, Any]:
         def parse(k, content, reply_to):

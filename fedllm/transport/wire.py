@@ -8,7 +8,10 @@ metadata. The server decodes them (a malformed encoding is that site's failure f
 codec's reason) and adds each change to the reference it knows the site started from, the one the site
 subtracted: its download's factors (or the round's fresh init, which the server derives from the seed
 as the site does), its dense modules, its extras. So what the server aggregates is what the simulation
-aggregates with the same transport, and the bytes on the wire are the ledger's.
+aggregates with the same transport. The ledger counts the tensors' bytes (payloads and scales); a Flower
+message also carries each array's NumPy header (about 128 bytes), the names, the JSON metadata and the
+config, which the ServerApp counts apart as the serialized records' size (``flower_up_bytes``,
+``flower_down_bytes`` in each round's row).
 """
 
 from __future__ import annotations
