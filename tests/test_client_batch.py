@@ -45,7 +45,13 @@ def _overrides(strategy: str, algorithm: str, k: int, optimizer: str) -> list[st
 
 
 def _updates(
-    builtin_base, strategy: str, algorithm: str, k: int, optimizer: str = "adamw", extra: tuple = ()
+    builtin_base,
+    strategy: str,
+    algorithm: str,
+    k: int,
+    optimizer: str = "adamw",
+    extra: tuple = (),
+    cpu: bool = True,
 ) -> dict:
     """Round 1's and round 2's updates of every client (float64 model: the comparison sees the algorithm, not
     float32 summation order), the second round from the server's aggregate of the first.
@@ -58,7 +64,7 @@ def _updates(
     from fedllm import assembly
 
     cfg = load_config(None, [*_overrides(strategy, algorithm, k, optimizer), *extra])
-    fed = assembly.assemble(cfg, Accelerator(cpu=True))
+    fed = assembly.assemble(cfg, Accelerator(cpu=cpu))
     fed.runtime.model.double()
     out = {}
     for round_idx in (1, 2):

@@ -143,3 +143,27 @@ def test_deepspeed_zero_on_gpus(tmp_path, stage, plain):
     assert summary["failed_client_calls"] == 0
     assert ("residual_adapter_rank" in summary) == (stage == 3)
     assert_close_updates(plain["flora"], tmp_path / "run", 2e-2)
+
+
+def test_batched_clients_get_their_lone_updates_on_cuda(builtin_base):
+    """Client batching on a GPU: without dropout each client's batched update equals its lone one (float64,
+    1e-5 relative), as on the CPU. With dropout the masks come from each client's own generator through
+    ``bernoulli_``, not CUDA's fused dropout kernel: their keep rate is 1 - p and they are not all ones."""
+    from fedllm.client.batched import Routing, _Masks, _Span
+    from tests.test_client_batch import _updates, _worst
+
+    extra = ("lora.dropout=0.0",)
+    alone = _updates(builtin_base, "fedit", "scaffold", 1, extra=extra, cpu=False)
+    together = _updates(builtin_base, "fedit", "scaffold", 3, extra=extra, cpu=False)
+    worst, where = _worst(alone, together)
+    assert worst <= 1e-5, (where, worst)
+
+    drop = torch.nn.Dropout(0.2).train()
+    layer = type("Layer", (), {"lora_dropout": {"s": drop}})()
+    routing = Routing.__new__(Routing)
+    routing._drawn = {}
+    routing._spans = [_Span("s", 0, 64, 32, _Masks(0, torch.device("cuda")))]
+    x = torch.zeros(64, 32, 256, device="cuda")
+    (mask,) = routing._noise(layer, x, torch.float32)
+    kept = float((mask > 0).float().mean())
+    assert mask.is_cuda and abs(kept - 0.8) < 0.01 and float(mask.max()) == pytest.approx(1 / 0.8)

@@ -13,7 +13,9 @@ separate weights), optimizer, schedule, gradient clip, correction (SCAFFOLD), pr
 data order and dropout masks: the masks are drawn from its own generator, seeded as its lone training
 seeds the global one, in the same order, with the shape its lone batch has (rows padded to the longest
 client's batch are cut off before the draw). A client whose trajectory is the one it has alone is what
-the equivalence tests check (tests/test_client_batch.py).
+the equivalence tests check (tests/test_client_batch.py). That holds on the CPU, where ``F.dropout`` is
+``bernoulli_`` on the global generator; on CUDA ``F.dropout`` runs a fused kernel with its own Philox
+stream, so there the masks have the lone path's distribution but not its values (tests/test_gpu.py).
 
 What cannot be batched is trained one client at a time, said once: an algorithm that takes several
 forwards per step (Per-FedAvg), a strategy whose clients train parameters of their own (FLoRAL's
