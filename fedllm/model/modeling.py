@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fedllm.factors import Adapter, lora_modules, module_key, write_factors
+from fedllm.model.gguf import GGUFError, ensure_checkpoint, gguf_file, is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,15 @@ class ModelError(RuntimeError):
 
 
 def resolve_model_path(name: str, pretrain_steps: int) -> str:
-    """'builtin' or 'builtin-testbed' -> the cached built-in base (built on first use); else ``name``."""
+    """'builtin' or 'builtin-testbed' -> the cached built-in base (built on first use); a GGUF file or
+    ``gguf:<package>`` -> its converted checkpoint (converted on first use, ``fedllm/model/gguf.py``); else
+    ``name``."""
     if is_builtin(name):
         from fedllm.model.builtin import ensure_builtin_base
 
         return str(ensure_builtin_base(pretrain_steps, suite=name))
+    if is_gguf(name):
+        return str(ensure_checkpoint(name))
     return name
 
 
@@ -46,8 +51,14 @@ def _offline() -> bool:
 
 
 def check_model_reference(name: str) -> None:
-    """Fail fast on a model that cannot be reached (offline Hub id, missing local path)."""
+    """Fail fast on a model that cannot be reached (offline Hub id, missing local path or GGUF package)."""
     if is_builtin(name):
+        return
+    if is_gguf(name):
+        try:
+            gguf_file(name)
+        except GGUFError as e:
+            raise ModelError(str(e)) from None
         return
     looks_local = name.startswith((".", "/", "~")) or (
         os.sep in name and Path(name).expanduser().parent.exists()

@@ -143,11 +143,12 @@ def run_base(cfg, dtype: str, device):
 
 def resolve_base(model: str, cfg) -> str:
     """What ``--model`` names, resolved the way the run's base was (the built-in base by its cache path)."""
+    from fedllm.model.gguf import is_gguf
     from fedllm.model.modeling import resolve_model_path
 
     return (
         resolve_model_path(model, cfg.model.builtin_pretrain_steps)
-        if model in ("builtin", "builtin-testbed")
+        if model in ("builtin", "builtin-testbed") or is_gguf(model)
         else str(Path(model).expanduser().resolve())
         if Path(model).expanduser().exists()
         else model
