@@ -227,7 +227,15 @@ class _Replay:
         return bad
 
 
-@pytest.mark.parametrize(("fmt", "count"), [("float32", 90), ("float16", 50), ("int8", 90), ("int4", 50)])
+@pytest.mark.parametrize(
+    ("fmt", "count"),
+    [
+        pytest.param("float32", 90, marks=pytest.mark.slow),
+        pytest.param("float16", 50, marks=pytest.mark.slow),
+        ("int8", 120),  # the default run's share: the format with block scales, payloads and rebuilds
+        pytest.param("int4", 50, marks=pytest.mark.slow),
+    ],
+)
 def test_malformed_train_replies_never_raise_and_each_is_that_sites_failure(
     grid_driver, monkeypatch, fmt, count
 ):
