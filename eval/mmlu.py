@@ -301,6 +301,15 @@ def _one_file_benchmark(
             continue
         kept[q.subject] = n + 1
         questions.append(q)
+    empty = sorted(set(dev) - {q.subject for q in questions})
+    if empty:
+        log.warning(
+            "%s: %d subject(s) have no more than the %d questions kept back as shots, so none is scored: %s",
+            source,
+            len(empty),
+            pool,
+            ", ".join(empty[:5]),
+        )
     note = f"the same file: the first {pool} questions of each subject, not scored"
     return Benchmark(source, questions, dev if shots else {}, shots, overflow, note)
 

@@ -81,6 +81,15 @@ def set_names_clients(value: bool) -> bool:
     return before
 
 
+def redact(text: str) -> str:
+    """A failure's reason as a log line or a row may carry it: whole while clients may be named, else with
+    every number replaced by '#' ('it claims to be client 3', a state file's name, a client's own example
+    count would each name it)."""
+    import re
+
+    return text if _names_clients else re.sub(r"\d+", "#", text)
+
+
 def client_label(client_id: int) -> str:
     """A round's client as a log line names it: ``client 3``, or ``a client`` while the sample is secret."""
     return f"client {client_id}" if _names_clients else "a client"

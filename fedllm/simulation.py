@@ -20,7 +20,7 @@ from fedllm import assembly
 from fedllm.client.runtime import ClientData
 from fedllm.client.store import ClientStore
 from fedllm.config import Config, token_modules
-from fedllm.logs import client_label
+from fedllm.logs import client_label, names_clients, redact
 from fedllm.round_loop import RoundLoop, personal_summary
 from fedllm.server import RoundPlan
 
@@ -97,8 +97,9 @@ class Simulation(RoundLoop):
             got = self.runtime.train_many([self.clients[k] for k in group], [plan.starts[k] for k in group])
             for k, g in zip(group, got, strict=True):
                 if isinstance(g, Exception):  # a faulty client must not take the round down
-                    log.warning("round %d: %s left out: %s", plan.round, client_label(k), g)
-                    log.debug("%s: traceback", client_label(k), exc_info=(type(g), g, g.__traceback__))
+                    log.warning("round %d: %s left out: %s", plan.round, client_label(k), redact(str(g)))
+                    if names_clients():  # a traceback carries the failure's own words, which may name it
+                        log.debug("%s: traceback", client_label(k), exc_info=(type(g), g, g.__traceback__))
                     g = f"{type(g).__name__}: {g}"
                 results.append((k, g, self.store.save(self.clients[k], plan.round)))
                 self.store.release(self.clients[k])

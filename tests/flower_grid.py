@@ -29,13 +29,28 @@ class Sent:
         )
 
 
+class Reply:
+    """A reply as Flower's Message is one: an error reply has no content, and reading it raises."""
+
+    def __init__(self, content, node, to, error=None):
+        self._content, self._error = content, error
+        self.error = SimpleNamespace(reason=error)
+        self.metadata = SimpleNamespace(src_node_id=node, reply_to_message_id=to)
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    @property
+    def content(self):
+        if self._error is not None:
+            raise ValueError(
+                "Message content is None. Use <message>.has_content() to check if a message has content."
+            )
+        return self._content
+
+
 def reply(content, node, to, error=None):
-    return SimpleNamespace(
-        content=content,
-        has_error=lambda: error is not None,
-        error=SimpleNamespace(reason=error),
-        metadata=SimpleNamespace(src_node_id=node, reply_to_message_id=to),
-    )
+    return Reply(content, node, to, error)
 
 
 class SiteGrid:
@@ -84,9 +99,7 @@ class SiteGrid:
             content = handlers[kind](incoming, self.contexts[node])
             tampered = self.tamper(node, kind, m, content) if self.tamper else content
             out.append(
-                tampered
-                if isinstance(tampered, SimpleNamespace)
-                else reply(tampered, node, m.metadata.message_id)
+                tampered if isinstance(tampered, Reply) else reply(tampered, node, m.metadata.message_id)
             )
         return out
 

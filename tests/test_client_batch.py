@@ -204,9 +204,20 @@ def test_batched_with_gradient_checkpointing_and_dropout_gets_lone_updates(built
     """Gradient checkpointing recomputes each block's forward in the backward: each client's dropout masks
     must be drawn again as the forward drew them (its own generator, which torch's checkpoint does not
     restore), else dx sees one mask and dA, dB another (HetLoRA: a hooked layer's path)."""
+    from fedllm.client import batched
+
+    noise, replayed = batched.Routing._noise, []
+
+    def counted(self, m, x, dtype):
+        replayed.append(self.replays and id(m) in self._drawn)
+        return noise(self, m, x, dtype)
+
     extra = ("model.gradient_checkpointing=true",)
     alone = _updates(builtin_base, strategy, "sft", 1, extra=extra)
-    together = _updates(builtin_base, strategy, "sft", 3, extra=extra)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batched.Routing, "_noise", counted)
+        together = _updates(builtin_base, strategy, "sft", 3, extra=extra)
+    assert any(replayed) and not all(replayed)  # recomputed forwards drew their masks again
     worst, where = _worst(alone, together)
     assert worst <= 1e-5, (where, worst)
 

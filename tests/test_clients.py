@@ -143,6 +143,7 @@ def _gradient(X, y, theta):
     return model.theta.grad
 
 
+@pytest.mark.slow
 def test_scaffold_with_unequal_sizes_and_cosine_finds_the_weighted_optimum():
     """Control variate and models weighted alike: the minimizer of sum_k p_k f_k, not of (1/N) sum_k f_k."""
     data, weighted, uniform = heterogeneous_problem(sizes=(10, 20, 40, 130))

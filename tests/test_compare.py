@@ -65,6 +65,7 @@ def test_variant_syntax_errors_name_the_variant():
         parse_variant("v:nokey")
 
 
+@pytest.mark.slow
 def test_compare_runs_every_variant_on_the_same_partitions(tmp_path, builtin_base, capsys):
     from fedllm.cli import main
 

@@ -68,8 +68,16 @@ def test_the_pretend_device_trains_and_catches_a_mix():
             p.detach() - p.detach().cpu()  # what SCAFFOLD's finish did before: it raises on a real GPU too
 
 
+SLOW_CASES = {("perfedavg", "fedit"), ("fedprox", "floral")}  # their variant with options: 12 s each
+
+
 @pytest.mark.parametrize(
-    ("algorithm", "strategy", "extra"), CASES, ids=[f"{a}-{s}{'+' if e else ''}" for a, s, e in CASES]
+    ("algorithm", "strategy", "extra"),
+    [
+        pytest.param(a, s, e, marks=pytest.mark.slow if e and (a, s) in SLOW_CASES else ())
+        for a, s, e in CASES
+    ],
+    ids=[f"{a}-{s}{'+' if e else ''}" for a, s, e in CASES],
 )
 def test_a_round_on_an_accelerator_mixes_no_devices(tmp_path, builtin_base, algorithm, strategy, extra):
 

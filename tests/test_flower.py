@@ -43,7 +43,7 @@ SLOW = pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy,more",
     [
-        pytest.param("fedit", [], id="fedit"),
+        pytest.param("fedit", [], marks=SLOW, id="fedit"),  # ~30 s on 2 cores: every engine run is slow
         pytest.param("flexlora", [], marks=SLOW, id="flexlora"),
         pytest.param("florist", [], marks=SLOW, id="florist"),
         pytest.param("flora", [], marks=SLOW, id="flora"),

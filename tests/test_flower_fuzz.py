@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedllm.transport.codec import encode
 from fedllm.transport.wire import WIRE
-from tests.flower_grid import grid_driver_factory, meta_of
+from tests.flower_grid import Reply, grid_driver_factory, meta_of
 
 
 @pytest.fixture
@@ -277,6 +277,17 @@ def test_malformed_train_replies_never_raise_and_each_is_that_sites_failure(
         assert reason and "\n" not in reason and len(reason) < 400, (replay.what, reason)
         assert "stale" not in reason, (replay.what, reason)  # broken for what was done to it, not its round
     assert len(seen) > 10, seen
+    # a site whose ClientApp failed: Flower's error reply has no content, and reading it raises
+    replay.rng = None
+    grid.tamper = lambda node, kind, m, c: (
+        Reply(None, node, m.metadata.message_id, error="ClientApp raised")
+        if node == VICTIM
+        else replay(node, kind, m, c)
+    )
+    plan = driver.server.plan_round(3 + count)
+    report = driver.server.finish_round(plan, driver.train_clients(plan))
+    assert report.row["failed"]["1"] == "site error: ClientApp raised" and report.row["n_updates"] == 2
+    assert driver.record_bytes["flower_up_bytes"] > 0  # the two honest replies, counted; the error, not
 
 
 def _bad_handshake(rng: random.Random, genuine: dict) -> tuple[str, object]:
@@ -336,7 +347,7 @@ def test_malformed_handshakes_never_raise_and_refuse_that_node(grid_driver):
     rng = random.Random("fuzz-handshake")
     bad = [None]
     grid.tamper = lambda node, kind, m, c: bad[0] if node == VICTIM and kind == "query" else c
-    for i in range(200):
+    for i in range(120):
         what, bad[0] = _bad_handshake(rng, genuine)
         driver.bindings.nodes.pop(1, None)  # unbound: the node is asked again
         infos = driver.handshake()  # must not raise

@@ -65,11 +65,11 @@ def run_files(run_dir) -> list[str]:
 LAYOUT_EXTRA = {"floral": ["lora.ranks=[4]"], "florist": ["aggregation.florist.fixed_rank=4"]}
 
 
-# FedIT (parameter averaging) and FLoRIST (an SVD over the gathered updates) in the default run; the rest slow
+# every strategy under -m slow (30 s a launch on 2 cores: the default run keeps under 10 minutes)
 @pytest.mark.parametrize(
     "strategy",
     [
-        "fedit",
+        pytest.param("fedit", marks=pytest.mark.slow),
         pytest.param("flora", marks=pytest.mark.slow),
         pytest.param("flexlora", marks=pytest.mark.slow),
         pytest.param("florist", marks=pytest.mark.slow),

@@ -5,6 +5,7 @@ uninterrupted one does, and FFA-LoRA's average of B is the exact average of the 
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -453,7 +454,7 @@ def test_a_secret_sample_run_writes_no_trace_of_who_was_sampled(tmp_path, builti
 
     def fail_the_smallest(round_idx, client_id, update):
         if client_id == min(samples[round_idx]):
-            raise RuntimeError("out of memory")
+            raise RuntimeError(f"client {client_id} ran out of memory")  # a reason that names its client
         return update
 
     sim = faulty(Simulation)(cfg, run_dir, fault=fail_the_smallest)
@@ -472,13 +473,15 @@ def test_a_secret_sample_run_writes_no_trace_of_who_was_sampled(tmp_path, builti
     assert len(samples) == 3 and all(len(s) == 4 for s in samples.values())
     assert len({tuple(s) for s in samples.values()}) > 1  # the sample changes: there is something to find
 
-    named = [
-        r.getMessage()
+    formatter = logging.Formatter()
+    said = [
+        r.getMessage() + (formatter.formatException(r.exc_info) if r.exc_info else "")
         for r in caplog.records
-        if r.name != "fedllm.run.folder" and re.search(r"clients? \[?\d", r.getMessage())
+        if r.name != "fedllm.run.folder"  # the partition's lines: every client, before any round
     ]
+    named = [m for m in said if re.search(r"clients? \[?\d", m)]
     assert not named, named[:3]  # the partition's lines (every client, before any round) are the only ones
-    assert "round 2: a client left out: out of memory" in caplog.text  # the failure is reported, anonymously
+    assert "round 2: a client left out: client # ran out of memory" in caplog.text  # reported, anonymously
     files = [p for p in run_dir.rglob("*") if p.is_file()]
     assert not [p for p in files if re.search(r"client-\d", p.name)]
     texts = {p: p.read_text() for p in files if p.suffix in (".json", ".jsonl", ".yaml", ".md", ".txt")}

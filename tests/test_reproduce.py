@@ -61,6 +61,7 @@ def test_fedlsas_noise_free_limit_is_theorem_4_1s_and_scafflsa_removes_the_bias(
     assert np.linalg.norm(np.sum(xi, axis=0)) <= 1e-5 * max(np.linalg.norm(x) for x in xi)
 
 
+@pytest.mark.slow
 def test_scafflsa_speeds_up_with_the_agents_while_fedlsa_stays_at_its_bias():
     """With noise, each method started at its own limit: SCAFFLSA's tail error falls with N (log-log slope
     at most -0.5); FedLSA's stays at its predicted bias (above it, never far below)."""

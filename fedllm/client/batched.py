@@ -186,6 +186,8 @@ class Routing:
 
     def __init__(self, model, adapter: str) -> None:
         self.modules = list(lora_modules(model, adapter).values())
+        # gradient checkpointing recomputes a layer's forward in the backward: its masks are then replayed
+        self.replays = bool(getattr(model, "is_gradient_checkpointing", False))
         self._spans: list[_Span] = []
         # per layer: each client's generator state when the layer drew its masks in this forward
         self._drawn: dict[int, list[Tensor | None]] = {}
@@ -250,14 +252,14 @@ class Routing:
         own width), drawn from its own generator in its lone batch's shape, so that it is the one its lone
         forward draws; None for a client without dropout.
 
-        A layer that draws a second time in one forward is being recomputed (gradient checkpointing): torch's
-        checkpoint restores the global generator around a recompute, which is what a lone forward draws
-        from, but not a client's own. So the first draw records each generator's state and a recompute
-        draws again from it, then puts the generator back where the forward left it: the backward then
-        sees the masks the forward used, as it does alone."""
+        Under gradient checkpointing a layer that draws a second time in one forward is being recomputed:
+        torch's checkpoint restores the global generator around a recompute, which is what a lone forward
+        draws from, but not a client's own. So there the first draw records each generator's state and a
+        recompute draws again from it, then puts the generator back where the forward left it: the backward
+        then sees the masks the forward used, as it does alone."""
         out = []
-        replay = self._drawn.get(id(m))
-        states = self._drawn.setdefault(id(m), []) if replay is None else None
+        replay = self._drawn.get(id(m)) if self.replays else None
+        states = self._drawn.setdefault(id(m), []) if self.replays and replay is None else None
         for i, s in enumerate(self.spans):
             drop = m.lora_dropout[s.slot]
             p = getattr(drop, "p", 0.0)
@@ -269,7 +271,8 @@ class Routing:
             generator = s.masks.generator
             own = torch.empty((s.rows, s.width, x.shape[-1]), dtype=x.dtype, device=x.device)
             if replay is None:
-                states.append(generator.get_state())
+                if states is not None:
+                    states.append(generator.get_state())
                 own.bernoulli_(1 - p, generator=generator).div_(1 - p)
             else:
                 now = generator.get_state()

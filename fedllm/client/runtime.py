@@ -54,7 +54,7 @@ from fedllm.factors import (
     write_dense,
     write_factors,
 )
-from fedllm.logs import names_clients
+from fedllm.logs import names_clients, redact
 from fedllm.lowrank import add_to_residual
 from fedllm.model.evaluation import heldout
 from fedllm.model.modeling import (
@@ -366,7 +366,9 @@ class ClientRuntime:
             return [self.finish_training(j, r, s) for j, (r, s) in zip(jobs, results, strict=True)]
         except Exception as e:
             log.warning(
-                "client-batched training failed (%s: %s); training each client alone", type(e).__name__, e
+                "client-batched training failed (%s: %s); training each client alone",
+                type(e).__name__,
+                redact(str(e)),
             )
             for client, state in zip(clients, before, strict=True):
                 client.state = state

@@ -25,6 +25,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from fedllm.logs import names_clients
 from fedllm.run.checkpoint import CheckpointError, _cause, round_checkpoints, save_tensors_atomic
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,12 @@ class ClientStore:
         whether it has state. Every process calls :meth:`trained` with the answer so all indexes agree."""
         if not client.state:
             return False
+        if not names_clients():  # the config refuses state under a secret sample; this file would name it
+            raise RuntimeError(
+                "a client's state would be written to the run folder under a secret sample, which names who "
+                "took part in the round: the method that keeps it must declare keeps_state (or its feature "
+                "client_state) so that the config refuses the combination"
+            )
         if self.writes:
             path = self.path(client.client_id, round_idx)
             try:

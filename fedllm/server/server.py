@@ -37,7 +37,7 @@ from fedllm.factors import (
     prefixed,
     unprefixed,
 )
-from fedllm.logs import client_label
+from fedllm.logs import client_label, redact
 from fedllm.protocol import (
     AlgorithmServer,
     ClientInfo,
@@ -268,7 +268,7 @@ class Server:
         losses = [u.metrics["loss_mean"] for u in updates if "loss_mean" in u.metrics]
         out: dict[str, Any] = {"train_loss": sum(losses) / len(losses) if losses else None}
         if not self.sampling.public:
-            return {**out, "failed": sorted(failures.values())}
+            return {**out, "failed": sorted(redact(why) for why in failures.values())}
         return {
             **out,
             "sampled": plan.sampled,
@@ -327,7 +327,7 @@ class Server:
                 why = one_line(
                     str(e) if isinstance(e, ClientFailure) else f"unreadable update ({type(e).__name__}: {e})"
                 )
-                log.warning("round %d: %s left out: %s", plan.round, client_label(k), why)
+                log.warning("round %d: %s left out: %s", plan.round, client_label(k), redact(why))
                 failures[str(k)] = f"ClientFailure: {why}"
         return sorted(updates, key=lambda u: u.client_id), failures
 

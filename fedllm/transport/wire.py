@@ -124,7 +124,7 @@ def rebuild(update: ClientUpdate, changed: list[str], start: ClientStart, starte
     (the server's own derivation of what the site started from). A change whose shape is not its
     reference's (encoded against another rank) raises ValueError: the site's failure."""
 
-    def added(ref: Tensor | None, change: Tensor) -> Tensor:
+    def added(name: str, ref: Tensor | None, change: Tensor) -> Tensor:
         if ref is None:
             return change
         if ref.shape != change.shape:
@@ -138,13 +138,13 @@ def rebuild(update: ClientUpdate, changed: list[str], start: ClientStart, starte
         if part == "factors":
             key, kind = rest.rsplit(".", 1)
             f = update.factors[key]
-            value = added(reference(update, start, started, name), getattr(f, kind))
+            value = added(name, reference(update, start, started, name), getattr(f, kind))
             update.factors[key] = (
                 LoraFactors(value, f.B, f.scale) if kind == "A" else LoraFactors(f.A, value, f.scale)
             )
         else:
             table = update.dense if part == "dense" else update.extras
-            table[rest] = added(reference(update, start, started, name), table[rest])
+            table[rest] = added(name, reference(update, start, started, name), table[rest])
     return update
 
 
