@@ -261,6 +261,7 @@ def test_hetlora_self_pruning_penalty_gradient_and_rank_rule():
     assert hook.session(model, "default", {}, {}, "own") is None  # never pruned: nothing to hook
 
 
+@pytest.mark.slow
 def test_hetlora_self_pruning_run_shrinks_ranks(tmp_path, builtin_base):
     """End to end: with a strong penalty the clients prune (their state holds the smaller rank, the server
     counts fewer components in use) while the run still trains and aggregates every round."""

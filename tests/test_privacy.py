@@ -188,7 +188,7 @@ def dp_overrides(run_dir, *extra: str) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "ffa"])
+@pytest.mark.parametrize("strategy", ["fedit", pytest.param("ffa", marks=pytest.mark.slow)])
 def test_a_dp_run_reports_epsilon_and_a_resumed_run_spends_the_same(tmp_path, builtin_base, strategy, capsys):
     from fedllm.cli import main
     from fedllm.privacy import default_delta
@@ -270,6 +270,7 @@ def test_what_would_weaken_the_guarantee_is_refused(extra, message, tmp_path):
     load_config(None, dp_overrides(tmp_path, "privacy.mode=local", "aggregation.name=flora"))
 
 
+@pytest.mark.slow
 def test_privacy_helper_prints_the_noise_for_a_target(capsys):
     from fedllm.cli import main
 
@@ -355,6 +356,7 @@ def test_clip_statistics_stay_out_of_a_dp_run_unless_asked(tmp_path, builtin_bas
     assert all("agg_dp_update_norm_median" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_the_printed_noise_multiplier_meets_its_target(capsys, tmp_path):
     """`fedllm privacy` rounds up: the printed value spends at most the target, and a config with it and
     privacy.target_epsilon set to that target loads."""
