@@ -3,7 +3,6 @@ fire every time, and what a site's handshake and updates reveal by default."""
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -18,9 +17,7 @@ from fedllm.flower import server_app
 from fedllm.flower.identity import load_registry, pem_of, refuse_token_modules
 from fedllm.flower.records import info_record, signed
 from fedllm.flower.site import Site
-
-_ids = itertools.count(1)
-
+from tests.flower_grid import Sent
 
 PRIVATE: dict[bytes, object] = {}  # a test site's private key by its public PEM (it signs its replies)
 
@@ -33,14 +30,6 @@ def keypair() -> tuple[str, bytes]:
     pem = pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     PRIVATE[pem] = private
     return line, pem
-
-
-class FakeMessage:
-    def __init__(self, content, dst_node_id, message_type, group_id=None):
-        self.content = content
-        self.metadata = SimpleNamespace(
-            message_id=f"m{next(_ids)}", dst_node_id=dst_node_id, message_type=message_type
-        )
 
 
 class FakeGrid:
@@ -84,7 +73,7 @@ def as_is(k, content, reply_to):
 
 @pytest.fixture
 def driver_for(tmp_path, monkeypatch):
-    monkeypatch.setattr(server_app, "Message", FakeMessage)
+    monkeypatch.setattr(server_app, "Message", Sent)
     monkeypatch.setattr(server_app, "start_record", lambda start, text, k: {"client": k})
 
     def make(*overrides: str):
