@@ -270,14 +270,13 @@ class Routing:
                 continue
             generator = s.masks.generator
             own = torch.empty((s.rows, s.width, x.shape[-1]), dtype=x.dtype, device=x.device)
-            if replay is None:
-                if states is not None:
-                    states.append(generator.get_state())
-                own.bernoulli_(1 - p, generator=generator).div_(1 - p)
-            else:
+            if replay is not None:  # the recompute draws from where the forward drew, then goes back
                 now = generator.get_state()
                 generator.set_state(replay[i])
-                own.bernoulli_(1 - p, generator=generator).div_(1 - p)
+            elif states is not None:
+                states.append(generator.get_state())
+            own.bernoulli_(1 - p, generator=generator).div_(1 - p)
+            if replay is not None:
                 generator.set_state(now)
             full = torch.ones((s.rows, x.shape[1], x.shape[-1]), dtype=dtype, device=x.device)
             full[:, : s.width] = own

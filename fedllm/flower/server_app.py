@@ -69,7 +69,7 @@ class FlowerDriver(RoundLoop):
         # answers it in seconds)
         self.timeout = cfg.federation.client_timeout_s or cfg.flower.round_timeout_s
         self.handshake_timeout = cfg.flower.handshake_timeout_s
-        self.record_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}  # this round's, serialized
+        self.wire_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}  # this round's, serialized
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -199,9 +199,9 @@ class FlowerDriver(RoundLoop):
             )
         got = self.grid.send_and_receive(list(messages.values()), timeout=self.timeout) if messages else []
         if message_type == MessageType.TRAIN:  # what the ledger's down_bytes / up_bytes are the tensors of
-            self.record_bytes["flower_down_bytes"] += sum(record_bytes(m.content) for m in messages.values())
+            self.wire_bytes["flower_down_bytes"] += sum(record_bytes(m.content) for m in messages.values())
             # an error reply has no content (Flower raises on reading it): it carried none
-            self.record_bytes["flower_up_bytes"] += sum(
+            self.wire_bytes["flower_up_bytes"] += sum(
                 record_bytes(r.content) for r in got if not r.has_error()
             )
         # the grid gave each message its id; an error reply for a node that is gone comes from the SuperLink
@@ -294,9 +294,9 @@ class FlowerDriver(RoundLoop):
         """The round loop's round, its row with the bytes the train messages took serialized on Flower
         (``flower_down_bytes``, ``flower_up_bytes``): the ledger's tensors plus each array's header, the
         metadata and the config a message carries."""
-        self.record_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}
+        self.wire_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}
         done = super().run_round(round_idx)
-        done.row.update(self.record_bytes)
+        done.row.update(self.wire_bytes)
         return done
 
     def train_clients(self, plan) -> dict[int, Any]:
