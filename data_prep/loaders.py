@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -198,9 +199,30 @@ def _records_from_hub(hub_id: str) -> Iterable[tuple[dict, str]]:
 
 
 def load_examples(
-    dataset: str, fmt: str = "auto", max_examples: int = 0, builtin_per_skill: int = 400, seed: int = 0
+    dataset: str,
+    fmt: str = "auto",
+    max_examples: int = 0,
+    builtin_per_skill: int = 400,
+    seed: int = 0,
+    per_task: int = 0,
+    exclude_tasks: list[str] | None = None,
 ) -> list[Example]:
-    """Examples of ``dataset``: 'builtin', 'testbed', a short name, a Hub id or a local file."""
+    """Examples of ``dataset``: 'builtin', 'testbed', 'natural-instructions' (or a folder of its tasks), a
+    short name, a Hub id or a local file. ``per_task`` and ``exclude_tasks``: Natural Instructions only (a
+    seeded sample of each task; tasks held out for evaluation)."""
+    from data_prep import natural_instructions as ni
+
+    folder = ni.resolve(dataset) if dataset not in ("builtin", "testbed") else None
+    if folder is not None:
+        examples = [r.example for r in ni.load(folder, exclude=exclude_tasks, per_task=per_task, seed=seed)]
+        if 0 < max_examples < len(examples):
+            keep = sorted(random.Random(seed).sample(range(len(examples)), max_examples))
+            examples = [examples[i] for i in keep]
+        tasks = len({e.category for e in examples})
+        log.info(
+            "data.dataset %s: %d examples of %d tasks (Natural Instructions)", folder, len(examples), tasks
+        )
+        return examples
     if dataset == "testbed":
         from data_prep import testbed
 

@@ -1,4 +1,4 @@
-"""Non-IID partitioners: IID, Dirichlet over categories, by-category shards.
+"""Non-IID partitioners: IID, Dirichlet over categories, by-category shards, whole tasks or sources.
 
 Dirichlet(alpha): for each category the share of each client is drawn from
 ``Dir(alpha * 1)``; small alpha gives each client few categories, large alpha
@@ -10,6 +10,11 @@ then examples move (at random, seeded) from the currently largest client to
 each client below the minimum. Time is linear in examples + clients (a heap
 finds the largest client), so 1,000 clients over 200k examples take well
 under a second; a configuration that cannot be met is refused before any draw.
+
+``by_task`` / ``by_source`` keep each group whole (a task, or the source dataset a task comes from: Natural
+Instructions' ``category`` is the task's name): a client holds whole tasks, as in FedKSeed's split of Natural
+Instructions, so clients differ the way real sites do. Groups go, largest first, to the client holding the
+fewest examples so far (ties: a seeded order); with as many clients as groups, one group each.
 """
 
 from __future__ import annotations
@@ -119,6 +124,45 @@ def shards(
     return [sorted(p) for p in _enforce_min(parts, min_size, rng)]
 
 
+def _source(task: str) -> str:
+    from data_prep.natural_instructions import source_of
+
+    return source_of(task)
+
+
+def group_names(examples: list[Example], method: str) -> list[str]:
+    """Each example's group under ``by_task`` (its category) or ``by_source`` (its task's source dataset)."""
+    if any(e.category is None for e in examples):
+        raise DataError(
+            f"data.partition = {method} needs every example's task (its category); this data has examples "
+            "without one (Natural Instructions has them; otherwise use dirichlet or shards)"
+        )
+    cats = [str(e.category) for e in examples]
+    return [_source(c) for c in cats] if method == "by_source" else cats
+
+
+def by_group(groups: list[str], num_clients: int, seed: int, what: str) -> list[list[int]]:
+    """Whole groups to clients, largest first to the emptiest client (see the module docstring)."""
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    if num_clients > len(members):
+        raise DataError(
+            f"federation.num_clients = {num_clients} but data.partition = {what} has only {len(members)} "
+            f"groups ({', '.join(sorted(members))}): use at most {len(members)} clients"
+        )
+    names = sorted(members)
+    random.Random(seed).shuffle(names)
+    names.sort(key=lambda g: -len(members[g]))  # stable: equal sizes keep the seeded order
+    heap = [(0, k) for k in range(num_clients)]
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for g in names:
+        size, k = heapq.heappop(heap)
+        parts[k].extend(members[g])
+        heapq.heappush(heap, (size + len(members[g]), k))
+    return [sorted(p) for p in parts]
+
+
 def partition(
     examples: list[Example],
     method: str,
@@ -133,18 +177,28 @@ def partition(
         return iid(len(examples), num_clients, seed, min_size)
     if method == "contiguous":
         return contiguous(len(examples), num_clients, min_size)
+    if method in ("by_task", "by_source"):
+        return by_group(group_names(examples, method), num_clients, seed, method)
     cats = categories_of(examples)
     if method == "dirichlet":
         return dirichlet(cats, num_clients, alpha, seed, min_size)
     if method == "shards":
         return shards(cats, num_clients, shards_per_client, seed, min_size)
-    raise DataError(f"data.partition = {method!r} is unknown; valid: iid, dirichlet, shards, contiguous")
+    raise DataError(
+        f"data.partition = {method!r} is unknown; valid: iid, dirichlet, shards, contiguous, by_task, "
+        "by_source"
+    )
 
 
-def client_stats(examples: list[Example], parts: list[list[int]]) -> list[dict]:
-    """Size and category histogram of every client."""
+def client_stats(examples: list[Example], parts: list[list[int]], method: str = "") -> list[dict]:
+    """Size and category histogram of every client; under ``by_task`` / ``by_source`` also the client's
+    name: what it holds (its sources, or its tasks)."""
     cats = categories_of(examples)
-    return [
-        {"client": k, "size": len(p), "categories": dict(sorted(Counter(cats[i] for i in p).items()))}
-        for k, p in enumerate(parts)
-    ]
+    out = []
+    for k, p in enumerate(parts):
+        stat = {"client": k, "size": len(p), "categories": dict(sorted(Counter(cats[i] for i in p).items()))}
+        if method in ("by_task", "by_source"):
+            held = sorted({g for g in group_names([examples[i] for i in p], method)})
+            stat["name"] = "+".join(held)
+        out.append(stat)
+    return out

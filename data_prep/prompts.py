@@ -42,12 +42,34 @@ TEMPLATES: dict[str, tuple[str, str]] = {
     ),
 }
 VERBATIM = {"flowertune"}  # templates whose texts go in unstripped, as their reference builds them
+# The base's own chat template (an instruct model's, e.g. SmolLM2-Instruct's ChatML): the instruction and
+# input are the user's turn, the response the assistant's, closed by the tokenizer's EOS (the end-of-turn
+# token of such a template). Its text already holds every special token, so it is tokenized without adding
+# more.
+CHAT = "chat"
 
 
-def build_prompt(example: Example, template: str) -> str:
-    """The prompt text (everything before the response) of ``example``."""
+def chat_prompt(example: Example, tokenizer) -> str:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "data.template = chat needs a base whose tokenizer has a chat template (an instruct model's); "
+            "this one has none: use alpaca or plain"
+        )
+    content = example.instruction.strip()
+    if example.input.strip():
+        content += "\n\n" + example.input.strip()
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def build_prompt(example: Example, template: str, tokenizer=None) -> str:
+    """The prompt text (everything before the response) of ``example``; ``tokenizer``: the base's, for the
+    chat template."""
+    if template == CHAT:
+        return chat_prompt(example, tokenizer)
     if template not in TEMPLATES:
-        raise ValueError(f"unknown prompt template {template!r}; valid: {sorted(TEMPLATES)}")
+        raise ValueError(f"unknown prompt template {template!r}; valid: {sorted([*TEMPLATES, CHAT])}")
     with_input, without_input = TEMPLATES[template]
     fmt = with_input if example.input.strip() else without_input
     if template in VERBATIM:
@@ -64,29 +86,42 @@ def response_text(example: Example, template: str) -> str:
 class TokenizedExample:
     input_ids: list[int]
     labels: list[int]
+    cut: int = 0  # tokens lost to max_seq_len (counted and reported: real prompts run long)
+
+
+TRUNCATION = ("right", "left")
 
 
 def tokenize_batch(
-    examples: Sequence[Example], tokenizer, template: str, max_seq_len: int
+    examples: Sequence[Example], tokenizer, template: str, max_seq_len: int, truncation: str = "right"
 ) -> list[TokenizedExample | None]:
     """Token ids and masked labels of each example, truncated to ``max_seq_len``; the prompts and the full
     texts each go through the tokenizer as one batch (the fast tokenizer's parallel path).
 
+    ``truncation``: ``right`` cuts the end (the response first), ``left`` the start (the prompt's oldest
+    tokens, keeping the response whole when it fits: real instructions run to hundreds of tokens, and an
+    example whose response is cut away teaches nothing).
+
     An entry is ``None`` when truncation leaves no response token, because such an example would contribute
     nothing but padding to a batch.
     """
-    prompts = [build_prompt(e, template) for e in examples]
+    prompts = [build_prompt(e, template, tokenizer) for e in examples]
     fulls = [p + response_text(e, template) for p, e in zip(prompts, examples, strict=True)]
-    prompt_ids = tokenizer(prompts)["input_ids"] if prompts else []
-    full_ids = tokenizer(fulls)["input_ids"] if fulls else []
+    special = template != CHAT  # the chat template's text holds its special tokens already
+    prompt_ids = tokenizer(prompts, add_special_tokens=special)["input_ids"] if prompts else []
+    full_ids = tokenizer(fulls, add_special_tokens=special)["input_ids"] if fulls else []
     eos = tokenizer.eos_token_id
     out: list[TokenizedExample | None] = []
     for p_ids, f_ids in zip(prompt_ids, full_ids, strict=True):
         ids = [*f_ids, eos] if eos is not None else list(f_ids)
         n_prompt = min(len(p_ids), len(ids))
         labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
-        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-        out.append(None if all(x == IGNORE_INDEX for x in labels) else TokenizedExample(ids, labels))
+        cut = max(0, len(ids) - max_seq_len)
+        if truncation == "left":
+            ids, labels = ids[cut:], labels[cut:]
+        else:
+            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+        out.append(None if all(x == IGNORE_INDEX for x in labels) else TokenizedExample(ids, labels, cut))
     return out
 
 

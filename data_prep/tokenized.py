@@ -28,7 +28,7 @@ from data_prep.schema import Example
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # bump when what a row holds changes
+VERSION = 2  # bump when what a row holds changes
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -41,6 +41,7 @@ def tokenizer_digest(tokenizer) -> str:
             (type(tokenizer).__name__, tokenizer.name_or_path, len(tokenizer), tokenizer.all_special_tokens)
         )
     )
+    text += "\x00" + str(getattr(tokenizer, "chat_template", None) or "")  # data.template=chat renders it
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -167,7 +168,12 @@ class TokenRows(Sequence):
 
 
 def tokenize_cached(
-    examples: Sequence[Example], tokenizer, template: str, max_seq_len: int, cache_dir: Path
+    examples: Sequence[Example],
+    tokenizer,
+    template: str,
+    max_seq_len: int,
+    cache_dir: Path,
+    truncation: str = "right",
 ) -> tuple[TokenRows, np.ndarray]:
     """All ``examples`` tokenized (cached, see module docstring); returns the rows and, for each example,
     its row (-1 where truncation left no response token)."""
@@ -175,7 +181,14 @@ def tokenize_cached(
 
     key = hashlib.sha256(
         repr(
-            (VERSION, examples_digest(examples), tokenizer_digest(tokenizer), template, max_seq_len)
+            (
+                VERSION,
+                examples_digest(examples),
+                tokenizer_digest(tokenizer),
+                template,
+                max_seq_len,
+                truncation,
+            )
         ).encode()
     ).hexdigest()[:24]
     cache_dir = Path(cache_dir)
@@ -183,13 +196,14 @@ def tokenize_cached(
     path = cache_dir / f"tokens-{key}.arrow"
 
     def encode(batch: dict, indices: list[int]) -> dict:
-        toks = tokenize_batch([examples[i] for i in indices], tokenizer, template, max_seq_len)
+        toks = tokenize_batch([examples[i] for i in indices], tokenizer, template, max_seq_len, truncation)
         kept = [(i, t) for i, t in zip(indices, toks, strict=True) if t is not None]
         return {
             "example": [i for i, _ in kept],
             "input_ids": [t.input_ids for _, t in kept],
             "labels": [t.labels for _, t in kept],
             "length": [len(t.input_ids) for _, t in kept],
+            "cut": [t.cut for _, t in kept],
         }
 
     index = datasets.Dataset.from_dict({"example": list(range(len(examples)))})
@@ -208,4 +222,13 @@ def tokenize_cached(
     log.info("%s %d examples (%s)", "read the tokens of" if reused else "tokenized", len(examples), path)
     row_of = np.full(len(examples), -1, dtype=np.int64)
     row_of[column(table, "example")] = np.arange(len(table))
+    cut = column(table, "cut") if len(table) else np.zeros(0, dtype=np.int64)
+    dropped, shortened = int((row_of < 0).sum()), int((cut > 0).sum())
+    if dropped or shortened:
+        log.warning(
+            "max_seq_len = %d: %d of %d examples are longer; %d are cut from the %s%s, %d are dropped (no "
+            "response token left)",
+            max_seq_len, dropped + shortened, len(examples), shortened, truncation,
+            " (the prompt's start)" if truncation == "left" else " (the response's end)", dropped,
+        )  # fmt: skip
     return TokenRows(table), row_of

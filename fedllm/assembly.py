@@ -36,6 +36,7 @@ from fedllm.config import Config, ConfigError
 from fedllm.data import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
 from fedllm.factors import lora_scale
 from fedllm.features import FEATURES
+from fedllm.model.evaluation import Generation
 from fedllm.model.modeling import context_length, is_quantized, load_base
 from fedllm.model.parallel import Layout, uses_deepspeed, zero_stage
 from fedllm.protocol import ClientInfo, derive_seed
@@ -216,7 +217,9 @@ def tokenize_partitions(
     template, max_len = token_budget(cfg, model)
     groups = (parts.clients, parts.test_sizes) if clients else ([], [])
     with accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext():
-        data, held_out = tokenize_clients(*groups, tokenizer, template, max_len, extra=parts.eval_examples)
+        data, held_out = tokenize_clients(
+            *groups, tokenizer, template, max_len, extra=parts.eval_examples, truncation=cfg.data.truncation
+        )
     check_unknown_tokens(cfg, tokenizer, [*[t for pair in data for t in pair], held_out])
     return list(data), held_out
 
@@ -311,6 +314,7 @@ class Federation:
     eval_data: Sequence[TokenizedExample]
     benchmark: Benchmark | None
     partition_stats: list[dict]
+    generation: Generation | None = None
 
 
 def assemble(cfg: Config, accelerator, progress: bool = False) -> Federation:
@@ -320,7 +324,7 @@ def assemble(cfg: Config, accelerator, progress: bool = False) -> Federation:
     benchmark = benchmark_for(cfg)
     model, tokenizer = load_model(cfg, accelerator)
     data, eval_data = tokenize_partitions(cfg, parts, model, tokenizer, accelerator)
-    return federation_on(
+    fed = federation_on(
         cfg,
         accelerator,
         model,
@@ -331,6 +335,23 @@ def assemble(cfg: Config, accelerator, progress: bool = False) -> Federation:
         stats=parts.stats,
         progress=progress,
     )
+    fed.generation = generation_for(cfg, parts, model)
+    return fed
+
+
+def generation_for(cfg: Config, parts: Partitions, model) -> Generation | None:
+    """The Rouge-L evaluation of ``parts.generation`` (``eval.generate_size``): the run's template, prompts
+    cut to leave ``eval.max_new_tokens`` of ``data.max_seq_len``."""
+    if not parts.generation:
+        return None
+    template, max_len = token_budget(cfg, model)
+    room = max_len - cfg.eval.max_new_tokens
+    if room < 8:
+        raise ValueError(
+            f"eval.max_new_tokens = {cfg.eval.max_new_tokens} leaves {room} prompt tokens of "
+            f"data.max_seq_len = {max_len}: lower eval.max_new_tokens or raise data.max_seq_len"
+        )
+    return Generation(parts.generation, template, cfg.eval.max_new_tokens, room)
 
 
 def federation_on(
@@ -390,7 +411,9 @@ def assemble_site(
     runtime = build_runtime(cfg, strategy, layout, accelerator, model, tokenizer, [rank])
     template, max_len = token_budget(cfg, runtime.model)
     with accelerator.main_process_first():
-        [(train, test)], _ = tokenize_clients([examples], [n_test], tokenizer, template, max_len, [client_id])
+        [(train, test)], _ = tokenize_clients(
+            [examples], [n_test], tokenizer, template, max_len, [client_id], truncation=cfg.data.truncation
+        )
     return runtime, ClientData(client_id, rank, info.scale, train, test)
 
 

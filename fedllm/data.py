@@ -9,14 +9,16 @@ Flower site that rebuilds the partition all get the same clients.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from data_prep import natural_instructions as ni
 from data_prep.loaders import FLOWERTUNE_FORMATS, load_examples
+from data_prep.natural_instructions import Reference
 from data_prep.partition import client_stats, partition
-from data_prep.schema import Example
+from data_prep.schema import DataError, Example
 from data_prep.tokenized import TokenRows, tokenize_cached
 from fedllm.protocol import derive_seed
 
@@ -27,12 +29,39 @@ class Partitions:
     clients: list[list[Example]]  # each client's examples, its test share first
     test_sizes: list[int]
     stats: list[dict]
+    generation: list[Reference] = field(default_factory=list)  # answered and scored by Rouge-L
+
+
+def generation_set(cfg, eval_examples: list[Example], folder, tasks: list[str]) -> list[Reference]:
+    """What the Rouge-L evaluation answers: ``eval.generate_size`` examples of the held-out ``tasks`` of
+    ``folder`` (an even seeded share of each task, every reference kept), else the first of the held-out
+    split."""
+    n = cfg.eval.generate_size
+    if not n:
+        return []
+    if not tasks:
+        return [Reference(e, (e.response,)) for e in eval_examples[:n]]
+    share = -(-n // len(tasks))
+    picked = [ni.load_task(folder, t, share, derive_seed(cfg.federation.seed, 7)) for t in tasks]
+    # round-robin over the tasks, so a smaller generate_size still covers every task
+    flat = [refs[i] for i in range(share) for refs in picked if i < len(refs)]
+    return flat[:n]
 
 
 def load_partitions(cfg) -> Partitions:
     """Load ``data.dataset``, hold out the evaluation set, split the rest over ``federation.num_clients``."""
     d, seed = cfg.data, cfg.federation.seed
-    examples = load_examples(d.dataset, d.format, d.max_examples, d.builtin_examples_per_skill, seed)
+    heldout, folder = [], None
+    if d.heldout_tasks:
+        folder = ni.resolve(d.dataset)
+        if folder is None:
+            raise DataError(
+                f"data.heldout_tasks needs Natural Instructions data; data.dataset = {d.dataset!r}"
+            )
+        heldout = ni.select_tasks(folder, d.heldout_tasks)
+    examples = load_examples(
+        d.dataset, d.format, d.max_examples, d.builtin_examples_per_skill, seed, d.examples_per_task, heldout
+    )
     order = list(range(len(examples)))
     random.Random(derive_seed(seed, 3)).shuffle(order)
     n_eval = min(d.eval_size, len(examples) // 5)
@@ -65,7 +94,10 @@ def load_partitions(cfg) -> Partitions:
             mine = [shift_labels(e, k % d.label_shift_groups) for e in mine]
         clients.append(mine)
         tests.append(int(len(idx) * d.client_test_fraction))
-    return Partitions(eval_examples, clients, tests, client_stats(pool, parts))
+    stats = client_stats(pool, parts, d.partition)
+    return Partitions(
+        eval_examples, clients, tests, stats, generation_set(cfg, eval_examples, folder, heldout)
+    )
 
 
 def prompt_template(cfg) -> str:
@@ -126,12 +158,13 @@ def tokenize_clients(
     max_len: int,
     ids: list[int] | None = None,
     extra: list[Example] | None = None,
+    truncation: str = "right",
 ) -> tuple[list[tuple[TokenRows, TokenRows]], TokenRows]:
     """Every client's (train, test) rows and the rows of ``extra`` (the held-out set), from one cached,
     batched tokenization of all of them (``data_prep.tokenized``); ``ids``: the clients' ids for messages."""
     extra = extra or []
     everything = [e for examples in clients for e in examples] + extra
-    rows, row_of = tokenize_cached(everything, tokenizer, template, max_len, token_cache_dir())
+    rows, row_of = tokenize_cached(everything, tokenizer, template, max_len, token_cache_dir(), truncation)
     out, first = [], 0
     for k, (examples, n_test) in enumerate(zip(clients, test_sizes, strict=True)):
         cid = ids[k] if ids else k

@@ -200,14 +200,26 @@ def write_dense(model, dense: dict[str, Tensor]) -> None:
 
 
 def dense_param_names(model, modules: list[str]) -> list[str]:
-    """Parameter names of the base modules listed in ``lora.trainable_modules``."""
-    names = []
-    for k, _ in model.named_parameters():
+    """Parameter names of the base modules listed in ``lora.trainable_modules``.
+
+    A tied weight is one parameter under its first name: with tied embeddings (SmolLM2, Gemma, Llama 3.2)
+    ``lm_head`` resolves to ``embed_tokens.weight``, and listing either trains (and sends) the one matrix,
+    once, which is both the input embedding and the output head."""
+
+    def wanted(key: str) -> bool:
+        return any(key == m or key.endswith(f".{m}") for m in modules)
+
+    names, by_id = [], {}
+    for k, p in model.named_parameters():
         key = module_key(k)
-        if "lora_" in key:
-            continue
-        if any(key == f"{m}.weight" or key.endswith(f".{m}.weight") for m in modules):
+        by_id[id(p)] = key
+        if "lora_" not in key and wanted(key.removesuffix(".weight")) and key.endswith(".weight"):
             names.append(key)
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        weight = mod._parameters.get("weight")  # its own, not a wrapper's view of its base layer's
+        key = by_id.get(id(weight)) if weight is not None else None
+        if key and "lora_" not in key and key not in names and wanted(module_key(mod_name)):
+            names.append(key)  # a tied module: its weight is listed under the name it is tied to
     return names
 
 

@@ -30,7 +30,7 @@ from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.client.store import ClientStore
 from fedllm.config import Config, flat_config
 from fedllm.logs import set_names_clients
-from fedllm.model.evaluation import evaluate_global
+from fedllm.model.evaluation import Generation, evaluate_global
 from fedllm.protocol import derive_seed
 from fedllm.run.export import save_global_adapter
 from fedllm.run.folder import RunWriter
@@ -64,6 +64,7 @@ class RoundLoop(abc.ABC):
     eval_data: list
     benchmark: Benchmark | None
     partition_stats: list[dict]
+    generation: Generation | None = None  # held-out Rouge-L (eval.generate_size), when configured
 
     def __init__(self, cfg: Config, run_dir: Path, accelerator=None):
         from accelerate import Accelerator
@@ -175,6 +176,7 @@ class RoundLoop(abc.ABC):
             self.eval_data,
             self.benchmark,
             self.cfg.eval.batch_size,
+            self.generation,
         )
 
     # -------------------------------------------------------- checkpointing
@@ -253,9 +255,10 @@ class RoundLoop(abc.ABC):
             row = {"round": 0, **self.evaluate()}
             self.writer.log(row)
             log.info(
-                "before round 1: eval loss %s, accuracy %s",
+                "before round 1: eval loss %s, accuracy %s%s",
                 _fmt(row.get("eval_loss")),
                 _fmt(row.get("accuracy")),
+                _rouge(row),
             )
         for r in tqdm(
             range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.quiet()
@@ -270,11 +273,12 @@ class RoundLoop(abc.ABC):
             self.checkpoint(r, pending={"row": standard_row(row), "visit": visit})
             self.complete(row, visit)
             log.info(
-                "round %d: train loss %s, eval loss %s, accuracy %s, up %d / down %d params%s%s",
+                "round %d: train loss %s, eval loss %s, accuracy %s%s, up %d / down %d params%s%s",
                 r,
                 _fmt(row["train_loss"]),
                 _fmt(row.get("eval_loss")),
                 _fmt(row.get("accuracy")),
+                _rouge(row),
                 row["up_params"],
                 row["down_params"],
                 f", {len(row.get('sampled', []))} clients" if len(row.get("sampled", [])) > 20 else "",
@@ -390,3 +394,7 @@ def tracker_config(cfg: Config) -> dict[str, Any]:
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
+
+
+def _rouge(row: dict) -> str:
+    return f", Rouge-L {row['rouge_l']:.2f}" if row.get("rouge_l") is not None else ""

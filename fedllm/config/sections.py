@@ -92,7 +92,9 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     dataset: str = opt(
-        "builtin", "'builtin', dolly, alpaca, wizard, a Hub id, or a .json/.jsonl/.parquet file"
+        "builtin",
+        "'builtin', dolly, alpaca, wizard, a Hub id, a .json/.jsonl/.parquet file, or natural-instructions "
+        "(its tasks, from fedllm prepare-real; or a folder of subtask*/task.json)",
     )
     format: str = opt(
         "auto",
@@ -103,15 +105,23 @@ class DataConfig:
     template: str = opt(
         "auto",
         "prompt template (auto: plain for the built-in data, flowertune for FlowerTune's formats, alpaca "
-        "otherwise)",
-        lambda x: x in ("auto", "alpaca", "plain", "flowertune"),
-        "one of auto, alpaca, plain, flowertune",
+        "otherwise; chat: the base's own chat template, the instruction and input as the user's turn)",
+        lambda x: x in ("auto", "alpaca", "plain", "flowertune", "chat"),
+        "one of auto, alpaca, plain, flowertune, chat",
     )
     max_seq_len: int = opt(
         0,
         "maximum tokens per example, prompt + response (0: min(512, model context))",
         lambda x: x == 0 or x >= 8,
         "0 or an integer >= 8",
+    )
+    truncation: str = opt(
+        "right",
+        "an example longer than max_seq_len loses its end (right: the response's end; one left with no "
+        "response token is dropped) or its start (left: the prompt's oldest tokens, the response kept whole, "
+        "for real instructions of hundreds of tokens)",
+        lambda x: x in ("right", "left"),
+        "one of right, left",
     )
     max_examples: int = opt(0, "use at most this many examples (0: all)", _nonneg, ">= 0")
     max_unknown_share: float = opt(
@@ -124,9 +134,21 @@ class DataConfig:
     partition: str = opt(
         "dirichlet",
         "how examples are split over clients (contiguous: the dataset in its file order cut into equal "
-        "consecutive shards, flwr-datasets' IidPartitioner, as FlowerTune's leaderboard fixes it)",
-        lambda x: x in ("iid", "dirichlet", "shards", "contiguous"),
-        "one of iid, dirichlet, shards, contiguous",
+        "consecutive shards, flwr-datasets' IidPartitioner, as FlowerTune's leaderboard fixes it; by_task / "
+        "by_source: whole tasks, or whole source datasets, per client, e.g. Natural Instructions)",
+        lambda x: x in ("iid", "dirichlet", "shards", "contiguous", "by_task", "by_source"),
+        "one of iid, dirichlet, shards, contiguous, by_task, by_source",
+    )
+    examples_per_task: int = opt(
+        0,
+        "Natural Instructions: a seeded sample of this many examples per task (0: all)",
+        _nonneg,
+        ">= 0",
+    )
+    heldout_tasks: list[str] = opt(
+        [],
+        "Natural Instructions: tasks no client trains on (names, subtaskNNN prefixes or source datasets); "
+        "eval.generate_size of their examples are answered and scored by Rouge-L",
     )
     dirichlet_alpha: float = opt(
         0.5, "Dirichlet concentration over categories (smaller: more skew)", _positive, "> 0"
@@ -358,6 +380,16 @@ class EvalConfig:
         "one of truncate, drop_shots",
     )
     batch_size: int = opt(16, "questions per forward pass", _positive, "an integer >= 1")
+    generate_size: int = opt(
+        0,
+        "examples answered greedily and scored by Rouge-L each evaluation: of data.heldout_tasks when set "
+        "(spread evenly over them), else of the held-out split (0: off)",
+        _nonneg,
+        ">= 0",
+    )
+    max_new_tokens: int = opt(
+        32, "longest answer generated for the Rouge-L evaluation", _positive, "an integer >= 1"
+    )
     subjects: list[str] = opt([], "subject subset (empty: all)")
     personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")
     personalized_clients: int = opt(

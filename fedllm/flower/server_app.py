@@ -88,9 +88,11 @@ class FlowerDriver(RoundLoop):
         # the evaluation base: no client trains here
         self.runtime = assembly.build_runtime(cfg, strategy, layout, self.acc, model, tokenizer, ranks)
         try:  # the server's held-out split, when it can read the data (the built-in data, a public file)
+            parts = load_partitions(cfg)
             _, self.eval_data = assembly.tokenize_partitions(
-                cfg, load_partitions(cfg), model, tokenizer, self.acc, clients=False
+                cfg, parts, model, tokenizer, self.acc, clients=False
             )
+            self.generation = assembly.generation_for(cfg, parts, model)
         except DataError as e:
             log.warning("the server cannot read data.dataset (%s): no held-out loss, the benchmark only", e)
             self.eval_data = []

@@ -9,13 +9,17 @@ the MMLU way by ``eval/``. Under ZeRO-3 every process runs every forward pass
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from data_prep.natural_instructions import Reference
 from data_prep.prompts import TokenizedExample, collate
 from eval.mmlu import Benchmark
 from eval.mmlu import evaluate as score_benchmark
+from eval.rouge import rouge_l
+from fedllm.model.generate import generate
 from fedllm.model.parallel import evaluation_engine
 
 
@@ -47,15 +51,51 @@ def heldout(
     return total / tokens, hits / len(data)
 
 
+@dataclass
+class Generation:
+    """The Rouge-L evaluation: what is answered, with which template, how long prompts and answers may be."""
+
+    references: list[Reference]
+    template: str
+    max_new_tokens: int
+    max_prompt_tokens: int
+
+
+def rouge_heldout(
+    model, tokenizer, gen: Generation, batch_size: int, progress: bool = False
+) -> dict[str, Any]:
+    """Greedy answers to ``gen``'s examples, scored by Rouge-L against each one's references: the mean,
+    and the mean per task (category) where examples carry one."""
+    answers = generate(
+        model,
+        tokenizer,
+        [r.example for r in gen.references],
+        gen.template,
+        max_new_tokens=gen.max_new_tokens,
+        batch_size=batch_size,
+        max_prompt_tokens=gen.max_prompt_tokens,
+        progress=progress,
+    )
+    scores = rouge_l(answers, [r.references for r in gen.references])
+    by_task: dict[str, list[float]] = {}
+    for r, s in zip(gen.references, scores, strict=True):
+        by_task.setdefault(r.example.category or "all", []).append(s)
+    return {
+        "rouge_l": sum(scores) / len(scores),
+        "rouge_l_tasks": {t: sum(v) / len(v) for t, v in sorted(by_task.items())},
+    }
+
+
 def evaluate_global(
     runtime,
     global_model: tuple,
     eval_data: list[TokenizedExample],
     benchmark: Benchmark | None,
     batch_size: int,
+    generation: Generation | None = None,
 ) -> dict[str, Any]:
-    """Held-out loss and the benchmark of the global model (``Server.global_adapter()``) on ``runtime``'s
-    base.
+    """Held-out loss, the benchmark and (``generation``) held-out Rouge-L of the global model
+    (``Server.global_adapter()``) on ``runtime``'s base.
     """
     t0 = time.perf_counter()
     has_adapter = runtime.install_global(*global_model)
@@ -76,5 +116,8 @@ def evaluate_global(
             )
             out["accuracy"] = result["accuracy"]
             out["accuracy_categories"] = result["categories"]
+        if generation is not None and generation.references:
+            progress = acc.is_main_process and runtime.progress
+            out.update(rouge_heldout(model, runtime.tokenizer, generation, batch_size, progress))
     out["time_eval_s"] = time.perf_counter() - t0
     return out

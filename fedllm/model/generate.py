@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.prompts import build_prompt
+from data_prep.prompts import CHAT, build_prompt
 from data_prep.schema import DataError, Example
 
 
@@ -56,20 +56,39 @@ def generate(
     temperature: float = 0.0,
     seed: int = 0,
     batch_size: int = 8,
+    max_prompt_tokens: int = 0,
+    progress: bool = False,
 ) -> list[str]:
-    """Each example's answer: the decoded new tokens, up to the end-of-sequence token."""
+    """Each example's answer: the decoded new tokens, up to the end-of-sequence token.
+
+    ``max_prompt_tokens`` > 0: a longer prompt keeps its last tokens (the input and the template's cue to
+    answer; the harnesses cut from the left too). Examples go in order of prompt length, so a batch pads
+    little (real prompts range from tens to hundreds of tokens); answers come back in the given order.
+    """
     if max_new_tokens < 1 or batch_size < 1 or temperature < 0:
         raise ValueError("--max-new-tokens and --batch-size must be >= 1 and --temperature >= 0")
     device = next(model.parameters()).device
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    side_cut = tokenizer.truncation_side
+    tokenizer.truncation_side = "left"
     torch.manual_seed(seed)
-    answers: list[str] = []
+    texts = [build_prompt(e, template, tokenizer) for e in examples]
+    special = template != CHAT  # the chat template's text holds its special tokens
+    cut = {"truncation": True, "max_length": max_prompt_tokens} if max_prompt_tokens else {}
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=special, **cut)["input_ids"]]
+    order = sorted(range(len(texts)), key=lambda i: lengths[i])
+    answers: list[str] = [""] * len(texts)
     try:
-        for start in range(0, len(examples), batch_size):
-            texts = [build_prompt(e, template) for e in examples[start : start + batch_size]]
-            enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+        from tqdm.auto import tqdm
+
+        starts = range(0, len(texts), batch_size)
+        for start in tqdm(starts, desc="generating", unit="batch", disable=not progress, leave=False):
+            rows = order[start : start + batch_size]
+            enc = tokenizer(
+                [texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=special, **cut
+            ).to(device)
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,
@@ -81,7 +100,8 @@ def generate(
                 eos_token_id=tokenizer.eos_token_id,
             )
             new = out[:, enc["input_ids"].shape[1] :]
-            answers += [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
+            for i, text in zip(rows, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):
+                answers[i] = text.strip()
     finally:
-        tokenizer.padding_side = side
+        tokenizer.padding_side, tokenizer.truncation_side = side, side_cut
     return answers

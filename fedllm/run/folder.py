@@ -445,6 +445,10 @@ class RunWriter:
                     ),
                 }
             )
+            if any("rouge_l" in r for r in evals):  # held-out tasks answered (eval.generate_size)
+                summary.update(
+                    {"rouge_l_before": evals[0].get("rouge_l"), "rouge_l_after": evals[-1].get("rouge_l")}
+                )
         personal = [r for r in rows if r.get("personal")]
         if personal:  # the clients' own held-out accuracy: the figure that matters for personalization
             last = personal[-1]
