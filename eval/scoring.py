@@ -174,7 +174,8 @@ class PrefixScorer:
     @torch.no_grad()
     def _prefix_states(self, prefix: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Keys and values of the prefix, per layer; None when the cache is not a plain per-token one."""
-        out = self.model(input_ids=torch.tensor([prefix], device=_device(self.model)), use_cache=True)
+        keep = {"logits_to_keep": 1} if _keeps_logits(self.model) else {}  # only its keys and values are read
+        out = self.model(input_ids=torch.tensor([prefix], device=_device(self.model)), use_cache=True, **keep)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         if cache is None or any(getattr(cache, "is_sliding", None) or []):
             return None

@@ -135,3 +135,37 @@ def test_smollm2_converts_once_and_loads_as_a_plain_checkpoint(smollm2):
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1] :])
+
+
+@pytest.mark.real
+@needs_smollm2
+def test_smollm2_corners_chat_template_tied_head_long_prompts(smollm2):
+    """On the real tokenizer and model: a Natural Instructions prompt through SmolLM2's chat template (one
+    <|im_start|> per turn, none added twice), the response closed by its EOS <|im_end|>; a prompt longer than
+    max_seq_len cut from the left keeps the response whole; the tied output head resolves to the one
+    embedding matrix; LoRA on the GQA projections has the 3-KV-head shapes."""
+    from peft import LoraConfig, get_peft_model
+
+    from data_prep.prompts import IGNORE_INDEX, build_prompt, tokenize_batch
+    from data_prep.schema import Example
+    from fedllm.factors import dense_param_names
+
+    _path, tok, model = smollm2
+    ex = Example(
+        "Definition: " + "Answer the question about the passage. " * 40, "Passage: it rained.", "Yes"
+    )
+    prompt = build_prompt(ex, "chat", tok)
+    assert prompt.endswith("<|im_start|>assistant\n") and prompt.count("<|im_start|>user") == 1
+    [full] = tokenize_batch([ex], tok, "chat", 4096)
+    assert tok.convert_ids_to_tokens(full.input_ids[-1]) == "<|im_end|>" == tok.eos_token
+    assert full.input_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == prompt.count("<|im_start|>")
+    [cut] = tokenize_batch([ex], tok, "chat", 64, truncation="left")
+    answer = [t for t in full.labels if t != IGNORE_INDEX]
+    assert len(full.input_ids) > 300 and len(cut.input_ids) == 64 and cut.cut == len(full.input_ids) - 64
+    assert [t for t in cut.labels if t != IGNORE_INDEX] == answer  # "Yes" and <|im_end|>
+    assert dense_param_names(model, ["lm_head"]) == ["model.embed_tokens.weight"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["k_proj", "q_proj"]))
+    layer = peft_model.base_model.model.model.layers[0].self_attn
+    assert layer.k_proj.lora_B["default"].weight.shape == (192, 4)  # 3 KV heads x 64
+    assert layer.q_proj.lora_B["default"].weight.shape == (576, 4)
+    peft_model.unload()

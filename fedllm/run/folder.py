@@ -384,8 +384,9 @@ class RunWriter:
             return
         for s in partition_stats:  # a Flower site shares its test size and categories only if asked to
             log.info(
-                "client %d: rank %d, %d train / %s test examples, categories %s",
+                "client %d%s: rank %d, %d train / %s test examples, categories %s",
                 s["client"],
+                f" ({s['name']})" if s.get("name") else "",  # what it holds (data.partition=by_source, ...)
                 s["rank"],
                 s["train"],
                 s.get("test", "(not shared)"),

@@ -1,0 +1,305 @@
+"""Natural Instructions as federated clients: the task loader (on small folders in the real layout), whole
+tasks or sources per client, held-out tasks answered and scored by Rouge-L, long prompts cut from the left,
+the chat template, a tied output head, and the MMLU head computed only where it is read."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_prep import natural_instructions as ni
+from data_prep.partition import by_group, client_stats, group_names, partition
+from data_prep.prompts import IGNORE_INDEX, build_prompt, tokenize_batch
+from data_prep.schema import DataError, Example
+from eval.rouge import rouge_l
+from tests.conftest import tiny_overrides
+
+TASKS = {  # name -> (examples, prefix)
+    "subtask001_quoref_question_generation": 6,
+    "subtask002_quoref_answer_generation": 5,
+    "subtask026_drop_question_generation": 7,
+    "subtask028_drop_answer_generation": 4,
+    "subtask045_miscellaneous_sentence_paraphrasing": 3,
+    "subtask046_miscellaenous_question_typing": 3,
+    "subtask047_misc_answering_science_questions": 3,
+}
+
+
+def write_tasks(folder: Path, tasks: dict[str, int] = TASKS) -> Path:
+    for name, n in tasks.items():
+        (folder / name).mkdir(parents=True)
+        examples = [
+            {"input": f"passage {i} of {name}", "target": [f"answer {i} {name[:10]}", f"other {i}"]}
+            for i in range(n)
+        ]
+        task = {"name": name, "task_prefix": f"Definition: do {name}. Prompt: answer.", "examples": examples}
+        (folder / name / "task.json").write_text(json.dumps(task))
+    return folder
+
+
+@pytest.fixture
+def tasks(tmp_path):
+    return write_tasks(tmp_path / "natural_instructions")
+
+
+def test_a_task_maps_into_the_schema_with_every_reference_kept(tasks):
+    refs = ni.load_task(tasks, "subtask028_drop_answer_generation")
+    assert len(refs) == 4
+    first = refs[0]
+    assert first.example == Example(
+        "Definition: do subtask028_drop_answer_generation. Prompt: answer.",
+        "passage 0 of subtask028_drop_answer_generation",
+        "answer 0 subtask028",
+        "subtask028_drop_answer_generation",
+    )
+    assert first.references == ("answer 0 subtask028", "other 0")
+    assert ni.source_of("subtask046_miscellaenous_question_typing") == "misc"  # the folders' three spellings
+    assert ni.source_of("subtask045_miscellaneous_sentence_paraphrasing") == "misc"
+    assert ni.source_of("subtask026_drop_question_generation") == "drop"
+
+
+def test_a_per_task_sample_is_seeded_and_spread_over_the_file(tasks):
+    a = ni.load_task(tasks, "subtask026_drop_question_generation", per_task=3, seed=1)
+    b = ni.load_task(tasks, "subtask026_drop_question_generation", per_task=3, seed=1)
+    others = {
+        tuple(r.example.input for r in ni.load_task(tasks, "subtask026_drop_question_generation", 3, seed=s))
+        for s in range(2, 12)
+    }
+    assert a == b and len(a) == 3
+    assert len(others) > 1  # another seed, another sample: not simply the first 3
+
+
+def test_bad_task_files_are_refused_naming_the_file_and_example(tmp_path):
+    folder = write_tasks(tmp_path / "ni", {"subtask001_quoref_question_generation": 2})
+    path = folder / "subtask001_quoref_question_generation" / "task.json"
+    task = json.loads(path.read_text())
+    task["examples"][1]["target"] = []
+    path.write_text(json.dumps(task))
+    with pytest.raises(DataError, match=r"task\.json, example 1: field 'target'"):
+        ni.load(folder)
+    path.write_text("{not json")
+    with pytest.raises(DataError, match="task.json: not valid JSON"):
+        ni.load(folder)
+    with pytest.raises(DataError, match="no subtask"):
+        ni.task_names(tmp_path)
+    with pytest.raises(DataError, match="matches no task"):
+        ni.select_tasks(folder, ["subtask999"])
+
+
+def test_held_out_tasks_are_chosen_by_name_number_or_source(tasks):
+    assert ni.select_tasks(tasks, ["drop"]) == [
+        "subtask026_drop_question_generation",
+        "subtask028_drop_answer_generation",
+    ]
+    assert ni.select_tasks(tasks, ["subtask002", "subtask002_quoref_answer_generation"]) == [
+        "subtask002_quoref_answer_generation"
+    ]
+
+
+def test_by_task_and_by_source_keep_each_group_whole(tasks):
+    examples = [r.example for r in ni.load(tasks)]
+    for method, groups in (("by_task", 7), ("by_source", 3)):
+        names = group_names(examples, method)
+        assert len(set(names)) == groups
+        for k in (1, 2, groups):
+            parts = partition(examples, method, k, seed=0)
+            assert sorted(i for p in parts for i in p) == list(range(len(examples)))
+            owner = {}
+            for c, p in enumerate(parts):
+                for i in p:
+                    assert owner.setdefault(names[i], c) == c  # a group never spans two clients
+            assert all(parts)
+    by_source = partition(examples, "by_source", 3, seed=0)
+    stats = client_stats(examples, by_source, "by_source")
+    assert sorted(s["name"] for s in stats) == ["drop", "misc", "quoref"]  # clients named by what they hold
+
+
+def test_groups_go_to_the_emptiest_client(tasks):
+    sizes = {"a": 10, "b": 6, "c": 5, "d": 4, "e": 1}
+    groups = [g for g, n in sizes.items() for _ in range(n)]
+    parts = by_group(groups, 2, seed=0, what="by_task")
+    assert sorted(len(p) for p in parts) == [12, 14]  # a -> 10 | b -> 6, c -> 11 | d -> 14 | e -> 12
+    with pytest.raises(DataError, match="num_clients = 6 but data.partition = by_task has only 5 groups"):
+        by_group(groups, 6, seed=0, what="by_task")
+    with pytest.raises(DataError, match="needs every example's task"):
+        group_names([Example("i", "", "r", None)], "by_task")
+
+
+def test_rouge_l_is_the_best_over_references_and_stems():
+    assert rouge_l(["the cat sat"], [["the cat sat"]]) == [100.0]
+    assert rouge_l(["dogs bark"], [["the cat sat"]]) == [0.0]
+    best = rouge_l(["the cat sat"], [["a dog ran", "the cat sat on it"]])[0]
+    assert best == pytest.approx(100 * 2 * 1 * 0.6 / 1.6)  # LCS 3 of 3 and 5 words: P 1, R 0.6
+    assert rouge_l(["running"], [["run"]]) == [100.0]  # Porter stemming, as Natural Instructions scores
+    with pytest.raises(ValueError, match="2 predictions for 1"):
+        rouge_l(["a", "b"], [["a"]])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(builtin_base):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(builtin_base)
+
+
+def test_left_truncation_keeps_the_response_whole_and_right_truncation_drops_it(tokenizer):
+    long = Example(" ".join(["add"] * 60), "", "5")
+    short = Example("add 2 and 3", "", "5")
+    [left, kept] = tokenize_batch([long, short], tokenizer, "plain", 16, truncation="left")
+    [right, same] = tokenize_batch([long, short], tokenizer, "plain", 16, truncation="right")
+    assert right is None  # cut from the right, nothing of the response is left
+    full = tokenize_batch([long], tokenizer, "plain", 1000)[0]
+    assert left.input_ids == full.input_ids[-16:] and left.labels == full.labels[-16:]
+    assert left.cut == len(full.input_ids) - 16 > 0
+    assert [x for x in left.labels if x != IGNORE_INDEX] == [x for x in full.labels if x != IGNORE_INDEX]
+    assert kept == same and kept.cut == 0
+
+
+def test_the_chat_template_is_the_prompt_and_adds_no_second_special_token(tokenizer):
+    with pytest.raises(ValueError, match="needs a base whose tokenizer has a chat template"):
+        build_prompt(Example("add 2 and 3", "", "5"), "chat", tokenizer)
+    tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    ex = Example("add 2 and 3", "now", "5")
+    prompt = build_prompt(ex, "chat", tok)
+    assert prompt == f"{tok.bos_token}[user] add 2 and 3\n\nnow\n[assistant] "
+    [t] = tokenize_batch([ex], tok, "chat", 64)
+    assert t.input_ids == tok(prompt + "5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert t.labels[:n_prompt] == [IGNORE_INDEX] * n_prompt and t.labels[n_prompt] != IGNORE_INDEX
+
+
+def test_a_tied_output_head_is_the_embedding_trained_once():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedllm.factors import dense_param_names
+
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=True,
+    )
+    tied = LlamaForCausalLM(cfg)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert dense_param_names(tied, ["lm_head"]) == ["model.embed_tokens.weight"]
+    assert dense_param_names(tied, ["embed_tokens", "lm_head"]) == ["model.embed_tokens.weight"]
+    untied = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": False}))
+    assert dense_param_names(untied, ["lm_head"]) == ["lm_head.weight"]
+
+
+def test_mmlu_scores_are_the_same_with_the_head_on_the_read_positions_only(builtin_base, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval import scoring
+    from eval.mmlu import evaluate as score
+    from eval.mmlu import load_benchmark
+
+    model = AutoModelForCausalLM.from_pretrained(builtin_base, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(builtin_base)
+    bench = load_benchmark("builtin", shots=2, limit=6)
+    widths = []  # positions the output head computes, per forward
+    model.lm_head.register_forward_hook(lambda m, args, out: widths.append(args[0].shape[1]))
+    fast, fast_records = score(model, tok, bench, batch_size=4)
+    assert max(widths) <= 4  # at most one position per row of a batch: the ones read
+    monkeypatch.setattr(scoring, "_keeps_logits", lambda m: False)
+    widths.clear()
+    full, full_records = score(model, tok, bench, batch_size=4)
+    assert max(widths) > 4  # every position: what the head cost before
+    assert fast["accuracy"] == full["accuracy"]
+    for a, b in zip(fast_records, full_records, strict=True):
+        assert a.predicted == b.predicted
+        assert max(abs(x - y) for x, y in zip(a.loglikelihoods, b.loglikelihoods, strict=True)) < 1e-9
+
+
+def test_a_run_on_natural_instructions_scores_held_out_tasks_by_rouge_l(tasks, tmp_path):
+    from fedllm.cli import main
+    from fedllm.run.folder import RunFolder
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(
+        run,
+        f"data.dataset={tasks}",
+        "data.partition=by_source",
+        "federation.num_clients=2",
+        "data.heldout_tasks=[drop]",
+        "data.eval_size=4",
+        "data.min_examples_per_client=1",
+        "data.max_unknown_share=1",
+        "data.client_test_fraction=0",
+        "eval.benchmark=none",
+        "eval.personalized=false",
+        "eval.generate_size=3",
+        "eval.max_new_tokens=4",
+        "federation.rounds=1",
+    )
+    assert main(["run", *overrides]) == 0
+    rows = RunFolder(run).rows()
+    assert [r["round"] for r in rows if "rouge_l" in r] == [0, 1]
+    held = set(rows[0]["rouge_l_tasks"])
+    assert held <= {"subtask026_drop_question_generation", "subtask028_drop_answer_generation"} and held
+    stats = json.loads((run / "partition.json").read_text())
+    clients = stats["clients"] if isinstance(stats, dict) else stats
+    assert sorted(c["name"] for c in clients) == ["misc", "quoref"]  # drop is held out: on no client
+    summary = RunFolder(run).summary()
+    assert summary["rouge_l_before"] == rows[0]["rouge_l"] and summary["rouge_l_after"] == rows[-1]["rouge_l"]
+
+
+def test_prepare_extracts_only_the_tasks_of_the_pinned_archive(tmp_path, monkeypatch):
+    from fedllm.model import real_parts
+
+    archive = tmp_path / "bigbench-1.0.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        for name, text in (
+            (
+                "bigbench-1.0.0/bigbench/benchmark_tasks/natural_instructions/subtask001_quoref_x/task.json",
+                "{}",
+            ),
+            ("bigbench-1.0.0/bigbench/benchmark_tasks/natural_instructions/README.md", "no"),
+            ("bigbench-1.0.0/bigbench/benchmark_tasks/other_task/task.json", "{}"),
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(text)
+            tf.addfile(info, io.BytesIO(text.encode()))
+    out = tmp_path / "natural-instructions"
+    with pytest.raises(RuntimeError, match="is not bigbench 1.0.0's"):
+        real_parts.extract_tasks(archive, out)
+    assert not out.exists()
+    import hashlib
+
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    monkeypatch.setattr(real_parts, "BIGBENCH", ("bigbench", "1.0.0", digest))
+    real_parts.extract_tasks(archive, out)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "subtask001_quoref_x/task.json"
+    ]
+    assert not list(tmp_path.glob(".natural-instructions.tmp*"))  # the temporary folder was renamed
+
+
+def test_a_download_whose_hash_differs_leaves_nothing(tmp_path, monkeypatch):
+    from fedllm.model import real_parts
+
+    src = tmp_path / "served.tar.gz"
+    src.write_bytes(b"not the archive")
+    monkeypatch.setattr(real_parts, "_archive_url", lambda index: src.as_uri())
+    dest = tmp_path / "downloads"
+    with pytest.raises(RuntimeError, match="is not the pinned"):
+        real_parts.download_archive(dest)
+    assert list(dest.iterdir()) == []
+    import hashlib
+
+    monkeypatch.setattr(
+        real_parts, "BIGBENCH", ("bigbench", "1.0.0", hashlib.sha256(src.read_bytes()).hexdigest())
+    )
+    got = real_parts.download_archive(dest)
+    assert got.read_bytes() == b"not the archive" and got.name == "bigbench-1.0.0.tar.gz"
