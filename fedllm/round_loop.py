@@ -169,8 +169,10 @@ class RoundLoop(abc.ABC):
         }
         return Round({**report.row, **times}, report, plan)
 
-    def evaluate(self) -> dict[str, Any]:
-        return evaluate_global(
+    def evaluate(self, round_idx: int) -> dict[str, Any]:
+        """The global model's evaluation after ``round_idx`` (0: the base); the Rouge-L evaluation's answers
+        go to ``generations.jsonl``."""
+        out = evaluate_global(
             self.runtime,
             self.server.global_adapter(),
             self.eval_data,
@@ -178,13 +180,15 @@ class RoundLoop(abc.ABC):
             self.cfg.eval.batch_size,
             self.generation,
         )
+        self.writer.log_answers(round_idx, out.pop("generations", []))
+        return out
 
     # -------------------------------------------------------- checkpointing
     def complete(self, row: dict[str, Any], visit: list[int]) -> None:
         """Evaluate the model of ``row``'s round (when the schedule says so) and log the row."""
         r = row["round"]
         if r % self.cfg.eval.every == 0 or r == self.cfg.federation.rounds:
-            row.update(self.evaluate())  # its time_eval_s with it
+            row.update(self.evaluate(r))  # its time_eval_s with it
             if self.cfg.eval.personalized:
                 log.info(
                     "round %d: evaluating %d clients' personalized models on their own data", r, len(visit)
@@ -252,7 +256,7 @@ class RoundLoop(abc.ABC):
             self.writer.start(cfg, self.partition_stats)
         self.t_start = time.perf_counter()
         if not rows:  # the evaluation before round 1 (kept from the first attempt when there was one)
-            row = {"round": 0, **self.evaluate()}
+            row = {"round": 0, **self.evaluate(0)}
             self.writer.log(row)
             log.info(
                 "before round 1: eval loss %s, accuracy %s%s",

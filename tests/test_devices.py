@@ -99,7 +99,7 @@ def test_a_round_on_an_accelerator_mixes_no_devices(tmp_path, builtin_base, algo
         for r in (1, 2):
             row = sim.run_round(r).row
             assert row["n_updates"] == 4, row["failed"]  # a device mix fails a client (the run goes on)
-        scores = sim.evaluate()
+        scores = sim.evaluate(0)
         personal = sim.personalized(2, [0, 1, 2, 3])
         start = sim.server.client_start(3, 0)
         adapter, dense, biases = sim.runtime.personalized_adapter(sim.clients[0], start)

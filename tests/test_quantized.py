@@ -132,7 +132,7 @@ def test_training_after_an_evaluation_gets_full_gradients(tmp_path, kernel, buil
         f"model.quant_cpu_kernel={kernel}",
         "lora.trainable_modules=[]",
     )
-    fed.evaluate()  # inference forwards: bitsandbytes packs here with the packed kernel
+    fed.evaluate(0)  # inference forwards: bitsandbytes packs here with the packed kernel
     assert (packed_layers(fed.runtime.model) > 0) == (kernel == "packed")
     params, _ = switch_in(fed, fed.clients[0], 1)
     assert packed_layers(fed.runtime.model) == 0

@@ -83,6 +83,10 @@ def rouge_heldout(
     return {
         "rouge_l": sum(scores) / len(scores),
         "rouge_l_tasks": {t: sum(v) / len(v) for t, v in sorted(by_task.items())},
+        "generations": [  # written to generations.jsonl, not to the metrics row
+            {"task": r.example.category, "answer": a, "rouge_l": s, "references": list(r.references)}
+            for r, a, s in zip(gen.references, answers, scores, strict=True)
+        ],
     }
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedllm.run.reader import CONFIG, INFO, PARTITION, ROWS, SUMMARY, RunFolder
+from fedllm.run.reader import CONFIG, GENERATIONS, INFO, PARTITION, ROWS, SUMMARY, RunFolder
 
 log = logging.getLogger(__name__)
 MANY_CLIENTS = 20  # above this, per-client log lines are summarized (and the full list is in the run folder)
@@ -38,6 +38,7 @@ RUN_ENTRIES = (
     PARTITION,
     ROWS,
     SUMMARY,
+    GENERATIONS,
     "checkpoints",
     "global_adapter",
     LOCK,
@@ -418,6 +419,14 @@ class RunWriter:
                 {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)},
                 row["round"],
             )
+
+    def log_answers(self, round_idx: int, answers: list[dict]) -> None:
+        """The Rouge-L evaluation's answers of a round, one line in ``generations.jsonl``: a score says
+        how often the model is right, its answers how it is wrong."""
+        from fedllm.run.checkpoint import append_line
+
+        if self.enabled and answers:
+            append_line(self.run_dir / GENERATIONS, standard_json({"round": round_idx, "answers": answers}))
 
     def checkpoint(self, round_idx: int, tensors: dict, meta: dict) -> None:
         from fedllm.run.checkpoint import prune_checkpoints, save_checkpoint

@@ -17,12 +17,13 @@ from torch import Tensor
 
 from fedllm.factors import Adapter
 
-CONFIG, ROWS, SUMMARY, INFO, PARTITION = (
+CONFIG, ROWS, SUMMARY, INFO, PARTITION, GENERATIONS = (
     "config.yaml",
     "metrics.jsonl",
     "summary.json",
     "run_info.json",
     "partition.json",
+    "generations.jsonl",  # the Rouge-L evaluation's answers (eval.generate_size)
 )
 
 
