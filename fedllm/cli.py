@@ -239,7 +239,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     examples = read_prompts(args.prompt or [], args.prompts_file)  # bad input fails before the model loads
     cfg = RunFolder(args.run).config() if args.run else None
-    template = args.template or (prompt_template(cfg) if cfg else "alpaca")
+    template = args.template or (prompt_template(cfg) if cfg else None)
     device = Accelerator(cpu=not torch.cuda.is_available()).device
     if args.run and args.base:  # the run's own base, without any adapter
         model, tokenizer = run_base(cfg, args.dtype, device)
@@ -247,6 +247,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model, tokenizer = load_for_eval(
             args.model, args.adapter, args.run, args.round, args.client, args.dtype, device
         )
+    if template is None:  # a model on its own: its chat template where it has one (an instruct model)
+        template = "chat" if getattr(tokenizer, "chat_template", None) else "alpaca"
     answers = generate(
         model,
         tokenizer,
@@ -376,7 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="an instruction (repeat the option for several)")
     g.add_argument("--prompts-file", help="instructions, one per line, or jsonl with instruction/input")
     g.add_argument(
-        "--template", choices=["alpaca", "plain"], help="prompt template (default: the run's, else alpaca)"
+        "--template",
+        choices=["alpaca", "plain", "chat"],
+        help="prompt template (default: the run's; else the model's chat template where it has one, else "
+        "alpaca)",
     )
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (deterministic)")
