@@ -138,10 +138,15 @@ def group_names(examples: list[Example], method: str) -> list[str]:
             "without one (Natural Instructions has them; otherwise use dirichlet or shards)"
         )
     cats = [str(e.category) for e in examples]
-    return [_source(c) for c in cats] if method == "by_source" else cats
+    if method != "by_source":
+        return cats
+    try:
+        return [_source(c) for c in cats]
+    except DataError as e:
+        raise DataError(f"data.partition = by_source needs Natural Instructions task names: {e}") from None
 
 
-def by_group(groups: list[str], num_clients: int, seed: int, what: str) -> list[list[int]]:
+def by_group(groups: list[str], num_clients: int, seed: int, what: str, min_size: int = 1) -> list[list[int]]:
     """Whole groups to clients, largest first to the emptiest client (see the module docstring)."""
     members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
@@ -160,6 +165,12 @@ def by_group(groups: list[str], num_clients: int, seed: int, what: str) -> list[
         size, k = heapq.heappop(heap)
         parts[k].extend(members[g])
         heapq.heappush(heap, (size + len(members[g]), k))
+    small = min(range(num_clients), key=lambda k: len(parts[k]))
+    if len(parts[small]) < min_size:  # whole groups cannot be topped up without splitting one
+        raise DataError(
+            f"data.partition = {what}: client {small} holds {len(parts[small])} examples, fewer than "
+            f"data.min_examples_per_client = {min_size}: use fewer clients or a smaller minimum"
+        )
     return [sorted(p) for p in parts]
 
 
@@ -178,7 +189,7 @@ def partition(
     if method == "contiguous":
         return contiguous(len(examples), num_clients, min_size)
     if method in ("by_task", "by_source"):
-        return by_group(group_names(examples, method), num_clients, seed, method)
+        return by_group(group_names(examples, method), num_clients, seed, method, min_size)
     cats = categories_of(examples)
     if method == "dirichlet":
         return dirichlet(cats, num_clients, alpha, seed, min_size)

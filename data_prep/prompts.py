@@ -118,6 +118,9 @@ def tokenize_batch(
         labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
         cut = max(0, len(ids) - max_seq_len)
         if truncation == "left":
+            if cut and cut >= n_prompt:  # the response alone fills the budget: no prompt would be left
+                out.append(None)
+                continue
             ids, labels = ids[cut:], labels[cut:]
         else:
             ids, labels = ids[:max_seq_len], labels[:max_seq_len]

@@ -28,7 +28,7 @@ from data_prep.schema import Example
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # bump when what a row holds changes
+VERSION = 3  # bump when what a row holds changes
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -128,8 +128,10 @@ def print_summary(s: dict) -> None:
     print(f"strategy / client  {s['strategy']} / {s['algorithm']}, ranks {describe_ranks(s['ranks'])}")
     print(f"held-out loss      {f(s.get('loss_before'))} -> {f(s.get('loss_after'))}")
     if s.get("rouge_l_after") is not None:
-        before, after = s["rouge_l_before"], s["rouge_l_after"]
-        print(f"held-out Rouge-L   {before:.2f} -> {after:.2f} (greedy answers to held-out examples)")
+        before = "n/a" if s.get("rouge_l_before") is None else f"{s['rouge_l_before']:.2f}"
+        print(
+            f"held-out Rouge-L   {before} -> {s['rouge_l_after']:.2f} (greedy answers to held-out examples)"
+        )
     if s.get("benchmark"):
         print(
             f"accuracy           {f(s.get('accuracy_before'))} -> {f(s.get('accuracy_after'))}"

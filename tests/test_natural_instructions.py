@@ -276,7 +276,7 @@ def test_prepare_extracts_only_the_tasks_of_the_pinned_archive(tmp_path, monkeyp
             info.size = len(text)
             tf.addfile(info, io.BytesIO(text.encode()))
     out = tmp_path / "natural-instructions"
-    with pytest.raises(RuntimeError, match="is not bigbench 1.0.0's"):
+    with pytest.raises(real_parts.RealPartsError, match="is not bigbench 1.0.0's"):
         real_parts.extract_tasks(archive, out)
     assert not out.exists()
     import hashlib
@@ -297,7 +297,7 @@ def test_a_download_whose_hash_differs_leaves_nothing(tmp_path, monkeypatch):
     src.write_bytes(b"not the archive")
     monkeypatch.setattr(real_parts, "_archive_url", lambda index: src.as_uri())
     dest = tmp_path / "downloads"
-    with pytest.raises(RuntimeError, match="is not the pinned"):
+    with pytest.raises(real_parts.RealPartsError, match="is not the pinned"):
         real_parts.download_archive(dest)
     assert list(dest.iterdir()) == []
     import hashlib
@@ -307,3 +307,59 @@ def test_a_download_whose_hash_differs_leaves_nothing(tmp_path, monkeypatch):
     )
     got = real_parts.download_archive(dest)
     assert got.read_bytes() == b"not the archive" and got.name == "bigbench-1.0.0.tar.gz"
+
+
+def test_generation_in_length_order_gives_each_prompt_its_own_answer(builtin_base):
+    """Prompts of very different lengths, batched in length order with a cut: every answer equals the one
+    the prompt gets alone (an answer given to the wrong prompt, or a cut on the wrong side, would differ)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fedllm.model.generate import generate
+
+    model = AutoModelForCausalLM.from_pretrained(builtin_base, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(builtin_base)
+    prompts = [
+        Example("Is 95 even or odd ?", "", ""),
+        Example(" ".join(["Is 95 even or odd ?"] * 6), "", ""),
+        Example("What is 2 + 3 ?", "", ""),
+        Example(" ".join(["What is 7 + 1 ?"] * 3), "", ""),
+        Example("Is 12 even or odd ?", "", ""),
+    ]
+    together = generate(model, tok, prompts, "plain", max_new_tokens=4, batch_size=2, max_prompt_tokens=12)
+    alone = [generate(model, tok, [p], "plain", max_new_tokens=4, max_prompt_tokens=12)[0] for p in prompts]
+    assert together == alone
+    assert len(set(together)) > 1  # really different answers, so a swap would show
+
+
+def test_load_examples_takes_the_per_task_sample_and_leaves_held_out_tasks_out(tasks):
+    from data_prep.loaders import load_examples
+
+    held = ni.select_tasks(tasks, ["drop"])
+    examples = load_examples(str(tasks), per_task=2, exclude_tasks=held, seed=3)
+    per_task = {}
+    for e in examples:
+        per_task[e.category] = per_task.get(e.category, 0) + 1
+    assert set(per_task) == set(TASKS) - set(held)
+    assert all(n == 2 for n in per_task.values())
+    assert len(load_examples(str(tasks), max_examples=5, seed=3)) == 5
+
+
+def test_whole_groups_below_the_minimum_are_refused(tasks):
+    examples = [r.example for r in ni.load(tasks)]
+    with pytest.raises(DataError, match="data.min_examples_per_client = 10"):
+        partition(examples, "by_source", 3, seed=0, min_size=10)  # misc holds 9
+    with pytest.raises(DataError, match="data.partition = by_source needs Natural Instructions task names"):
+        group_names([Example("i", "", "r", "open_qa")], "by_source")
+
+
+def test_a_resume_keeps_the_answers_of_the_rounds_it_keeps(tmp_path):
+    from fedllm.run.folder import RunWriter
+
+    writer = RunWriter(tmp_path, enabled=True, keep_checkpoints=2, save_every_round=True)
+    for r in range(4):
+        writer.log({"round": r, "eval_loss": 1.0})
+        writer.log_answers(r, [{"task": "t", "answer": f"a{r}", "rouge_l": 0.0, "references": ["x"]}])
+    writer.keep_rows_before(2)  # a resume from the checkpoint of round 1
+    writer.log_answers(2, [{"task": "t", "answer": "again", "rouge_l": 0.0, "references": ["x"]}])
+    rounds = [json.loads(x)["round"] for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert rounds == [0, 1, 2]  # round 2 once, round 3 gone

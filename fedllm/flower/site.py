@@ -119,7 +119,7 @@ class Site:
         self.cfg, self.client_id, self.state_dir = cfg, client_id, Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if data_path:
-            examples = _site_examples(data_path)
+            examples = _site_examples(data_path, cfg)
             n_test = int(len(examples) * cfg.data.client_test_fraction)
         else:  # the Simulation Engine: this partition of the run's own data
             parts = load_partitions(cfg)
@@ -227,11 +227,16 @@ class Site:
         return row
 
 
-def _site_examples(data_path: str):
-    """A site's own examples: any file ``data.dataset`` takes, in its order."""
+def _site_examples(data_path: str, cfg):
+    """A site's own examples: any file ``data.dataset`` takes, in its order; a Natural Instructions folder
+    without the run's held-out tasks (evaluated, never trained on), sampled as the run samples its tasks."""
+    from data_prep import natural_instructions as ni
     from data_prep.loaders import load_examples
 
-    return load_examples(str(data_path))
+    folder = ni.resolve(str(data_path))
+    held = ni.select_tasks(folder, cfg.data.heldout_tasks) if folder and cfg.data.heldout_tasks else []
+    per_task = cfg.data.examples_per_task if folder else 0
+    return load_examples(str(data_path), seed=cfg.federation.seed, per_task=per_task, exclude_tasks=held)
 
 
 def _histogram(examples) -> dict[str, int]:

