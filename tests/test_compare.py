@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -165,3 +166,27 @@ def test_an_infinite_epsilon_is_summarized_not_a_crash():
     assert s["metrics"]["accuracy"]["clip_only"]["vs_dp"]["diff"] == pytest.approx(0.02)
     format_summary(s)
     json.dumps(s)
+
+
+def test_a_within_run_gain_gets_its_own_interval_over_the_seeds():
+    """A gain (after minus before, in each run) is paired by construction: its 95% t interval says whether
+    the runs changed the metric at all, for the baseline as for every variant."""
+    gains = {0: 0.068, 1: 0.057, 2: 0.061}
+    results = {"only": {s: {"rouge_l_gain": g} for s, g in gains.items()}}
+    s = summarize(results)
+    own = s["metrics"]["rouge_l_gain"]["only"]["vs_before"]
+    mean = sum(gains.values()) / 3
+    half = 4.303 * statistics.stdev(gains.values()) / 3**0.5  # t(0.975, 2 df)
+    assert own["diff"] == pytest.approx(mean) and own["low"] == pytest.approx(mean - half, rel=1e-3)
+    assert own["excludes_zero"]
+    assert "95% interval [" in format_summary(s) and "(holds 0)" not in format_summary(s)
+    mixed = summarize(
+        {"only": {0: {"rouge_l_gain": 0.05}, 1: {"rouge_l_gain": -0.04}, 2: {"rouge_l_gain": 0.01}}}
+    )
+    assert "(holds 0)" in format_summary(mixed)
+    assert (
+        "vs_before"
+        not in summarize({"only": {0: {"accuracy": 0.5}, 1: {"accuracy": 0.6}}})["metrics"]["accuracy"][
+            "only"
+        ]
+    )

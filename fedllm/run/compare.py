@@ -234,6 +234,9 @@ def summarize(results: dict[str, dict[int, dict[str, float | None]]]) -> dict:
             if any(v is None for v in vals):
                 continue
             entry = describe(vals)
+            if METRICS.get(metric, ("",))[0].split(":")[0] in ("gain", "drop"):
+                # a within-run change (after vs before round 1): paired by construction, its own interval
+                entry["vs_before"] = paired(vals, [0.0] * len(vals))
             base_vals = [results[base][s].get(metric) for s in seeds]
             if name != base and not any(v is None for v in base_vals):
                 entry["vs_" + base] = paired(vals, base_vals)
@@ -279,6 +282,10 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
                 verdict = "" if d["excludes_zero"] else "  (interval holds 0: no difference shown)"
                 low, high = num(d["low"], True), num(d["high"], True)
                 text += f"   diff {num(d['diff'], True)}{unit} [{low}, {high}]{verdict}"
+            own = e.get("vs_before")  # a change within each run: its 95% t interval over the seeds
+            if own is not None and not math.isnan(own["low"]):
+                low, high = num(own["low"], True), num(own["high"], True)
+                text += f"   95% interval [{low}, {high}]" + ("" if own["excludes_zero"] else " (holds 0)")
             lines.append(text)
     return "\n".join(lines)
 
