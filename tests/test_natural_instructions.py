@@ -363,3 +363,15 @@ def test_a_resume_keeps_the_answers_of_the_rounds_it_keeps(tmp_path):
     writer.log_answers(2, [{"task": "t", "answer": "again", "rouge_l": 0.0, "references": ["x"]}])
     rounds = [json.loads(x)["round"] for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
     assert rounds == [0, 1, 2]  # round 2 once, round 3 gone
+
+
+def test_a_flower_site_with_its_own_task_folder_leaves_the_held_out_tasks_out(tasks):
+    from fedllm.config import load_config
+    from fedllm.flower.site import _site_examples
+
+    cfg = load_config(
+        None, [f"data.dataset={tasks}", "data.heldout_tasks=[drop]", "data.examples_per_task=2"]
+    )
+    examples = _site_examples(str(tasks), cfg)
+    assert {e.category for e in examples} == set(TASKS) - set(ni.select_tasks(tasks, ["drop"]))
+    assert len(examples) == 2 * (len(TASKS) - 2)
