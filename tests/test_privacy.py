@@ -399,11 +399,11 @@ def test_a_round_released_before_a_crash_is_never_noised_again(tmp_path, builtin
     evaluate = sim.evaluate
     calls = []
 
-    def crash_in_round_2():
+    def crash_in_round_2(round_idx):
         calls.append(1)
         if len(calls) == 3:  # before round 1, after round 1, after round 2
             raise KeyboardInterrupt
-        return evaluate()
+        return evaluate(round_idx)
 
     sim.evaluate = crash_in_round_2
     with pytest.raises(KeyboardInterrupt):
