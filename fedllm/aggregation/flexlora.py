@@ -53,6 +53,7 @@ class FlexLoRA(Strategy):
     """
 
     name = "flexlora"
+    global_state = "refactored"  # the SVD of the averaged product, anew every round
     averages_parameters = False
     supports_download_budget = True
     options = FlexLoRAOptions

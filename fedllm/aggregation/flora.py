@@ -23,6 +23,7 @@ class FLoRA(Strategy):
 
     name = "flora"
     merges_into_base = True
+    global_state = "merged"
     averages_parameters = False
 
     def aggregate_factors(

@@ -116,6 +116,7 @@ class FLoRAL(Strategy):
     """
 
     name = "floral"
+    global_state = "per_client"  # each client's router
     hook = FloralClient
     same_weights = False  # adaptor c of client k weighs p(k|c), its router's share of c
     options = FloralOptions

@@ -41,6 +41,7 @@ class FLoRIST(Strategy):
 
     name = "florist"
     merges_into_base = True
+    global_state = "merged"
     supports_download_budget = True
     averages_parameters = False
     options = FloristOptions

@@ -23,6 +23,7 @@ class LocalOnly(Strategy):
     """
 
     name = "local"
+    global_state = "per_client"
     averages_parameters = False
 
     def aggregate_factors(

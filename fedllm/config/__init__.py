@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from fedllm.aggregation import STRATEGIES
+from fedllm.aggregation import SERVER_OPTIMIZERS, STRATEGIES
 from fedllm.client import ALGORITHMS
 from fedllm.config.overrides import coerce, parse_override
 from fedllm.config.sections import (
@@ -78,7 +78,9 @@ def _with_methods(base: type, registry: dict[str, type], name: str) -> type:
     return cls
 
 
-AggregationConfig = _with_methods(AggregationSection, STRATEGIES, "AggregationConfig")
+AggregationConfig = _with_methods(
+    AggregationSection, {**STRATEGIES, **SERVER_OPTIMIZERS}, "AggregationConfig"
+)
 ClientConfig = _with_methods(ClientSection, ALGORITHMS, "ClientConfig")
 
 _SECTIONS: list[tuple[str, type]] = [
@@ -151,6 +153,8 @@ def choices(key: str) -> list[str] | None:
     """The valid values of an enumerated key (registries for strategies and algorithms), else None."""
     if key == "aggregation.name":
         return sorted(STRATEGIES)
+    if key == "aggregation.server_opt":
+        return ["none", *sorted(SERVER_OPTIMIZERS)]
     if key == "client.algorithm":
         return sorted(ALGORITHMS)
     for k, _, f in _leaves(Config, ""):
@@ -358,7 +362,12 @@ def validate(cfg) -> None:
         if check is not None and not check(obj):
             raise ConfigError(f"{key} = {obj!r} is invalid: expected {f.metadata['expect']}")
     _check_fields_together(cfg)
-    for key, registry in (("aggregation.name", STRATEGIES), ("client.algorithm", ALGORITHMS)):
+    registries: list[tuple[str, Any]] = [
+        ("aggregation.name", STRATEGIES),
+        ("client.algorithm", ALGORITHMS),
+        ("aggregation.server_opt", {"none": None, **SERVER_OPTIMIZERS}),
+    ]
+    for key, registry in registries:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) not in registry:
             raise ConfigError(

@@ -16,6 +16,14 @@ from fedllm.client import ALGORITHMS
 from fedllm.features import FEATURES
 from fedllm.options import Rule
 
+_NO_PARAMETERS = {  # what a strategy's global state is when it is not persisting parameters
+    "merged": "merges each round into the base and restarts its clients from fresh adapters (no global "
+    "adapter to step)",
+    "refactored": "re-factors the global product by SVD every round (the factors' difference is no step in "
+    "a fixed parameter)",
+    "per_client": "keeps every client's own adapter or router (no one global point)",
+}
+
 
 def _pair(cfg) -> str:
     return f"client.algorithm = {cfg.client.algorithm} with aggregation.name = {cfg.aggregation.name}"
@@ -90,6 +98,17 @@ RULES: list[Rule] = [
             f"aggregation.robust = {cfg.aggregation.robust} replaces a plain average, which "
             f"aggregation.name = {cfg.aggregation.name} does not compute; use it with "
             + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.supports_robust))
+        ),
+    ),
+    Rule(
+        "a server optimizer steps persisting parameters",
+        lambda cfg, s, a: cfg.aggregation.server_opt != "none" and s.global_state != "parameters",
+        lambda cfg, s, a: (
+            f"aggregation.server_opt = {cfg.aggregation.server_opt} steps the global factors the clients "
+            f"start from with the round's change, but aggregation.name = {cfg.aggregation.name} "
+            + _NO_PARAMETERS[s.global_state]
+            + "; use it with "
+            + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.global_state == "parameters"))
         ),
     ),
 ]

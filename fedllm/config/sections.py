@@ -316,6 +316,13 @@ class AggregationSection:
     name: str = opt(
         "fedit", "server strategy (one file each in fedllm/aggregation/; 'local' is the local-only baseline)"
     )
+    server_opt: str = opt(
+        "none",
+        "server optimizer stepping the strategy's global parameters with the round's change as a "
+        "pseudo-gradient (Reddi et al. 2021; Flower's strategies of the same names), its options in "
+        "aggregation.<optimizer>.*; for strategies whose global state is persisting factors (fedit, ffa, "
+        "fedsa, hetlora)",
+    )
     clip_norm_ratio: float = opt(
         2.0,
         "clip each update's change (measured from what the server knows the client started from) to this "

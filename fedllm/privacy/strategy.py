@@ -80,8 +80,9 @@ class DPStrategy:
             rest = ClientUpdate(-1, 0, dict(base), dict(state.dense))
             clipped.append(rest)
             weights.append((m - len(updates)) / m)
-        result = self.inner.aggregate(clipped, state, weights, context)
+        result = self.inner.combine(clipped, state, weights, context)
         self._add_noise(result.state, context.round, m)
+        result.state = self.inner.release(result.state)  # post-processing of the noised sum (FedSVD's SVD)
         if self.report_clip_stats:  # exact functions of the data: outside the guarantee (docs/privacy.md)
             result.info["dp_clipped"] = sum(n > self.clip_norm * (1 + 1e-4) for n in norms)
             result.info["dp_update_norm_median"] = float(torch.tensor(norms).median()) if norms else 0.0
