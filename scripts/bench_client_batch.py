@@ -228,7 +228,6 @@ def base_model(folder: str | None):
     from transformers import AutoModelForCausalLM
 
     from fedllm.model.builtin import build_model, build_tokenizer
-
     from fedllm.model.gguf import ensure_checkpoint, is_gguf
 
     if folder is None:

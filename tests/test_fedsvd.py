@@ -121,9 +121,7 @@ def test_what_fedsvd_refuses(over, words):
 
 
 def test_central_dp_is_accepted():
-    cfg = load_config(
-        None, ["aggregation.name=fedsvd", "privacy.mode=central", "lora.trainable_modules=[]"]
-    )
+    cfg = load_config(None, ["aggregation.name=fedsvd", "privacy.mode=central", "lora.trainable_modules=[]"])
     assert cfg.aggregation.name == "fedsvd"
 
 
