@@ -273,6 +273,14 @@ class ClientHook:
     uploads: ClassVar[tuple[str, ...]] = ("A", "B")  # the factors that travel (FedSA-LoRA: A alone)
     init_round: ClassVar[int | None] = None  # fresh factors from this round's seed, not the current one's
 
+    alternates: ClassVar[bool] = False  # which factor it trains and sends changes with the round (RoLoRA)
+
+    def for_round(self, round_idx: int | None) -> ClientHook:
+        """The hook as it acts in round ``round_idx`` (what its clients train, freeze and send); itself
+        unless it ``alternates`` (RoLoRA: B in odd rounds, A in even ones). Client and server both ask it,
+        so they agree on what travels."""
+        return self
+
     def fresh_seed(self, seed: int, round_idx: int) -> int:
         """The seed of the fresh initialization a client of ``round_idx`` gets (client and server alike):
         the round's, or ``init_round``'s for a hook that trains against one fixed init (FFA-LoRA's A)."""

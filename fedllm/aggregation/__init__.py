@@ -12,6 +12,7 @@ from fedllm.aggregation import (  # noqa: F401  (registers the strategies)
     florist,
     hetlora,
     local,
+    rolora,
     server_opt,
 )
 from fedllm.aggregation.base import (

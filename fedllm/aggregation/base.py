@@ -259,6 +259,10 @@ class StrategyWrapper(Strategy, register=False):
     a :class:`Strategy` (``isinstance`` holds); a method added to the base without a delegate here is the
     base's default, which ``tests/test_server_opt.py`` catches by comparing the two classes' methods."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        kwargs.pop("register", None)
+        super().__init_subclass__(register=False, **kwargs)  # a wrapper is never a name a config can give
+
     def __init__(self, inner: Strategy) -> None:
         self.inner = inner
 

@@ -118,7 +118,7 @@ class ServerOptimizer(StrategyWrapper, register=False):
     moments: ClassVar[tuple[str, ...]] = ()  # the per-tensor state it keeps: "m", "v"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(register=False, **kwargs)
+        super().__init_subclass__(**kwargs)
         if cls.method:
             SERVER_OPTIMIZERS[cls.method] = cls
 
@@ -138,7 +138,7 @@ class ServerOptimizer(StrategyWrapper, register=False):
         start = self._start(state, context)
         result = self.inner.aggregate(updates, state, weights, context)
         new = result.state
-        uploads = self.inner.hook.uploads
+        uploads = self.inner.client_hook().for_round(context.round).uploads
         moments = {k: v for k, v in state.extras.items() if k.startswith(PREFIX)}
         factors = {}
         for key, f in new.factors.items():

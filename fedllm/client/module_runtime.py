@@ -106,7 +106,9 @@ class ModuleRuntime:
     def view(self, client: ModuleClient, start: ClientStart, view: str):
         """The strategy's hooks for ``view`` ('train', 'global', 'own'), removed after."""
         session = (
-            self.hook.session(self.model, self.adapter, unprefixed(client.state, HOOK), start.extras, view)
+            self.hook.for_round(start.round).session(
+                self.model, self.adapter, unprefixed(client.state, HOOK), start.extras, view
+            )
             if self.adapter
             else None
         )
@@ -144,7 +146,8 @@ class ModuleRuntime:
             for k, t in dict(self.model.named_parameters()).items()
             if k in self.dense
         }
-        factors = self.hook.outgoing(read_factors(self.model, self.adapter)) if self.adapter else {}
+        hook = self.hook.for_round(start.round)
+        factors = hook.outgoing(read_factors(self.model, self.adapter)) if self.adapter else {}
         return ClientUpdate(
             client_id=client.client_id,
             num_examples=client.num_examples,

@@ -305,7 +305,7 @@ class ClientRuntime:
         """The strategy's hooks on the active adapter (or ``slot``) for ``view`` ('train', 'global',
         'own'), removed after.
         """
-        session = self.hook.session(
+        session = self.hook.for_round(start.round).session(
             self.model, slot or adapter_name(client.rank), unprefixed(client.state, HOOK), start.extras, view
         )
         try:
@@ -442,7 +442,7 @@ class ClientRuntime:
         update = ClientUpdate(
             client_id=client.client_id,
             num_examples=client.num_examples,
-            factors=self.hook.outgoing(trained),  # what stays on the client travels empty
+            factors=self.hook.for_round(start.round).outgoing(trained),  # what stays here travels empty
             dense=dense,
             extras=result.extras,
             metrics={

@@ -59,10 +59,11 @@ RULES: list[Rule] = [
     ),
     Rule(
         "frozen factors",
-        lambda cfg, s, a: bool(s.hook.frozen) and a.server_state_per_parameter,
+        lambda cfg, s, a: bool(s.hook.frozen or s.hook.alternates) and a.server_state_per_parameter,
         lambda cfg, s, a: (
             f"{_pair(cfg)}: the algorithm keeps server state for every trainable tensor, but the strategy "
-            f"freezes {'/'.join(s.hook.frozen)} on the clients (never trained or sent); use "
+            f"freezes {'/'.join(s.hook.frozen) or 'A or B (a different one each round)'} on the clients "
+            "(not trained or sent); use "
             "client.algorithm=sft or fedprox"
         ),
     ),

@@ -27,15 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult
+from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, StrategyWrapper
 from fedllm.factors import LoraFactors
 from fedllm.lowrank import pad_rank
 from fedllm.privacy.transform import clip_, generator
 
 
-class DPStrategy:
+class DPStrategy(StrategyWrapper):
     """``inner`` with user-level DP (see module docstring); everything but aggregation and reporting is the
-    inner strategy's own (its name, client side, downloads, global model)."""
+    inner strategy's own (its name, client side, downloads, global model), delegated explicitly by
+    :class:`~fedllm.aggregation.base.StrategyWrapper` as Flower's DP wrappers do."""
 
     def __init__(
         self,
@@ -49,12 +50,10 @@ class DPStrategy:
         summary: Callable[[int], dict[str, Any]],
         report_clip_stats: bool = False,
     ) -> None:
-        self.inner, self.mode = inner, mode
+        super().__init__(inner)
+        self.mode = mode
         self.clip_norm, self.noise_multiplier, self.noise_seed = clip_norm, noise_multiplier, noise_seed
         self.epsilon_after, self.summary, self.report_clip_stats = epsilon_after, summary, report_clip_stats
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(
@@ -124,9 +123,11 @@ class DPStrategy:
         def noisy(t: Tensor) -> Tensor:
             return t + torch.randn(t.shape, generator=gen) * std / m
 
-        uploads = self.inner.hook.uploads
+        uploads = self.inner.client_hook().for_round(round_idx).uploads
         state.factors = {
-            k: LoraFactors(noisy(f.A) if "A" in uploads else f.A, noisy(f.B), f.scale)
+            k: LoraFactors(
+                noisy(f.A) if "A" in uploads else f.A, noisy(f.B) if "B" in uploads else f.B, f.scale
+            )
             for k, f in state.factors.items()
         }
         state.dense = {k: noisy(t) for k, t in state.dense.items()}

@@ -321,7 +321,9 @@ class Server:
             self.ledger.upload(k, upload_numel(got), self._upload_bytes(got))
             try:
                 u = self.accept(got, self.expected(k, plan=plan))
-                u.factors = self.hook.incoming(u.factors, self.reference(plan.round, k, plan.starts[k]))
+                u.factors = self.hook.for_round(plan.round).incoming(
+                    u.factors, self.reference(plan.round, k, plan.starts[k])
+                )
                 updates.append(u)
             except Exception as e:  # whatever a client sends, it is that client's failure only
                 why = one_line(
@@ -359,7 +361,7 @@ class Server:
         return ClientUpdate(
             client_id=exp.client_id,
             num_examples=exp.num_examples,
-            factors=accept_factors(update.factors, exp, self.hook.uploads),
+            factors=accept_factors(update.factors, exp, self.hook.for_round(exp.round).uploads),
             dense=accept_dense(update.dense, exp),
             extras=accepted,
             metrics=metrics,
