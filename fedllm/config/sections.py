@@ -321,7 +321,7 @@ class AggregationSection:
         "server optimizer stepping the strategy's global parameters with the round's change as a "
         "pseudo-gradient (Reddi et al. 2021; Flower's strategies of the same names), its options in "
         "aggregation.<optimizer>.*; for strategies whose global state is persisting factors (fedit, ffa, "
-        "fedsa, hetlora)",
+        "fedsa, hetlora, rolora)",
     )
     clip_norm_ratio: float = opt(
         2.0,
