@@ -490,3 +490,24 @@ def test_local_dp_still_bounds_a_client_on_the_server(tmp_path, builtin_base):
     )
     _, _, rows = tiny_run(tmp_path, "local", huge, *extra)
     assert all(r["agg_clipped"] >= 1 for r in rows[1:])
+
+
+@pytest.mark.parametrize("over", [[], ["privacy.mode=central", "lora.trainable_modules=[]"]])
+def test_each_updates_reference_is_derived_once(tmp_path, builtin_base, monkeypatch, over):
+    """The acceptance, the median clip, the strategy's context (and central DP's clip) all read what the
+    client started from; the server derives it once per update and round."""
+    from conftest import tiny_overrides
+
+    from fedllm.cli import main
+
+    calls: list[tuple[int, int]] = []
+    derive = Server.derive_reference
+
+    def counted(self, round_idx, client_id, start):
+        calls.append((round_idx, client_id))
+        return derive(self, round_idx, client_id, start)
+
+    monkeypatch.setattr(Server, "derive_reference", counted)
+    assert main(["run", *tiny_overrides(tmp_path / "run", *over)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(calls) == len(set(calls)) == sum(r["n_updates"] for r in rows) > 0

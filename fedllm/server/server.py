@@ -176,6 +176,7 @@ class Server:
             dense=dict(dense or {}),
         )
         self.ledger = Ledger(by_client=self.sampling.public)
+        self._references: tuple[int | None, dict[int, Adapter]] = (None, {})  # this round's, by client
         self.merges = MergeLog(list(self.clients), self.rules.catchup_window)
         self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
@@ -371,7 +372,19 @@ class Server:
 
     def reference(self, round_idx: int, client_id: int, start: ClientStart) -> Adapter:
         """The factors ``client_id`` started ``round_idx`` from, derived as the client derives them: its
-        download, or the round's fresh initialization (never what a client says it started from)."""
+        download, or the round's fresh initialization (never what a client says it started from).
+
+        Derived once per update and kept for the round: the acceptance, the clip, the strategy's context and
+        a driver's decoding all read the same tensors (read-only)."""
+        if self._references[0] != round_idx:
+            self._references = (round_idx, {})
+        kept = self._references[1]
+        if client_id not in kept:
+            kept[client_id] = self.derive_reference(round_idx, client_id, start)
+        return kept[client_id]
+
+    def derive_reference(self, round_idx: int, client_id: int, start: ClientStart) -> Adapter:
+        """:meth:`reference`'s derivation (a fresh init of the client's rank and the hook's start)."""
         c = self.clients[client_id]
         rank = self.strategy.adapter_rank(c.rank)
         fresh = init_factors(self.modules, rank, c.scale, self.hook.fresh_seed(self.sampling.seed, round_idx))
