@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import TEST_PRETRAIN_STEPS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "contributing.md"
