@@ -378,7 +378,9 @@ def test_algorithms_needing_averaged_parameters_refuse_other_strategies(algorith
         elif needs and not strategy.same_weights:
             with pytest.raises(ConfigError, match=f"{name}: the algorithm keeps its server state as sum_k"):
                 load_config(None, overrides)
-        elif strategy.hook.frozen and ALGORITHMS[algorithm].server_state_per_parameter:  # FFA's frozen A
+        elif (strategy.hook.frozen or strategy.hook.alternates) and ALGORITHMS[
+            algorithm
+        ].server_state_per_parameter:
             with pytest.raises(ConfigError, match=f"{name}: the algorithm keeps server state for every"):
                 load_config(None, overrides)
         elif not (strategy.hook.local_params and not ALGORITHMS[algorithm].trains_local_params):

@@ -60,12 +60,12 @@ def test_the_svd_runs_on_the_noised_sum_under_central_dp(gen):
     """DP(FedSVD)'s product is exactly DP(FFA-LoRA)'s noised average of B on the same A (same noise seed):
     the noise goes on the sum of the uploads, and the SVD, after it, is post-processing."""
 
-    def dp(name):
+    def dp(name, sigma=1.0):
         return DPStrategy(
             STRATEGIES[name](),
             mode="central",
             clip_norm=5.0,
-            noise_multiplier=1.0,
+            noise_multiplier=sigma,
             noise_seed=3,
             epsilon_after=lambda r: 0.0,
             summary=lambda r: {},
@@ -88,6 +88,8 @@ def test_the_svd_runs_on_the_noised_sum_under_central_dp(gen):
     assert_close(a.delta(), b.delta(), rtol=1e-5, atol=1e-6)
     assert_close(a.A @ a.A.T, torch.eye(RMAX), rtol=0, atol=1e-5)
     assert not torch.allclose(b.A, a.A)  # FFA-LoRA keeps its A; FedSVD re-oriented it
+    quiet = dp("fedsvd", sigma=0.0).aggregate(ups, state, None, ctx).state.factors[KEY]
+    assert (a.delta() - quiet.delta()).norm() > 1e-3 * quiet.delta().norm()  # the noise is there
 
 
 def test_round_one_sends_b_alone_then_a_travels(gen):
@@ -147,3 +149,29 @@ def test_a_fedsvd_run_is_ffa_until_its_a_moves_uploads_b_only_and_downloads_a_fr
     assert rows["fedsvd"][2]["down_bytes"] > rows["ffa"][2]["down_bytes"]  # then A too
     svd, ffa = ([r["eval_loss"] for r in rows[n]] for n in ("fedsvd", "ffa"))
     assert svd[1] == pytest.approx(ffa[1], rel=1e-5) and svd[2] != pytest.approx(ffa[2], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["aggregation.name=fedsvd"],
+        pytest.param(["aggregation.name=fedsa", "aggregation.fedsa.share_b_every=2"], marks=pytest.mark.slow),
+        pytest.param(["aggregation.name=rolora"], marks=pytest.mark.slow),
+    ],
+)
+def test_a_resumed_run_keeps_the_strategys_counters(tmp_path, builtin_base, over):
+    """Two rounds, a resume to three, against three straight: the same global adapter. FedSVD's count of
+    re-factorings decides whether A travels, FedSA-LoRA's whether B is shared: both are plain numbers of the
+    strategy's state, which a checkpoint once dropped (a resumed FedSVD client trained on the seed's A)."""
+    from conftest import adapter_updates, tiny_overrides
+
+    from fedllm.cli import main
+
+    over = [*over, "lora.trainable_modules=[]"]
+    assert main(["run", *tiny_overrides(tmp_path / "a", *over)]) == 0
+    assert main(["run", "--resume", str(tmp_path / "a"), "federation.rounds=3"]) == 0
+    assert main(["run", *tiny_overrides(tmp_path / "b", *over, "federation.rounds=3")]) == 0
+    a, b = adapter_updates(tmp_path / "a"), adapter_updates(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-8)

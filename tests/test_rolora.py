@@ -100,18 +100,24 @@ def test_central_dp_noises_only_the_rounds_factor(gen):
         {KEY: truncate_rank(state.factors[KEY], u.factors[KEY].rank).with_scale(u.factors[KEY].scale)}
         for u in ups
     ]
-    dp = DPStrategy(
-        rolora,
-        mode="central",
-        clip_norm=1.0,
-        noise_multiplier=1.0,
-        noise_seed=0,
-        epsilon_after=lambda r: 0.0,
-        summary=lambda r: {},
-    )
-    g = dp.aggregate(ups, state, None, RoundContext(2, 3, refs, RMAX, lambda: {})).state.factors[KEY]
+
+    def dp(sigma):
+        return DPStrategy(
+            rolora,
+            mode="central",
+            clip_norm=1.0,
+            noise_multiplier=sigma,
+            noise_seed=0,
+            epsilon_after=lambda r: 0.0,
+            summary=lambda r: {},
+        )
+
+    ctx = RoundContext(2, 3, refs, RMAX, lambda: {})
+    g = dp(1.0).aggregate(ups, state, None, ctx).state.factors[KEY]
+    quiet = dp(0.0).aggregate(ups, state, None, ctx).state.factors[KEY]
     assert torch.equal(g.B, state.factors[KEY].B)  # B was frozen in round 2: no change, no noise
-    assert not torch.allclose(g.A, state.factors[KEY].A)
+    noise = g.A - quiet.A  # the noise on the round's factor: std sigma C / m = 1/3 per coordinate
+    assert 0.2 < float(noise.std()) < 0.5
 
 
 @pytest.mark.parametrize(

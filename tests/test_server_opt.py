@@ -298,3 +298,103 @@ def test_a_resumed_run_continues_the_optimizer_exactly(tmp_path, builtin_base, m
     ckpts = sorted((tmp_path / "b" / "checkpoints").iterdir())
     tensors, _ = load_checkpoint(ckpts[-1])
     assert any(PREFIX in k for k in tensors)
+
+
+def test_half_a_step_lands_halfway_between_the_start_and_the_aggregate():
+    """FedAvgM without momentum at eta 0.5: x + 0.5 (aggregate - x), which pins the start point x."""
+    inner = STRATEGIES["fedit"]()
+    ours = SERVER_OPTIMIZERS["fedavgm"](inner, FedAvgMOptions(eta=0.5, momentum=0.0))
+    g = torch.Generator().manual_seed(4)
+    x = {
+        k: LoraFactors(torch.randn(RANK, i, generator=g), torch.randn(o, RANK, generator=g), 1.0)
+        for k, (o, i) in MODULES.items()
+    }
+    ups = [
+        ClientUpdate(
+            c,
+            2 + c,
+            {k: LoraFactors(f.A + torch.randn(f.A.shape, generator=g), f.B, 1.0) for k, f in x.items()},
+            {},
+        )
+        for c in range(3)
+    ]
+    ctx = RoundContext(2, 3, [x] * 3, RANK, _fresh)
+    got = ours.aggregate(ups, GlobalState(dict(x)), None, ctx).state.factors
+    agg = inner.aggregate(ups, GlobalState(dict(x)), None, ctx).state.factors
+    for k in MODULES:
+        torch.testing.assert_close(got[k].A, 0.5 * (x[k].A + agg[k].A))
+
+
+def test_components_no_client_of_the_round_had_are_not_stepped():
+    """Ranks 2 and 1 this round under a global adapter of rank 3: FedIT's aggregate is zero-padded at the
+    third component, which is nobody's change; the optimizer leaves it where it was."""
+    ours = SERVER_OPTIMIZERS["fedadam"](STRATEGIES["fedit"]())
+    g = torch.Generator().manual_seed(5)
+    x = {
+        k: LoraFactors(torch.randn(RANK, i, generator=g), torch.randn(o, RANK, generator=g), 1.0)
+        for k, (o, i) in MODULES.items()
+    }
+    ups = [
+        ClientUpdate(c, 4, {k: LoraFactors(f.A[:r] + 0.1, f.B[:, :r] + 0.1, 1.0) for k, f in x.items()}, {})
+        for c, r in enumerate([2, 1])
+    ]
+    new = ours.aggregate(ups, GlobalState(dict(x)), None, RoundContext(2, 2, [x] * 2, RANK, _fresh)).state
+    for k in MODULES:
+        assert torch.equal(new.factors[k].A[2:], x[k].A[2:]) and torch.equal(
+            new.factors[k].B[:, 2:], x[k].B[:, 2:]
+        )
+        assert not torch.allclose(new.factors[k].A[:2], x[k].A[:2])
+    assert all(
+        torch.count_nonzero(v[..., 2:] if v.dim() == 2 and v.shape[-1] == RANK else v[2:]) == 0
+        for n, v in new.extras.items()
+        if n.startswith(f"{PREFIX}m.")
+    )
+
+
+def test_with_rolora_only_the_rounds_factor_is_stepped():
+    rolora = STRATEGIES["rolora"]()
+    ours = SERVER_OPTIMIZERS["fedyogi"](rolora, FedYogiOptions(eta=0.05))
+    state = GlobalState(rolora.initial_factors(MODULES, RANK, 0))
+    g = torch.Generator().manual_seed(6)
+    for t in (1, 2):
+        hook = rolora.client_hook().for_round(t)
+        ups = [
+            ClientUpdate(
+                c,
+                3,
+                hook.incoming(
+                    hook.outgoing(
+                        {
+                            k: LoraFactors(
+                                f.A + torch.randn(f.A.shape, generator=g),
+                                f.B + torch.randn(f.B.shape, generator=g),
+                                1.0,
+                            )
+                            for k, f in state.factors.items()
+                        }
+                    ),
+                    state.factors,
+                ),
+                {},
+            )
+            for c in range(2)
+        ]
+        new = ours.aggregate(ups, state, None, RoundContext(t, 2, [state.factors] * 2, RANK, _fresh)).state
+        for k in MODULES:
+            frozen, trained = ("A", "B") if t == 1 else ("B", "A")
+            assert torch.equal(getattr(new.factors[k], frozen), getattr(state.factors[k], frozen))
+            assert not torch.equal(getattr(new.factors[k], trained), getattr(state.factors[k], trained))
+        state = new
+    assert {n.rsplit(".", 1)[-1] for n in state.extras if n.startswith(PREFIX)} == {"A", "B"}
+
+
+def test_a_download_budget_is_refused_with_a_server_optimizer():
+    with pytest.raises(ConfigError, match="set one of the two"):
+        load_config(
+            None,
+            [
+                "aggregation.server_opt=fedadam",
+                "aggregation.download_budget_mb=1",
+                "lora.trainable_modules=[]",
+            ],
+        )

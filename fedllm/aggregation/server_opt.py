@@ -31,6 +31,13 @@ round into the base (their clients restart from fresh adapters: no global adapte
 global factors are a new SVD of the averaged product every round (their difference is no step in a fixed
 parameter); FLoRAL and local-only keep every client's own adapter or router.
 
+Components of the global factors that no client of a round had (no client of the largest rank was sampled)
+are not stepped: the inner strategy's zero padding there is no one's change. A round without updates takes no
+step, and the bias correction still counts it (Flower's ``server_round``). RoLoRA trains each factor every
+other round, so its factors' moments age by two rounds per step and FedAdam's bias correction counts rounds,
+not steps: the optimizer is defined for it, not tuned to it. A download budget (clients start from part of
+the global factors) is refused with a server optimizer.
+
 Composition: the optimizer wraps the strategy *outside* the features (``fedllm.assembly.build_server``), so
 under central DP it steps with the noised aggregate: the step is post-processing of a DP release and the
 guarantee is unchanged (what Reddi et al.'s DP variants and Flower's wrappers order alike).
@@ -145,6 +152,8 @@ class ServerOptimizer(StrategyWrapper, register=False):
             rank = max(f.rank, start[key].rank) if key in start else f.rank
             g = pad_rank(f.folded(), rank)
             x = pad_rank(start[key], rank) if key in start else None
+            if x is not None and f.rank < rank:  # components no client of this round had: not stepped
+                g.A[f.rank :], g.B[:, f.rank :] = x.A[f.rank :], x.B[:, f.rank :]
             A, B = g.A, g.B
             if x is not None and "A" in uploads:
                 A = self._step(f"{key}.A", x.A, g.A, moments, context.round)

@@ -102,6 +102,15 @@ RULES: list[Rule] = [
         ),
     ),
     Rule(
+        "a server optimizer's clients start from the global factors",
+        lambda cfg, s, a: cfg.aggregation.server_opt != "none" and cfg.aggregation.download_budget_mb > 0,
+        lambda cfg, s, a: (
+            f"aggregation.server_opt = {cfg.aggregation.server_opt} steps with the change from the global "
+            "factors, but aggregation.download_budget_mb has clients start from part of them: set one of the "
+            "two"
+        ),
+    ),
+    Rule(
         "a server optimizer steps persisting parameters",
         lambda cfg, s, a: cfg.aggregation.server_opt != "none" and s.global_state != "parameters",
         lambda cfg, s, a: (

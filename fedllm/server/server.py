@@ -176,7 +176,8 @@ class Server:
             dense=dict(dense or {}),
         )
         self.ledger = Ledger(by_client=self.sampling.public)
-        self._references: tuple[int | None, dict[int, Adapter]] = (None, {})  # this round's, by client
+        # this round's references, by client, with the start each was derived from
+        self._references: tuple[int | None, dict[int, tuple[ClientStart, Adapter]]] = (None, {})
         self.merges = MergeLog(list(self.clients), self.rules.catchup_window)
         self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
@@ -379,9 +380,9 @@ class Server:
         if self._references[0] != round_idx:
             self._references = (round_idx, {})
         kept = self._references[1]
-        if client_id not in kept:
-            kept[client_id] = self.derive_reference(round_idx, client_id, start)
-        return kept[client_id]
+        if client_id not in kept or kept[client_id][0] is not start:  # (another plan of the same round)
+            kept[client_id] = (start, self.derive_reference(round_idx, client_id, start))
+        return kept[client_id][1]
 
     def derive_reference(self, round_idx: int, client_id: int, start: ClientStart) -> Adapter:
         """:meth:`reference`'s derivation (a fresh init of the client's rank and the hook's start)."""
@@ -508,7 +509,18 @@ class Server:
             prefixed({k: v for k, v in self.state.extras.items() if isinstance(v, Tensor)}, "extra.")
         )
         tensors.update(prefixed(self.algorithm.state_dict(), "algo."))
+        counters = {}  # a strategy's plain numbers (FedSA-LoRA's sharing schedule, FedSVD's re-factorings)
+        for k, v in self.state.extras.items():
+            if isinstance(v, Tensor):
+                continue
+            if not isinstance(v, bool | int | float):
+                raise TypeError(
+                    f"strategy state extras[{k!r}] is a {type(v).__name__}: a checkpoint keeps "
+                    "tensors and plain numbers only"
+                )
+            counters[k] = v
         meta = {
+            "extras": counters,
             "accepted": {str(k): v for k, v in self.accepted.items()},
             "scales": scales,
             "ledger": self.ledger.state(),
@@ -538,5 +550,5 @@ def global_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> GlobalStat
         adapter_from_tensors(tensors, scales, "global."),
         adapter_from_tensors(tensors, scales, "residual."),
         unprefixed(tensors, "dense."),
-        unprefixed(tensors, "extra."),
+        {**unprefixed(tensors, "extra."), **meta.get("extras", {})},
     )
