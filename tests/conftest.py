@@ -85,6 +85,20 @@ def assert_close_updates(a, b, tol: float) -> None:
         assert float((ub[k] - ua[k]).norm()) <= tol * float(ua[k].norm()), k
 
 
+def assert_resume_matches_straight(tmp_path, *over: str) -> None:
+    """Two tiny rounds then a resume to three, against three straight (``tmp_path/a``, ``tmp_path/b``): the
+    same global adapter, which needs everything a round's state carries to come back from the checkpoint."""
+    from fedllm.cli import main
+
+    assert main(["run", *tiny_overrides(tmp_path / "a", *over)]) == 0
+    assert main(["run", "--resume", str(tmp_path / "a"), "federation.rounds=3"]) == 0
+    assert main(["run", *tiny_overrides(tmp_path / "b", *over, "federation.rounds=3")]) == 0
+    a, b = adapter_updates(tmp_path / "a"), adapter_updates(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-8)
+
+
 def switch_in(sim, client, round_idx: int):
     """Switch ``client`` in as it would start ``round_idx``; returns its trainable parameters and start
     factors.

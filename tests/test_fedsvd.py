@@ -163,15 +163,6 @@ def test_a_resumed_run_keeps_the_strategys_counters(tmp_path, builtin_base, over
     """Two rounds, a resume to three, against three straight: the same global adapter. FedSVD's count of
     re-factorings decides whether A travels, FedSA-LoRA's whether B is shared: both are plain numbers of the
     strategy's state, which a checkpoint once dropped (a resumed FedSVD client trained on the seed's A)."""
-    from conftest import adapter_updates, tiny_overrides
+    from conftest import assert_resume_matches_straight
 
-    from fedllm.cli import main
-
-    over = [*over, "lora.trainable_modules=[]"]
-    assert main(["run", *tiny_overrides(tmp_path / "a", *over)]) == 0
-    assert main(["run", "--resume", str(tmp_path / "a"), "federation.rounds=3"]) == 0
-    assert main(["run", *tiny_overrides(tmp_path / "b", *over, "federation.rounds=3")]) == 0
-    a, b = adapter_updates(tmp_path / "a"), adapter_updates(tmp_path / "b")
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-8)
+    assert_resume_matches_straight(tmp_path, *over, "lora.trainable_modules=[]")

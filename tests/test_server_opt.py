@@ -282,19 +282,11 @@ def test_help_config_lists_the_optimizers_and_their_options(capsys):
 def test_a_resumed_run_continues_the_optimizer_exactly(tmp_path, builtin_base, method):
     """Two rounds, then a resume to three, against three straight: the same global adapter, which needs the
     moments from the checkpoint (fresh moments in round 3 would step differently)."""
-    from conftest import adapter_updates, tiny_overrides
+    from conftest import assert_resume_matches_straight
 
-    from fedllm.cli import main
     from fedllm.run.checkpoint import load_checkpoint
 
-    over = [f"aggregation.server_opt={method}", "lora.trainable_modules=[]"]
-    assert main(["run", *tiny_overrides(tmp_path / "a", *over)]) == 0
-    assert main(["run", "--resume", str(tmp_path / "a"), "federation.rounds=3"]) == 0
-    assert main(["run", *tiny_overrides(tmp_path / "b", *over, "federation.rounds=3")]) == 0
-    a, b = adapter_updates(tmp_path / "a"), adapter_updates(tmp_path / "b")
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-8)
+    assert_resume_matches_straight(tmp_path, f"aggregation.server_opt={method}", "lora.trainable_modules=[]")
     ckpts = sorted((tmp_path / "b" / "checkpoints").iterdir())
     tensors, _ = load_checkpoint(ckpts[-1])
     assert any(PREFIX in k for k in tensors)

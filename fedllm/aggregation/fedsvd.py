@@ -32,7 +32,7 @@ from fedllm.aggregation.base import (
     Strategy,
     leading_factors,
 )
-from fedllm.aggregation.ffa import FrozenA
+from fedllm.aggregation.ffa import Frozen
 from fedllm.factors import Adapter, LoraFactors, init_factors
 from fedllm.lowrank import low_rank_svd, pad_rank, svd_factors
 from fedllm.protocol import ClientHook
@@ -57,8 +57,8 @@ class FedSVDClient(ClientHook):
             out[k] = LoraFactors(A, f.B, f.scale)
         return super().start_factors(out, fresh)
 
-    def session(self, model, adapter, state, extras, view) -> FrozenA | None:
-        return FrozenA(model, adapter) if view == "train" else None
+    def session(self, model, adapter, state, extras, view) -> Frozen | None:
+        return Frozen(model, adapter) if view == "train" else None
 
 
 class FedSVD(Strategy):

@@ -36,11 +36,13 @@ from fedllm.lowrank import pad_rank
 from fedllm.protocol import ClientHook, HookSession
 
 
-class FrozenA(HookSession):
-    """A client's A made untrainable for one training session (restored after)."""
+class Frozen(HookSession):
+    """One factor of a client's adapter (A here and in FedSVD; B in RoLoRA's A rounds) made untrainable for
+    one training session (restored after)."""
 
-    def __init__(self, model, adapter: str) -> None:
-        self.weights = [m.lora_A[adapter].weight for m in lora_modules(model, adapter).values()]
+    def __init__(self, model, adapter: str, factor: str = "A") -> None:
+        layer = "lora_A" if factor == "A" else "lora_B"
+        self.weights = [getattr(m, layer)[adapter].weight for m in lora_modules(model, adapter).values()]
         for w in self.weights:
             w.requires_grad_(False)
 
@@ -63,8 +65,8 @@ class FFAClient(ClientHook):
             return fresh
         return {k: LoraFactors(fresh[k].A, f.B, f.scale) for k, f in download.items()}
 
-    def session(self, model, adapter, state, extras, view) -> FrozenA | None:
-        return FrozenA(model, adapter) if view == "train" else None
+    def session(self, model, adapter, state, extras, view) -> Frozen | None:
+        return Frozen(model, adapter) if view == "train" else None
 
 
 class FFALoRA(Strategy):

@@ -29,9 +29,10 @@ from fedllm.aggregation.base import (
     Strategy,
     leading_factors,
 )
-from fedllm.factors import Adapter, LoraFactors, init_factors, lora_modules
+from fedllm.aggregation.ffa import Frozen
+from fedllm.factors import Adapter, LoraFactors, init_factors
 from fedllm.lowrank import pad_rank
-from fedllm.protocol import ClientHook, HookSession
+from fedllm.protocol import ClientHook
 
 ROUNDS = "rolora_rounds"  # rounds aggregated so far (the phase when no context says the round)
 
@@ -39,20 +40,6 @@ ROUNDS = "rolora_rounds"  # rounds aggregated so far (the phase when no context 
 def trains(round_idx: int) -> str:
     """The factor RoLoRA's clients train in round ``round_idx``: B in odd rounds, A in even ones."""
     return "B" if round_idx % 2 else "A"
-
-
-class Frozen(HookSession):
-    """One factor of a client's adapter made untrainable for one training session (restored after)."""
-
-    def __init__(self, model, adapter: str, factor: str) -> None:
-        layer = "lora_A" if factor == "A" else "lora_B"
-        self.weights = [getattr(m, layer)[adapter].weight for m in lora_modules(model, adapter).values()]
-        for w in self.weights:
-            w.requires_grad_(False)
-
-    def close(self) -> None:
-        for w in self.weights:
-            w.requires_grad_(True)
 
 
 class RoLoRAPhase(ClientHook):
