@@ -9,6 +9,7 @@
                                                                # personal (configs/testbed_NAME.yaml)
     python scripts/compare.py server-opt --seeds 5 --jobs 2    # FedIT with FedAvgM, FedAdagrad, FedYogi,
                                                                # FedAdam on the drift instance
+    python scripts/compare.py fedsvd-dp --seeds 5 --jobs 2     # FedSVD vs FFA-LoRA, central DP eps 4 and 1
 
 Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
 runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
@@ -53,6 +54,15 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
             "flexlora_local_eps8:aggregation.name=flexlora,privacy.mode=local,privacy.noise_multiplier=4.8244",
             # DP's clip and uniform weights without noise: what the noise costs, apart from the clip
             "fedit_clip_only:aggregation.name=fedit,privacy.noise_multiplier=0",
+        ],
+    ),
+    # FedSVD against FFA-LoRA under central DP (pre-registered in configs/builtin_cross_device_dp.yaml)
+    "fedsvd-dp": (
+        "configs/builtin_cross_device_dp.yaml",
+        [
+            f"{s}_{tag}:aggregation.name={s},privacy.noise_multiplier={sigma},privacy.noise_seed=0"
+            for tag, sigma in (("eps4", "2.2068"), ("eps1", "5.9764"))
+            for s in ("ffa", "fedsvd")
         ],
     ),
     "clients": (
