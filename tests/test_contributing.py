@@ -24,7 +24,7 @@ def test_the_script_is_short_enough_to_read():
     assert len(lines) <= 40, len(lines)
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "flora"])
+@pytest.mark.parametrize("strategy", ["fedit", pytest.param("flora", marks=pytest.mark.slow)])
 def test_the_round_by_hand_runs_and_the_server_aggregates(tmp_path, builtin_base, strategy):
     path = tmp_path / "round_by_hand.py"
     path.write_text(script())

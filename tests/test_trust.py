@@ -492,7 +492,9 @@ def test_local_dp_still_bounds_a_client_on_the_server(tmp_path, builtin_base):
     assert all(r["agg_clipped"] >= 1 for r in rows[1:])
 
 
-@pytest.mark.parametrize("over", [[], ["privacy.mode=central", "lora.trainable_modules=[]"]])
+@pytest.mark.parametrize(
+    "over", [[], pytest.param(["privacy.mode=central", "lora.trainable_modules=[]"], marks=pytest.mark.slow)]
+)
 def test_each_updates_reference_is_derived_once(tmp_path, builtin_base, monkeypatch, over):
     """The acceptance, the median clip, the strategy's context (and central DP's clip) all read what the
     client started from; the server derives it once per update and round."""
