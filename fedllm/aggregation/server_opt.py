@@ -45,6 +45,7 @@ guarantee is unchanged (what Reddi et al.'s DP variants and Flower's wrappers or
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -188,12 +189,12 @@ class ServerOptimizer(StrategyWrapper, register=False):
             moments[f"{PREFIX}{m}.{name}"] = v
         return new_x
 
+    @abc.abstractmethod
     def update(
         self, x: Tensor, delta: Tensor, state: dict[str, Tensor | None], t: int
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The new parameter and moments from ``delta`` at round ``t`` (a moment is None before its first
         step)."""
-        raise NotImplementedError
 
     def round_report(self, round_idx: int) -> dict[str, Any]:
         return self.inner.round_report(round_idx)
@@ -223,10 +224,10 @@ class _Adaptive(ServerOptimizer):
     """FedAdagrad, FedYogi, FedAdam: ``x + eta m / (sqrt(v) + tau)`` with their own second moment."""
 
     moments = ("m", "v")
-    beta_1: float = 0.0
 
+    @abc.abstractmethod
     def second(self, v: Tensor, d2: Tensor) -> Tensor:
-        raise NotImplementedError
+        """The second moment after one step, from the last one and the squared change."""
 
     def lr(self, t: int) -> float:
         return self.opts.eta
