@@ -32,7 +32,7 @@ from fedllm.aggregation.base import (
     Strategy,
     leading_factors,
 )
-from fedllm.aggregation.ffa import Frozen
+from fedllm.aggregation.ffa import Frozen, frozen_factor
 from fedllm.factors import Adapter, LoraFactors, init_factors
 from fedllm.lowrank import low_rank_svd, pad_rank, svd_factors
 from fedllm.protocol import ClientHook
@@ -83,11 +83,7 @@ class FedSVD(Strategy):
         out: Adapter = {}
         for key, g in state.factors.items():
             rmax = g.rank
-            # every client trained against the leading rows of one A (the server's reference of each update):
-            # the widest update's, and the global's rows beyond it (no client of the largest rank this round)
-            widest = max((u.factors[key] for u in updates), key=lambda f: f.rank)
-            A = g.A.clone()
-            A[: widest.rank] = widest.A
+            A = frozen_factor(g, updates, key, "A")
             B = self.average([pad_rank(u.factors[key].folded(), rmax).B for u in updates], weights)
             out[key] = LoraFactors(A, B, 1.0)
         extras = dict(state.extras)

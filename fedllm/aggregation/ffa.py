@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from torch import Tensor
+
 from fedllm.aggregation.base import (
     ClientUpdate,
     GlobalState,
@@ -49,6 +51,21 @@ class Frozen(HookSession):
     def close(self) -> None:
         for w in self.weights:
             w.requires_grad_(True)
+
+
+def frozen_factor(g: LoraFactors, updates: list[ClientUpdate], key: str, factor: str) -> Tensor:
+    """The frozen ``factor`` ("A" or "B") of module ``key`` every client of a round trained against (the
+    server's reference of each update: the leading components of one shared factor): the widest update's,
+    and the global ``g``'s components beyond it (no client of the largest rank this round). FedSVD's A,
+    RoLoRA's A or B."""
+    widest = max((u.factors[key].folded() for u in updates), key=lambda f: f.rank)
+    if factor == "A":
+        A = g.A.clone()
+        A[: widest.rank] = widest.A
+        return A
+    B = g.B.clone()
+    B[:, : widest.rank] = widest.B
+    return B
 
 
 class FFAClient(ClientHook):

@@ -29,7 +29,7 @@ from fedllm.aggregation.base import (
     Strategy,
     leading_factors,
 )
-from fedllm.aggregation.ffa import Frozen
+from fedllm.aggregation.ffa import Frozen, frozen_factor
 from fedllm.factors import Adapter, LoraFactors, init_factors
 from fedllm.lowrank import pad_rank
 from fedllm.protocol import ClientHook
@@ -98,16 +98,11 @@ class RoLoRA(Strategy):
         for key, g in state.factors.items():
             rmax = g.rank
             folded = [pad_rank(u.factors[key].folded(), rmax) for u in updates]
-            # the frozen factor every client trained against (the server's reference of each update): the
-            # widest update's, and the global's components beyond it
-            widest = max((u.factors[key].folded() for u in updates), key=lambda f: f.rank)
             if factor == "B":
-                A = g.A.clone()
-                A[: widest.rank] = widest.A
+                A = frozen_factor(g, updates, key, "A")
                 out[key] = LoraFactors(A, self.average([f.B for f in folded], weights), 1.0)
             else:
-                B = g.B.clone()
-                B[:, : widest.rank] = widest.B
+                B = frozen_factor(g, updates, key, "B")
                 out[key] = LoraFactors(self.average([f.A for f in folded], weights), B, 1.0)
         extras = dict(state.extras)
         extras[ROUNDS] = int(extras.get(ROUNDS, 0)) + 1
