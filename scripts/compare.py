@@ -10,6 +10,7 @@
     python scripts/compare.py server-opt --seeds 5 --jobs 2    # FedIT with FedAvgM, FedAdagrad, FedYogi,
                                                                # FedAdam on the drift instance
     python scripts/compare.py fedsvd-dp --seeds 5 --jobs 2     # FedSVD vs FFA-LoRA, central DP eps 4
+    python scripts/compare.py testbed-clients --seeds 5 --jobs 2  # RoLoRA vs FedIT, FFA-LoRA at 4/16/64
 
 Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
 runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
@@ -91,6 +92,15 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
         "configs/testbed_drift.yaml",
         ["fedit:aggregation.server_opt=none"]
         + [f"{o}:aggregation.server_opt={o}" for o in ("fedavgm", "fedadagrad", "fedyogi", "fedadam")],
+    ),
+    # RoLoRA as the number of clients grows (issue 55; predictions in configs/testbed_clients.yaml)
+    "testbed-clients": (
+        "configs/testbed_clients.yaml",
+        [
+            f"{s}_n{n}:aggregation.name={s},federation.num_clients={n},client.local_steps={240 // n}"
+            for n in (4, 16, 64)
+            for s in ("fedit", "ffa", "rolora")
+        ],
     ),
     "testbed-personal": (
         "configs/testbed_personal.yaml",
