@@ -237,6 +237,11 @@ class HookSession:
         """What the client keeps for its next round (only what :meth:`ClientHook.session` reads back)."""
         return {}
 
+    def local_plan(self, plan):
+        """The client's local plan for this session (``fedllm.client.base.LocalPlan``): as it is, unless
+        the strategy's round trains differently (Fed-SB's initialization round: one Adam step)."""
+        return plan
+
     def bake(self, factors: Adapter) -> tuple[Adapter, dict[str, Tensor]]:
         """The client's model as a plain LoRA adapter (and per-module LoRA output biases)."""
         return factors, {}

@@ -57,16 +57,40 @@ def peak_mb() -> float:
 
 
 def run_one(name: str, layers: int) -> dict:
-    from fedllm.aggregation import STRATEGIES, GlobalState
+    from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState
 
     updates = make_updates(layers)
+    state = GlobalState()
+    if name == "fedsb":  # clients send an r x r matrix between bases the first round made (its dense steps)
+        state = fedsb_state(updates)
+        updates = [
+            ClientUpdate(u.client_id, u.num_examples, u.factors, extras=dict(state.extras)) for u in updates
+        ]
     before = peak_mb()
     strategy = STRATEGIES[name]()
     t0 = time.perf_counter()
-    res = strategy.aggregate(updates, GlobalState())
+    res = strategy.aggregate(updates, state)
     for k, r in enumerate(RANKS):  # what each client downloads
         strategy.client_factors(res.state, r, 2.0, k)
+        strategy.client_extras(res.state, k)
     return {"strategy": name, "seconds": time.perf_counter() - t0, "peak_extra_mb": peak_mb() - before}
+
+
+def fedsb_state(updates):
+    """Fed-SB's state after its initialization round: bases at the largest rank and an R per module."""
+    from fedllm.aggregation import GlobalState
+    from fedllm.aggregation.fedsb import CORE, RANK
+    from fedllm.factors import LoraFactors
+
+    r = max(RANKS)
+    factors, extras = {}, {RANK: r}
+    for key, f in updates[0].factors.items():
+        out_f, in_f = f.B.shape[0], f.A.shape[1]
+        qb, _ = torch.linalg.qr(torch.randn(out_f, r))
+        qa, _ = torch.linalg.qr(torch.randn(in_f, r))
+        factors[key] = LoraFactors(qa.T.contiguous(), qb, 1.0)
+        extras[f"{CORE}{key}"] = torch.randn(r, r)
+    return GlobalState(factors, extras=extras)
 
 
 def dense_reference(dense_layers: int) -> dict:

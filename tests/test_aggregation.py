@@ -226,12 +226,16 @@ def test_shared_invariants(name, gen):
             for u in base
             for f in [u.factors[key]]
         ]
+    if name == "fedsb":  # clients train an 8 x 8 R between shared bases (orthonormal B columns, A rows)
+        st, base = _fedsb_case(gen, base, key)
     # 1. identical clients give back that client's update
-    same = [ClientUpdate(k, n, base[0].factors) for k, n in enumerate([5, 7, 11])]
+    same = [ClientUpdate(k, n, base[0].factors, extras=base[0].extras) for k, n in enumerate([5, 7, 11])]
     res = strategy.aggregate(same, st)
     own = base[0].factors[key]
     if name == "fedsa":
         own = LoraFactors(own.A, torch.eye(own.rank, dtype=own.A.dtype))
+    if name == "fedsb":
+        own = LoraFactors(st.factors[key].A, st.factors[key].B @ base[0].extras[f"fedsb_R.{key}"])
     assert_close(
         effective_update(name, res, st)[key].delta(),
         own.delta(),
@@ -247,11 +251,32 @@ def test_shared_invariants(name, gen):
     # by update norms instead: tested in test_baselines.py)
     if name == "hetlora":
         return
-    doubled = [ClientUpdate(0, 20, base[0].factors), base[1], base[2]]
-    twice = [base[0], ClientUpdate(3, 10, base[0].factors), base[1], base[2]]
+    doubled = [ClientUpdate(0, 20, base[0].factors, extras=base[0].extras), base[1], base[2]]
+    twice = [base[0], ClientUpdate(3, 10, base[0].factors, extras=base[0].extras), base[1], base[2]]
     x = effective_update(name, strategy.aggregate(doubled, st), st)[key].delta()
     y = effective_update(name, strategy.aggregate(twice, st), st)[key].delta()
     assert_close(x, y, rtol=1e-6, atol=1e-9)
+
+
+def _fedsb_case(gen, base, key):
+    """Fed-SB's round on ``base``'s clients: shared bases of rank 8 and each client's whole 8 x 8 R (its
+    block put into the downloaded R, as the server's acceptance does)."""
+    from fedllm.aggregation.fedsb import CORE, RANK
+
+    f = base[0].factors[key]
+    out_f, in_f = f.B.shape[0], f.A.shape[1]
+    qb, _ = torch.linalg.qr(torch.randn(out_f, 8, generator=gen, dtype=torch.float64))
+    qa, _ = torch.linalg.qr(torch.randn(in_f, 8, generator=gen, dtype=torch.float64))
+    st = GlobalState({key: LoraFactors(qa.T.contiguous(), qb, 1.0)}, extras={RANK: 8})
+    R0 = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    ups = []
+    for u in base:
+        r = u.factors[key].rank
+        R = R0.clone()
+        R[:r, :r] = torch.randn(r, r, generator=gen, dtype=torch.float64)
+        lead = LoraFactors(qa.T[:r].contiguous(), qb[:, :r], u.factors[key].scale)
+        ups.append(ClientUpdate(u.client_id, u.num_examples, {key: lead}, extras={f"{CORE}{key}": R}))
+    return st, ups
 
 
 def test_registry_rejects_bad_names():

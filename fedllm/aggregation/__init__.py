@@ -4,6 +4,7 @@ from fedllm.aggregation import (  # noqa: F401  (registers the strategies)
     fedex,
     fedit,
     fedsa,
+    fedsb,
     fedsvd,
     ffa,
     flexlora,

@@ -20,7 +20,9 @@ Algorithm 2 does not have: ``aggregation.fedadam.bias_correction=false`` gives t
 What is stepped: the factors the strategy's clients upload (``hook.uploads``: A and B for FedIT and HetLoRA,
 B for FFA-LoRA, A for FedSA-LoRA) in the server's aggregation space (scale folded into B, zero-padded to the
 federation's largest rank), and the fully trained dense modules. Everything else of the inner state
-(FFA-LoRA's frozen A, FedSA-LoRA's shared B mean, the strategy's own extras) is the inner strategy's. The
+(FFA-LoRA's frozen A, FedSA-LoRA's shared B mean, the strategy's own extras) is the inner strategy's, but
+for the strategy's shared parameters that persist in its state between rounds (the hook's ``shared_extras``
+present in the state before and after the round at one shape: Fed-SB's R), which step like the factors. The
 optimizer's moments live in the state's extras (``server_opt.*``), so they are checkpointed with it and a
 resumed run continues exactly; they never travel (a client's download is the strategy's ``client_factors`` /
 ``client_extras``, which do not read them).
@@ -166,6 +168,11 @@ class ServerOptimizer(StrategyWrapper, register=False):
             for k, t in new.dense.items()
         }
         extras = {k: v for k, v in new.extras.items() if not k.startswith(PREFIX)}
+        shared = self.inner.client_hook().shared_extras
+        for k, t in extras.items():  # persisting shared parameters (Fed-SB's R) step like the factors
+            x_k = state.extras.get(k)
+            if shared and k.startswith(shared) and isinstance(x_k, Tensor) and x_k.shape == t.shape:
+                extras[k] = self._step(f"extras.{k}", x_k, t, moments, context.round)
         extras.update(moments)
         result.state = GlobalState(factors, new.residual, dense, extras)
         return result

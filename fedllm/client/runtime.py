@@ -402,6 +402,7 @@ class ClientRuntime:
         self.model.train()
         session = stack.enter_context(self.view(client, start, "train", slot))
         if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
+            plan = session.local_plan(plan)
             plan.local_params, plan.local_lr = session.local_params(), session.local_lr
             params.update(session.shared_params())
             params = {k: p for k, p in params.items() if p.requires_grad}  # FFA-LoRA freezes A

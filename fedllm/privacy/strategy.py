@@ -71,12 +71,15 @@ class DPStrategy(StrategyWrapper):
         base = self._base(state, context)
         clipped, norms = [], []
         for u, ref in zip(updates, context.references, strict=True):
-            moved, norm = self._clipped(u, ref, base, state)
+            moved, norm = self._clipped(u, ref, base, state, self.inner.client_extras(state, u.client_id))
             clipped.append(moved)
             norms.append(norm)
         weights = [1.0 / m] * len(clipped)
         if len(clipped) < m:  # the sampled clients that sent nothing: no change, at their share
+            shared = self.inner.shared_extras(clipped[0]) if clipped else {}
+            start = self.inner.client_extras(state, -1)
             rest = ClientUpdate(-1, 0, dict(base), dict(state.dense))
+            rest.extras = {k: start.get(k, torch.zeros_like(t)) for k, t in shared.items()}
             clipped.append(rest)
             weights.append((m - len(updates)) / m)
         result = self.inner.combine(clipped, state, weights, context)
@@ -94,13 +97,20 @@ class DPStrategy(StrategyWrapper):
             return {k: pad_rank(f.folded(), context.max_rank) for k, f in state.factors.items()}
         return {k: f.folded() for k, f in context.fresh().items()}
 
-    def _clipped(self, u: ClientUpdate, ref, base, state: GlobalState) -> tuple[ClientUpdate, float]:
-        """``u`` as base + its clipped change, at the largest rank (scale folded); and the change's norm."""
+    def _clipped(
+        self, u: ClientUpdate, ref, base, state: GlobalState, download: dict[str, Tensor]
+    ) -> tuple[ClientUpdate, float]:
+        """``u`` as base + its clipped change, at the largest rank (scale folded); and the change's norm.
+        The change covers the strategy's shared extras too (Fed-SB's R), measured from what the client
+        downloaded under the same name (``download``; else from zero)."""
         parts: list[Tensor] = []
         for k, f in u.factors.items():
             r = ref[k].with_scale(f.scale)
             parts += [(f.A - r.A).double(), ((f.B - r.B) * f.scale).double()]
         parts += [(t - state.dense[k]).double() for k, t in u.dense.items()]
+        shared = self.inner.shared_extras(u)
+        starts = {k: download.get(k, torch.zeros_like(t)) for k, t in shared.items()}
+        parts += [(t - starts[k]).double() for k, t in shared.items()]
         norm = clip_(parts, self.clip_norm)
         it = iter(parts)
         factors = {}
@@ -111,9 +121,9 @@ class DPStrategy(StrategyWrapper):
             B[:, : f.rank] += db
             factors[k] = LoraFactors(A, B, 1.0)
         dense = {k: state.dense[k] + next(it).float() for k in u.dense}
-        return ClientUpdate(
-            u.client_id, u.num_examples, factors, dense, dict(u.extras), dict(u.metrics)
-        ), norm
+        extras = dict(u.extras)
+        extras.update({k: starts[k] + next(it).float() for k in shared})
+        return ClientUpdate(u.client_id, u.num_examples, factors, dense, extras, dict(u.metrics)), norm
 
     def _add_noise(self, state: GlobalState, round_idx: int, m: int) -> None:
         """N(0, (sigma C / m)^2) on every released coordinate the uploads determine, in a fixed order."""
@@ -131,6 +141,12 @@ class DPStrategy(StrategyWrapper):
             for k, f in state.factors.items()
         }
         state.dense = {k: noisy(t) for k, t in state.dense.items()}
+        prefixes = self.inner.client_hook().shared_extras
+        if prefixes:  # the strategy's shared parameters its combination made of the uploads (Fed-SB's R)
+            state.extras = {
+                k: noisy(v) if k.startswith(prefixes) and isinstance(v, Tensor) else v
+                for k, v in state.extras.items()
+            }
 
     # ------------------------------------------------------------------ reporting
     def round_report(self, round_idx: int) -> dict[str, Any]:
