@@ -48,6 +48,7 @@ CASES: dict[str, list[str]] = {
     "ffa": ["aggregation.name=ffa"],
     "fedsvd": ["aggregation.name=fedsvd"],
     "rolora": ["aggregation.name=rolora"],
+    "fedsb": ["aggregation.name=fedsb"],  # round 1 its initialization, round 2 R
     "fedit_fedadam": ["aggregation.name=fedit", "aggregation.server_opt=fedadam"],
     "ffa_fedavgm": ["aggregation.name=ffa", "aggregation.server_opt=fedavgm"],
     "local": ["aggregation.name=local"],
@@ -71,6 +72,13 @@ CASES: dict[str, list[str]] = {
     ],
     "dp_central_ffa": [
         "aggregation.name=ffa",
+        "privacy.mode=central",
+        "privacy.clip_norm=0.5",
+        "privacy.noise_multiplier=0.3",
+        "privacy.noise_seed=7",
+    ],
+    "dp_central_fedsb": [
+        "aggregation.name=fedsb",
         "privacy.mode=central",
         "privacy.clip_norm=0.5",
         "privacy.noise_multiplier=0.3",

@@ -334,6 +334,20 @@ def test_a_fedsb_run_uploads_a_dense_step_once_then_r(tmp_path, builtin_base):
     assert len([k for k in exported if "lora_A" in k]) == modules
 
 
+def test_a_fedsb_run_under_central_dp_takes_every_clients_block(tmp_path, builtin_base):
+    """Mixed ranks under central DP: each site clips its r_k x r_k block's change from the leading block of
+    the R it downloaded; no client is left out."""
+    from conftest import tiny_overrides
+
+    from fedllm.cli import main
+
+    over = ["aggregation.name=fedsb", "lora.trainable_modules=[]", "privacy.mode=central"]
+    assert main(["run", *tiny_overrides(tmp_path / "r", *over)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["n_updates"] for r in rows] == [4, 4] and all(not r["failed"] for r in rows)
+    assert all(r["epsilon"] > 0 for r in rows)
+
+
 def test_a_fedsb_run_resumes_exactly(tmp_path, builtin_base):
     from conftest import assert_resume_matches_straight
 

@@ -65,7 +65,8 @@ class ClipAndNoise(UploadTransform):
             if f.B.numel()
         }
         dD = {k: t - start.dense[k] for k, t in update.dense.items()}
-        dE = {k: t - start.extras.get(k, torch.zeros_like(t)) for k, t in update.extras.items()}
+        base = {k: _downloaded(start.extras, k, t) for k, t in update.extras.items()}
+        dE = {k: t - base[k] for k, t in update.extras.items()}
         changes = [*dA.values(), *dB.values(), *dD.values(), *dE.values()]
         clip_(changes, self.clip_norm)
         if self.noise_std > 0:
@@ -80,5 +81,16 @@ class ClipAndNoise(UploadTransform):
             factors[k] = LoraFactors(A, B, f.scale)
         update.factors = factors
         update.dense = {k: start.dense[k] + d for k, d in dD.items()}
-        update.extras = {k: start.extras.get(k, torch.zeros_like(d)) + d for k, d in dE.items()}
+        update.extras = {k: base[k] + d for k, d in dE.items()}
         return update
+
+
+def _downloaded(extras: dict[str, Tensor], name: str, sent: Tensor) -> Tensor:
+    """What an uploaded extra's change is measured from: the download of the same name (zero if none), or its
+    leading block when the client trains only that (Fed-SB: a rank-r_k client's r_k x r_k block of R)."""
+    got = extras.get(name)
+    if got is None:
+        return torch.zeros_like(sent)
+    if got.shape != sent.shape and got.dim() == sent.dim():
+        got = got[tuple(slice(0, n) for n in sent.shape)]
+    return got.to(sent.dtype)
