@@ -11,6 +11,7 @@
                                                                # FedAdam on the drift instance
     python scripts/compare.py fedsvd-dp --seeds 5 --jobs 2     # FedSVD vs FFA-LoRA, central DP eps 4
     python scripts/compare.py testbed-clients --seeds 5 --jobs 2  # RoLoRA vs FedIT, FFA-LoRA at 4/16/64
+    python scripts/compare.py fedsb --seeds 5 --jobs 2         # Fed-SB vs FedIT, FFA-LoRA, FLoRA per MB
 
 Each suite is one `fedllm compare` call (the same seeds, so the same partitions, for every variant);
 runs land in runs/compare-<suite>/<variant>/seed-<s> and are reused when complete.
@@ -92,6 +93,12 @@ SUITES: dict[str, tuple[str | None, list[str]]] = {
         "configs/testbed_drift.yaml",
         ["fedit:aggregation.server_opt=none"]
         + [f"{o}:aggregation.server_opt={o}" for o in ("fedavgm", "fedadagrad", "fedyogi", "fedadam")],
+    ),
+    # Fed-SB's accuracy per MB (issue 55; predictions in configs/testbed_drift.yaml, written before measuring)
+    "fedsb": (
+        "configs/testbed_drift.yaml",
+        [f"{s}:aggregation.name={s}" for s in ("fedit", "ffa", "flora")]
+        + [f"fedsb_r{r}:aggregation.name=fedsb,lora.ranks=[{r}]" for r in (8, 32)],
     ),
     # RoLoRA as the number of clients grows (issue 55; predictions in configs/testbed_clients.yaml)
     "testbed-clients": (
