@@ -56,6 +56,45 @@ def test_the_product_is_the_exact_weighted_average_and_a_has_orthonormal_rows(ge
     assert state.extras[ROUNDS] == 3
 
 
+def _official_fedsvd_round(orig: dict, diffs: list[dict], ratio: list[float]) -> dict:
+    """What seanie12/fed-svd's server does in a round, restated from reading it (fedmm/fedavg/server.py,
+    ``Server.aggregate`` for ``model == 'fedavg'``, then ``misc/utils.py``'s ``reinit_lora``): every LoRA
+    tensor becomes ``orig + sum_j ratio_j diff_j`` (A's diffs are zero: it is frozen), then the product
+    ``B A = V S Uh`` is re-factored as ``A = Uh[:r]``, ``B = V[:, :r] diag(S[:r])``."""
+    new = {k: orig[k] + sum(r * d[k] for r, d in zip(ratio, diffs, strict=True)) for k in orig}
+    A, B = new["lora_A.default.weight"], new["lora_B.default.weight"]
+    V, S, Uh = torch.linalg.svd(B @ A, full_matrices=False)
+    r = A.size(0)
+    return {"lora_A.default.weight": Uh[:r], "lora_B.default.weight": V[:, :r] @ torch.diag(S[:r])}
+
+
+def test_equals_the_official_aggregation_on_the_same_arrays(gen):
+    """One rank (the official code's setting) at scale 1 with FedAvg's example ratios: the same product, the
+    same singular values (B's column norms) and the same row space of A; each singular vector's sign is
+    the SVD's free choice (the official code's and ours may differ by a sign per direction)."""
+    fedsvd = STRATEGIES["fedsvd"]()
+    state = _start(fedsvd)
+    state = fedsvd.aggregate(_round(gen, state, ranks=(8, 8, 8)), state).state  # a re-factored A
+    g = state.factors[KEY]
+    counts = (10, 30, 60)
+    Bs = [torch.randn(OUT, RMAX, generator=gen, dtype=torch.float64) for _ in counts]
+    ups = [
+        ClientUpdate(k, n, {KEY: LoraFactors(g.A.clone(), B, 1.0)})
+        for k, (n, B) in enumerate(zip(counts, Bs, strict=True))
+    ]
+    ours = fedsvd.aggregate(ups, state).state.factors[KEY]
+    orig = {"lora_A.default.weight": g.A, "lora_B.default.weight": g.B}
+    diffs = [{"lora_A.default.weight": torch.zeros_like(g.A), "lora_B.default.weight": B - g.B} for B in Bs]
+    theirs = _official_fedsvd_round(orig, diffs, [n / sum(counts) for n in counts])
+    tA, tB = theirs["lora_A.default.weight"], theirs["lora_B.default.weight"]
+    assert_close(ours.delta(), tB @ tA, rtol=1e-6, atol=1e-9)
+    assert_close(ours.B.norm(dim=0), tB.norm(dim=0), rtol=1e-6, atol=1e-9)
+    assert_close(ours.A.T @ ours.A, tA.T @ tA, rtol=1e-6, atol=1e-9)
+    signs = torch.sign((ours.A * tA).sum(1))  # per direction: +1 or -1, nothing else
+    assert_close(ours.A, signs[:, None] * tA, rtol=1e-6, atol=1e-9)
+    assert_close(ours.B, tB * signs[None, :], rtol=1e-6, atol=1e-9)
+
+
 def test_the_svd_runs_on_the_noised_sum_under_central_dp(gen):
     """DP(FedSVD)'s product is exactly DP(FFA-LoRA)'s noised average of B on the same A (same noise seed):
     the noise goes on the sum of the uploads, and the SVD, after it, is post-processing."""
