@@ -54,6 +54,18 @@ SLOW = pytest.mark.slow
         pytest.param("fedit", ["client.algorithm=perfedavg"], marks=SLOW, id="fedit-perfedavg"),
         pytest.param("fedsa", [], marks=SLOW, id="fedsa"),
         pytest.param("ffa", [], marks=SLOW, id="ffa"),
+        # the baselines: Fed-SB (round 1 its initialization's dense steps, then R in the extras), FedSVD (A
+        # re-factored by the server), RoLoRA (the factor alternates), a server optimizer (its moments)
+        pytest.param("fedsb", [], marks=SLOW, id="fedsb"),
+        pytest.param("fedsvd", [], marks=SLOW, id="fedsvd"),
+        pytest.param("rolora", [], marks=SLOW, id="rolora"),
+        pytest.param("fedit", ["aggregation.server_opt=fedadam"], marks=SLOW, id="fedit-fedadam"),
+        pytest.param(
+            "fedsb",
+            ["privacy.mode=central", "privacy.noise_seed=0", "privacy.clip_norm=0.5"],
+            marks=SLOW,
+            id="fedsb-dp-central",
+        ),
         # DP with reproducible noise: the sites clip (ClientApp), the server adds the same noise (ServerApp)
         pytest.param(
             "ffa",
