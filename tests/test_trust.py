@@ -513,3 +513,48 @@ def test_each_updates_reference_is_derived_once(tmp_path, builtin_base, monkeypa
     assert main(["run", *tiny_overrides(tmp_path / "run", *over)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(calls) == len(set(calls)) == sum(r["n_updates"] for r in rows) > 0
+
+
+def test_fedsb_steps_and_r_are_checked_and_clipped():
+    """Fed-SB's initialization round: a 1e6 dense step is clipped to twice the median, a step of the wrong
+    shape is refused; from round 2: an R block of 1e6 is clipped, one at another rank's size refused, and
+    the bases (which never travel up) stay what the server made."""
+    from fedllm.aggregation.fedsb import CORE, STEP
+
+    server = make_server("fedsb")
+
+    def step(value, shape=None):
+        def make(server, plan, k):
+            u = honest(server, plan, k)
+            u.extras = {
+                f"{STEP}{m}": torch.full(shape or (out_f, in_f), value) * (1 + 0.1 * k)
+                for m, (out_f, in_f) in MODULES.items()
+            }
+            return u
+
+        return make
+
+    _, report = round_with(server, 1, {k: step(0.01) for k in range(4)} | {2: step(1e6)})
+    assert report.row["n_updates"] == 4 and report.row["agg_clipped"] == 1
+    bases = {m: (f.A.clone(), f.B.clone()) for m, f in server.state.factors.items()}
+    assert max(float(server.state.extras[f"{CORE}{m}"].abs().max()) for m in MODULES) < 1.0
+    fresh = make_server("fedsb")
+    _, report = round_with(fresh, 1, {k: step(0.01) for k in range(4)} | {1: step(0.01, (3, 3))})
+    expect_refused(report, 1, "shape (3, 3), expected (6, 5)")
+
+    def core(value, size=None):
+        def make(server, plan, k):
+            u = honest(server, plan, k)
+            r = size or server.expected(k).rank
+            R = plan.starts[k].extras
+            u.extras = {f"{CORE}{m}": R[f"{CORE}{m}"][:r, :r] + value * (1 + 0.1 * k) for m in MODULES}
+            return u
+
+        return make
+
+    _, report = round_with(server, 2, {k: core(0.01) for k in range(4)} | {3: core(1e6)} | {0: core(0.01, 8)})
+    expect_refused(report, 0, "shape (8, 8), expected (4, 4)")
+    assert report.row["agg_clipped"] == 1
+    assert max(float(server.state.extras[f"{CORE}{m}"].abs().max()) for m in MODULES) < 1.0
+    for m, (A, B) in bases.items():
+        assert torch.equal(server.state.factors[m].A, A) and torch.equal(server.state.factors[m].B, B)
