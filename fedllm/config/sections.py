@@ -320,8 +320,8 @@ class AggregationSection:
         "none",
         "server optimizer stepping the strategy's global parameters with the round's change as a "
         "pseudo-gradient (Reddi et al. 2021; Flower's strategies of the same names), its options in "
-        "aggregation.<optimizer>.*; for strategies whose global state is persisting factors (fedit, ffa, "
-        "fedsa, hetlora, rolora)",
+        "aggregation.<optimizer>.*; for strategies whose global state is persisting parameters (fedit, "
+        "ffa, fedsa, hetlora, rolora, fedsb's R)",
     )
     clip_norm_ratio: float = opt(
         2.0,
