@@ -157,7 +157,7 @@ class AlgorithmServer:
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
         """The extras this algorithm expects in an update, checked against ``exp``
-        (``fedllm.server.trust.Expected``) and cast; raises ``ClientFailure``.
+        (``fedllm.checks.Expected``) and cast; raises ``ClientFailure``.
         Extras nobody claims are refused by the server."""
         return {}
 
@@ -279,6 +279,8 @@ class ClientHook:
     init_round: ClassVar[int | None] = None  # fresh factors from this round's seed, not the current one's
 
     alternates: ClassVar[bool] = False  # which factor it trains and sends changes with the round (RoLoRA)
+    # its sessions set the local plan of some rounds (HookSession.local_plan: Fed-SB's one Adam step)
+    sets_local_plan: ClassVar[bool] = False
 
     def for_round(self, round_idx: int | None) -> ClientHook:
         """The hook as it acts in round ``round_idx`` (what its clients train, freeze and send); itself

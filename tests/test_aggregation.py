@@ -13,8 +13,7 @@ from fedllm.aggregation.fedit import FedIT
 from fedllm.aggregation.flexlora import FlexLoRA
 from fedllm.aggregation.flora import FLoRA
 from fedllm.aggregation.florist import FLoRIST
-from fedllm.factors import LoraFactors, concat
-from fedllm.lowrank import energy_rank, low_rank_svd, pad_rank, stack, svd_factors
+from fedllm.factors import LoraFactors, concat, energy_rank, low_rank_svd, pad_rank, stack, svd_factors
 from tests.conftest import random_factors
 
 RANKS = [64, 32, 16, 16, 8, 8, 4, 4, 4, 4]

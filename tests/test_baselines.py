@@ -8,8 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, example_weights
-from fedllm.factors import LoraFactors, concat
-from fedllm.lowrank import pad_rank
+from fedllm.factors import LoraFactors, concat, pad_rank
 from tests.conftest import random_factors
 
 OUT, IN = 40, 24

@@ -383,6 +383,9 @@ def test_algorithms_needing_averaged_parameters_refuse_other_strategies(algorith
         ].server_state_per_parameter:
             with pytest.raises(ConfigError, match=f"{name}: the algorithm keeps server state for every"):
                 load_config(None, overrides)
+        elif strategy.hook.sets_local_plan and not ALGORITHMS[algorithm].plain_first_step:
+            with pytest.raises(ConfigError, match=f"{name}: the strategy's clients take one plain optimizer"):
+                load_config(None, overrides)
         elif not (strategy.hook.local_params and not ALGORITHMS[algorithm].trains_local_params):
             load_config(None, overrides)
 

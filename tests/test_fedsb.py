@@ -291,7 +291,7 @@ def test_what_a_client_may_send(gen, extras, why):
     ("over", "refused"),
     [
         (["client.algorithm=scaffold"], "needs a strategy that averages parameters"),
-        (["client.algorithm=perfedavg"], "client.algorithm must be sft or fedprox"),
+        (["client.algorithm=perfedavg"], "take one plain optimizer step in some rounds"),
         (["client.optimizer=sgd"], "client.optimizer=adamw"),
         (["aggregation.server_opt=fedadam"], None),
         (["privacy.mode=central", "lora.trainable_modules=[]"], None),

@@ -12,8 +12,7 @@ from torch.testing import assert_close
 
 from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, RoundContext, example_weights
 from fedllm.config import ConfigError, load_config
-from fedllm.factors import LoraFactors
-from fedllm.lowrank import truncate_rank
+from fedllm.factors import LoraFactors, truncate_rank
 from fedllm.privacy.strategy import DPStrategy
 
 OUT, IN, RMAX = 12, 10, 8

@@ -9,8 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from fedllm.aggregation import STRATEGIES
-from fedllm.factors import DenseDelta, LoraFactors
-from fedllm.lowrank import add_to_residual, numerical_rank, smallest_exact
+from fedllm.factors import DenseDelta, LoraFactors, add_to_residual, numerical_rank, smallest_exact
 from fedllm.protocol import ClientInfo
 from fedllm.server import RoundPlan, Rules, Server
 from tests.test_trust import honest

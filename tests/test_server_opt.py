@@ -232,13 +232,14 @@ def test_the_config_refuses_a_server_optimizer_where_the_global_state_is_no_para
         load_config(None, over)
     msg = str(e.value)
     assert "aggregation.server_opt = fedadam" in msg and f"aggregation.name = {name}" in msg
-    assert "use it with fedit, fedsa, ffa, hetlora, rolora" in msg and "\n" not in msg
+    assert "use it with fedit, fedsa, fedsb, ffa, hetlora, rolora" in msg and "\n" not in msg
 
 
 def test_the_parameters_strategies_are_the_issues_list():
     assert sorted(n for n, c in STRATEGIES.items() if c.global_state == "parameters") == [
         "fedit",
         "fedsa",
+        "fedsb",
         "ffa",
         "hetlora",
         "rolora",

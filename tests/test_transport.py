@@ -184,8 +184,7 @@ def test_fedit_and_flexlora_never_download_more_than_the_budget(strategy, tmp_pa
 def test_flexlora_budget_takes_the_largest_energy_share_of_the_global_svd():
     from fedllm.aggregation.base import GlobalState
     from fedllm.aggregation.flexlora import FlexLoRA
-    from fedllm.factors import LoraFactors
-    from fedllm.lowrank import singular_values
+    from fedllm.factors import LoraFactors, singular_values
 
     gen = torch.Generator().manual_seed(0)
     q_b, _ = torch.linalg.qr(torch.randn(12, 4, generator=gen))

@@ -20,8 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedllm.factors import Adapter, LoraFactors
-from fedllm.lowrank import fit_rank, weighted_mean
+from fedllm.factors import Adapter, LoraFactors, fit_rank, weighted_mean
 from fedllm.protocol import ClientHook, ClientUpdate
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -200,7 +199,7 @@ class Strategy(abc.ABC):
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
         """The extras this strategy expects in an update, checked against ``exp``
-        (``fedllm.server.trust.Expected``) and cast; raises ``ClientFailure``.
+        (``fedllm.checks.Expected``) and cast; raises ``ClientFailure``.
         Extras nobody claims are refused by the server."""
         return {}
 

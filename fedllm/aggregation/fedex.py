@@ -32,8 +32,7 @@ from fedllm.aggregation.base import (
     Strategy,
     leading_factors,
 )
-from fedllm.factors import Adapter, LoraFactors, concat
-from fedllm.lowrank import add_to_residual, pad_rank, smallest_exact, stack
+from fedllm.factors import Adapter, LoraFactors, add_to_residual, concat, pad_rank, smallest_exact, stack
 
 
 class FedExLoRA(Strategy):

@@ -18,8 +18,7 @@ from fedllm.aggregation.base import (
     leading_factors,
     module_io,
 )
-from fedllm.factors import Adapter, LoraFactors
-from fedllm.lowrank import pad_rank
+from fedllm.factors import Adapter, LoraFactors, pad_rank
 
 
 class FedIT(Strategy):

@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.checks import ClientFailure, as_float32
 from fedllm.factors import Adapter, LoraFactors, lora_modules, unprefixed
 from fedllm.options import opt
 from fedllm.protocol import ClientHook, HookSession
-from fedllm.server.trust import ClientFailure, as_float32
 
 B_OWN = "B."  # a client's own B per module, in its state
 B_MEAN = "B_mean."  # the mean of the shared B's, downloaded (strategy extras)

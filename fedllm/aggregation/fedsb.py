@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.checks import ClientFailure, as_float32
 from fedllm.factors import Adapter, LoraFactors, lora_modules, unprefixed
 from fedllm.options import opt
 from fedllm.protocol import ClientHook, HookSession
-from fedllm.server.trust import ClientFailure, as_float32
 
 STEP = "fedsb_step."  # a client's first Adam step on a module's dense weight (the initialization round)
 CORE = "fedsb_R."  # the r x r matrix of a module: downloaded (the global one), trained, uploaded
@@ -174,6 +174,7 @@ class FedSBClient(ClientHook):
     initialization round's dense step, then R."""
 
     uploads: tuple[str, ...] = ()
+    sets_local_plan = True  # the initialization round's one Adam step
     frozen: tuple[str, ...] = ("A", "B")  # the server's view of both is the bases it sent
     shared_extras: tuple[str, ...] = (STEP, CORE)  # trained like the adapter: clipped and noised with it
     init_examples = 32
@@ -208,11 +209,10 @@ class FedSB(Strategy):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.client.algorithm not in ("sft", "fedprox") or cfg.client.optimizer != "adamw":
+        if cfg.client.optimizer != "adamw":
             raise ValueError(
-                f"aggregation.name = fedsb initializes with one Adam step (LoRA-SB's -lr sign(g)): "
-                f"client.algorithm must be sft or fedprox with client.optimizer=adamw (got "
-                f"{cfg.client.algorithm}, {cfg.client.optimizer})"
+                f"aggregation.name = fedsb initializes with one Adam step (LoRA-SB's -lr sign(g)): set "
+                f"client.optimizer=adamw (got {cfg.client.optimizer})"
             )
 
     @classmethod

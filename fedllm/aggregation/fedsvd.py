@@ -33,8 +33,7 @@ from fedllm.aggregation.base import (
     leading_factors,
 )
 from fedllm.aggregation.ffa import Frozen, frozen_factor
-from fedllm.factors import Adapter, LoraFactors, init_factors
-from fedllm.lowrank import low_rank_svd, pad_rank, svd_factors
+from fedllm.factors import Adapter, LoraFactors, init_factors, low_rank_svd, pad_rank, svd_factors
 from fedllm.protocol import ClientHook
 
 ROUNDS = "fedsvd_rounds"  # rounds re-factored so far (0: A is still the seed's, never sent)

@@ -33,8 +33,7 @@ from fedllm.aggregation.base import (
     Strategy,
     leading_factors,
 )
-from fedllm.factors import Adapter, LoraFactors, init_factors, lora_modules
-from fedllm.lowrank import pad_rank
+from fedllm.factors import Adapter, LoraFactors, init_factors, lora_modules, pad_rank
 from fedllm.protocol import ClientHook, HookSession
 
 

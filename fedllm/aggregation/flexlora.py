@@ -20,8 +20,8 @@ from fedllm.aggregation.base import (
     leading_factors,
     module_io,
 )
-from fedllm.factors import Adapter
-from fedllm.lowrank import (
+from fedllm.factors import (
+    Adapter,
     low_rank_svd,
     ranks_under_budget,
     singular_values,

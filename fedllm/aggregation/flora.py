@@ -11,7 +11,7 @@ the sum of the round's ranks.
 from __future__ import annotations
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
-from fedllm.lowrank import add_to_residual, stack
+from fedllm.factors import add_to_residual, stack
 
 
 class FLoRA(Strategy):

@@ -24,11 +24,10 @@ from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.aggregation.floral_mixture import MixtureOptions, MixtureSession
-from fedllm.factors import Adapter, LoraFactors, unprefixed
-from fedllm.lowrank import weighted_mean
+from fedllm.checks import ClientFailure, Expected, as_float32
+from fedllm.factors import Adapter, LoraFactors, unprefixed, weighted_mean
 from fedllm.options import nonneg, one_of, opt, positive
 from fedllm.protocol import ClientHook
-from fedllm.server.trust import ClientFailure, Expected, as_float32
 
 log = logging.getLogger(__name__)
 

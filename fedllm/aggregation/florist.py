@@ -16,8 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
-from fedllm.factors import Adapter
-from fedllm.lowrank import add_to_residual, energy_rank, low_rank_svd, ranks_under_budget, stack, svd_factors
+from fedllm.factors import (
+    Adapter,
+    add_to_residual,
+    energy_rank,
+    low_rank_svd,
+    ranks_under_budget,
+    stack,
+    svd_factors,
+)
 from fedllm.options import fraction, nonneg, opt
 
 
@@ -67,7 +74,7 @@ class FLoRIST(Strategy):
 
     def budget_ranks(self, spectra: dict[str, tuple[torch.Tensor, int]]) -> tuple[dict[str, int], float]:
         """Each module's rank under ``aggregation.download_budget_mb`` and the energy share chosen (one
-        share for every module, the largest up to ``tau`` that fits: ``fedllm.lowrank.ranks_under_budget``);
+        share for every module, the largest up to ``tau`` that fits: ``fedllm.factors.ranks_under_budget``);
         a budget below one component per module leaves the round's merge empty."""
         return ranks_under_budget(spectra, self.budget_mb * 1e6, self.tau)
 

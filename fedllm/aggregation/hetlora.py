@@ -49,11 +49,10 @@ from fedllm.aggregation.base import (
     Strategy,
     leading_factors,
 )
-from fedllm.factors import Adapter, LoraFactors, lora_modules
-from fedllm.lowrank import low_rank_svd, pad_rank
+from fedllm.checks import cap_weights
+from fedllm.factors import Adapter, LoraFactors, lora_modules, low_rank_svd, pad_rank
 from fedllm.options import nonneg, opt
 from fedllm.protocol import ClientHook, HookSession
-from fedllm.server.trust import cap_weights
 
 
 @dataclass

@@ -30,8 +30,7 @@ from fedllm.aggregation.base import (
     leading_factors,
 )
 from fedllm.aggregation.ffa import Frozen, frozen_factor
-from fedllm.factors import Adapter, LoraFactors, init_factors
-from fedllm.lowrank import pad_rank
+from fedllm.factors import Adapter, LoraFactors, init_factors, pad_rank
 from fedllm.protocol import ClientHook
 
 ROUNDS = "rolora_rounds"  # rounds aggregated so far (the phase when no context says the round)

@@ -64,8 +64,7 @@ from fedllm.aggregation.base import (
     Strategy,
     StrategyWrapper,
 )
-from fedllm.factors import LoraFactors
-from fedllm.lowrank import pad_rank
+from fedllm.factors import LoraFactors, pad_rank
 from fedllm.options import opt
 
 PREFIX = "server_opt."  # the optimizer's moments in the state's extras

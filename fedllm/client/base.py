@@ -148,6 +148,10 @@ class ClientAlgorithm:
     uploads_extras: ClassVar[bool] = False  # it uploads tensors beside the model update (control variates)
     keeps_state: ClassVar[bool] = False  # each client keeps state between rounds (its control variate)
     changes_gradients: ClassVar[bool] = True  # it changes gradients between backward and step
+    # each local step is one step of the configured optimizer on the loss's gradient, as far as the first
+    # step goes (FedProx's pull is zero there); a strategy whose hook sets what one round's step is (Fed-SB's
+    # initialization) needs it: not SCAFFOLD's corrected steps, not Per-FedAvg's meta-steps
+    plain_first_step: ClassVar[bool] = True
     # its own options (a dataclass of fedllm.options.opt fields), collected as client.<name>.*
     options: ClassVar[type | None] = None
     # the settings of its paper's experiments, which ``client.preset=paper`` applies (keys the config does

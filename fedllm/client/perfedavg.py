@@ -65,6 +65,7 @@ class PerFedAvg(ClientAlgorithm):
     """
 
     name = "perfedavg"
+    plain_first_step = False
     options = PerFedAvgOptions
     trains_local_params = False  # the meta-objective is over the shared parameters only (no FLoRAL routers)
 

@@ -42,6 +42,7 @@ from data_prep.prompts import TokenizedExample
 from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_stream
 from fedllm.factors import (
     Adapter,
+    add_to_residual,
     concat,
     dense_param_names,
     fresh_factors,
@@ -55,7 +56,6 @@ from fedllm.factors import (
     write_factors,
 )
 from fedllm.logs import names_clients, redact
-from fedllm.lowrank import add_to_residual
 from fedllm.model.evaluation import heldout
 from fedllm.model.modeling import (
     RESIDUAL,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fedllm.checks import as_float32, change_norm
 from fedllm.client.base import ClientAlgorithm, Params
 from fedllm.options import one_of, opt
 from fedllm.protocol import AlgorithmServer
@@ -97,16 +98,12 @@ class ScaffoldServer(AlgorithmServer):
 
     def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
         """``dc.<name>`` for every trainable tensor of the client, at the client's rank, finite."""
-        from fedllm.server.trust import as_float32
-
         return {
             f"dc.{k}": as_float32(f"dc.{k}", extras.get(f"dc.{k}"), s) for k, s in exp.param_shapes().items()
         }
 
     def clip(self, updates: list, ratio: float) -> int:
         """Scale each client's control-variate change to at most ``ratio`` x the round's median."""
-        from fedllm.server.trust import change_norm
-
         if not updates:
             return 0
         norms = [change_norm([(t, torch.zeros_like(t)) for t in u.extras.values()]) for u in updates]
@@ -154,6 +151,7 @@ class Scaffold(ClientAlgorithm):
     """
 
     name = "scaffold"
+    plain_first_step = False
     server_half = ScaffoldServer
     options = ScaffoldOptions
     paper_preset = {

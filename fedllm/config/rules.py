@@ -68,6 +68,15 @@ RULES: list[Rule] = [
         ),
     ),
     Rule(
+        "a round whose step the strategy sets",
+        lambda cfg, s, a: s.hook.sets_local_plan and not a.plain_first_step,
+        lambda cfg, s, a: (
+            f"{_pair(cfg)}: the strategy's clients take one plain optimizer step in some rounds (Fed-SB's "
+            "initialization: LoRA-SB's first Adam step), which the algorithm's steps are not; use "
+            "client.algorithm=sft or fedprox"
+        ),
+    ),
+    Rule(
         "download budget",
         lambda cfg, s, a: cfg.aggregation.download_budget_mb > 0 and not s.supports_download_budget,
         lambda cfg, s, a: (

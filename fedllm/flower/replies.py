@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from fedllm.checks import one_line
 from fedllm.flower.signing import verify
 from fedllm.protocol import ClientUpdate, decode_update
-from fedllm.server.trust import one_line
 from fedllm.transport.wire import WIRE, from_wire
 
 MAX_META_CHARS = 1 << 16  # a reply's JSON metadata: ids, counts, scales and a few metrics

@@ -35,6 +35,7 @@ from flwr.serverapp import Grid, ServerApp
 from data_prep.schema import DataError
 from fedllm import assembly
 from fedllm.aggregation import strategy_from_config
+from fedllm.checks import one_line
 from fedllm.config import Config, config_to_text, load_config
 from fedllm.data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
@@ -42,7 +43,6 @@ from fedllm.flower.records import info_record, record_bytes, start_record
 from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update
 from fedllm.logs import client_label, names_clients, redact, setup_logging
 from fedllm.round_loop import RoundLoop, personal_summary
-from fedllm.server.trust import one_line
 
 log = logging.getLogger(__name__)
 

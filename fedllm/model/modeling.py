@@ -343,7 +343,7 @@ def install_adapter(
     """
     import warnings
 
-    from fedllm.lowrank import pad_rank
+    from fedllm.factors import pad_rank
 
     if name in peft_model.peft_config:
         peft_model.delete_adapter(name)
@@ -371,7 +371,7 @@ def install_residual(peft_model, residual: Adapter, lora_cfg) -> int:
     the cumulative merged update here instead (exact; compacted by an SVD
     when its rank exceeds the layer's dimensions).
     """
-    from fedllm.lowrank import compact
+    from fedllm.factors import compact
 
     factors = compact(residual)
     install_adapter(peft_model, RESIDUAL, factors, lora_cfg, dropout=0.0)

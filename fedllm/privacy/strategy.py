@@ -28,8 +28,7 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, StrategyWrapper
-from fedllm.factors import LoraFactors
-from fedllm.lowrank import pad_rank
+from fedllm.factors import LoraFactors, pad_rank
 from fedllm.privacy.transform import clip_, generator
 
 

@@ -3,7 +3,7 @@
 A merging strategy changes the base every round; a client that was not
 sampled for a while has an old base. It downloads one exact catch-up: the
 merges after the round its base is at, added into their smallest exact form
-(``fedllm.lowrank.add_to_residual``: the size of the missed rank, or the
+(``fedllm.factors.add_to_residual``: the size of the missed rank, or the
 dense matrix when that is smaller), never the backlog one by one. The server
 keeps only the newest ``window`` merges for that; a client further behind (or
 one whose state the server does not know, after a failure) downloads the
@@ -17,8 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from fedllm.factors import Adapter, adapter_from_tensors, adapter_numel, adapter_tensors
-from fedllm.lowrank import add_to_residual
+from fedllm.factors import Adapter, adapter_from_tensors, adapter_numel, adapter_tensors, add_to_residual
 from fedllm.protocol import Catchup
 
 UNKNOWN = -1  # the server does not know which merges a client's base has (it failed mid-round)

@@ -27,70 +27,26 @@ replies apart from their math the same way.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from fedllm.checks import (  # noqa: F401  (the shared checks, re-exported for the server's users)
+    MAX_REASON,
+    ClientFailure,
+    Expected,
+    as_float32,
+    cap_weights,
+    change_norm,
+    finite_tensors,
+    one_line,
+)
 from fedllm.factors import Adapter, DenseDelta, LoraFactors
 
 if TYPE_CHECKING:
     from fedllm.aggregation.base import GlobalState
     from fedllm.protocol import ClientUpdate
-
-
-class ClientFailure(RuntimeError):
-    """A client's update is unusable (raised, timed out, non-finite, mis-shaped, lying)."""
-
-
-@dataclass
-class Expected:
-    """What the server expects of one client's update this round (all of it known before the reply)."""
-
-    client_id: int
-    num_examples: int
-    rank: int  # the adapter's rank (FLoRAL: C * r)
-    scale: float
-    modules: dict[str, tuple[int, int]]  # module -> (out, in)
-    dense: dict[str, torch.Size] = field(default_factory=dict)
-    timeout_s: float = 0.0
-    round: int | None = None  # the round the update must answer (None: not checked, plain use of the math)
-    plan: str | None = None  # and that round's plan token
-    asked: dict[str, Any] = field(default_factory=dict)  # the strategy extras the client downloaded
-
-    def param_shapes(self) -> dict[str, torch.Size]:
-        """The client's trainable tensors by name (``<module>.A/.B`` and the dense modules), at its rank."""
-        out = {}
-        for key, (out_f, in_f) in self.modules.items():
-            out[f"{key}.A"] = torch.Size((self.rank, in_f))
-            out[f"{key}.B"] = torch.Size((out_f, self.rank))
-        return {**out, **self.dense}
-
-
-MAX_REASON = 300  # characters of a failure's reason kept in the log and in metrics.jsonl
-
-
-def one_line(text: str) -> str:
-    """A failure's reason as one short line (an exception's message can be pages long)."""
-    first = " ".join(str(text).strip().splitlines()[:1]) if str(text).strip() else ""
-    return first if len(first) <= MAX_REASON else first[: MAX_REASON - 3] + "..."
-
-
-def as_float32(name: str, t: Any, shape: torch.Size | tuple | None = None) -> Tensor:
-    """``t`` as a finite float32 tensor of ``shape``; ClientFailure naming ``name`` otherwise."""
-    if not isinstance(t, Tensor):
-        raise ClientFailure(f"{name} is not a tensor ({type(t).__name__})")
-    if t.layout != torch.strided or t.is_quantized:
-        raise ClientFailure(f"{name} is a {t.layout} tensor: expected a dense (strided) one")
-    if not (t.is_floating_point() and not t.is_complex()):
-        raise ClientFailure(f"{name} has dtype {t.dtype}: expected a floating-point tensor")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ClientFailure(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    out = t.detach().to("cpu", torch.float32, copy=True)  # the server's own copy (clipping scales it)
-    if not torch.isfinite(out).all():
-        raise ClientFailure(f"{name} holds non-finite values (or values beyond float32)")
-    return out
 
 
 MAX_METRIC = 1e15  # beyond any real loss, step count or second; a mean of such numbers stays finite
@@ -147,49 +103,12 @@ def accept_dense(dense: Any, exp: Expected) -> dict[str, Tensor]:
     return {k: as_float32(k, dense[k], shape) for k, shape in exp.dense.items()}
 
 
-def change_norm(parts: list[tuple[Tensor, Tensor]]) -> float:
-    """The L2 norm of the change over ``(value, reference)`` pairs, in float64."""
-    return math.sqrt(sum(float((v.double() - r.double()).pow(2).sum()) for v, r in parts))
-
-
-def cap_weights(weights: list[float], cap: float) -> list[float]:
-    """``weights`` (summing to 1) with none above ``cap``: the excess goes to the others in proportion.
-
-    Water-filling: clients over the cap are fixed at it and the rest are
-    renormalized, repeated until none is over. When ``cap`` is below 1/K no
-    share can satisfy it; every client then weighs 1/K.
-    """
-    k = len(weights)
-    if cap >= 1 or k == 0:
-        return list(weights)
-    if cap * k <= 1:
-        return [1 / k] * k
-    fixed: set[int] = set()
-    out = list(weights)
-    while True:
-        free = [i for i in range(k) if i not in fixed]
-        mass = 1 - cap * len(fixed)
-        total = sum(weights[i] for i in free)
-        out = [
-            cap if i in fixed else (weights[i] / total * mass if total > 0 else mass / len(free))
-            for i in range(k)
-        ]
-        over = {i for i in free if out[i] > cap * (1 + 1e-12)}
-        if not over:
-            return out
-        fixed |= over
-
-
 def upload_numel(update: ClientUpdate) -> int:
     """What an upload carried, as far as it can be counted (a malformed one counts what is readable)."""
     try:
         return update.numel()
     except Exception:
         return 0
-
-
-def finite_tensors(tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def check_finite(state: GlobalState, merged: Adapter) -> None:
