@@ -66,10 +66,11 @@ def layout_for(cfg: Config, accelerator, strategy: Strategy) -> Layout:
                 f"client.batch_size = {cfg.client.batch_size} must be a multiple of the {n} processes "
                 "with federation.parallel=data (each process takes an equal share of every batch)"
             )
-        if strategy.hook.local_params:
+        if strategy.hook.local_params or strategy.hook.params_outside_model:
             raise ConfigError(
-                f"aggregation.name = {strategy.name} is not supported with federation.parallel=data: its "
-                "clients train parameters outside the model (routers); use federation.parallel=clients"
+                f"aggregation.name = {strategy.name} is not supported with federation.parallel=data (or "
+                "DeepSpeed): its clients train parameters outside the model (FLoRAL's routers, Fed-SB's R), "
+                "which the data layout does not synchronize; use federation.parallel=clients"
             )
     if str(getattr(accelerator, "mixed_precision", "no")) == "fp16" and not ds:
         raise ConfigError(

@@ -281,6 +281,9 @@ class ClientHook:
     alternates: ClassVar[bool] = False  # which factor it trains and sends changes with the round (RoLoRA)
     # its sessions set the local plan of some rounds (HookSession.local_plan: Fed-SB's one Adam step)
     sets_local_plan: ClassVar[bool] = False
+    # its sessions train parameters outside the model, shared with the server (Fed-SB's R): a layout that
+    # splits each batch over processes would not synchronize them
+    params_outside_model: ClassVar[bool] = False
 
     def for_round(self, round_idx: int | None) -> ClientHook:
         """The hook as it acts in round ``round_idx`` (what its clients train, freeze and send); itself

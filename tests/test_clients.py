@@ -123,6 +123,7 @@ def federate(algo, data, rounds, local_steps, lr, **plan_kw):
     return theta
 
 
+@pytest.mark.slow  # 30 s on 2 cores; SCAFFOLD's exactness tests stay in the default run
 def test_scaffold_removes_heterogeneity_bias():
     data, optimum, _ = heterogeneous_problem()
     lr, local_steps, rounds = 0.01, 50, 150

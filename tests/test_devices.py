@@ -69,12 +69,21 @@ def test_the_pretend_device_trains_and_catches_a_mix():
 
 
 SLOW_CASES = {("perfedavg", "fedit"), ("fedprox", "floral")}  # their variant with options: 12 s each
+# in the default run: FedIT's plain client path and each client side with device moves of its own (FLoRAL's
+# routers, Fed-SB's R and dense step, RoLoRA's alternating freeze); the other strategies' rounds (8 s each)
+# run with the slow tests
+DEFAULT_STRATEGIES = {"fedit", "floral", "fedsb", "rolora"}
 
 
 @pytest.mark.parametrize(
     ("algorithm", "strategy", "extra"),
     [
-        pytest.param(a, s, e, marks=pytest.mark.slow if e and (a, s) in SLOW_CASES else ())
+        pytest.param(
+            a,
+            s,
+            e,
+            marks=pytest.mark.slow if (e and (a, s) in SLOW_CASES) or s not in DEFAULT_STRATEGIES else (),
+        )
         for a, s, e in CASES
     ],
     ids=[f"{a}-{s}{'+' if e else ''}" for a, s, e in CASES],

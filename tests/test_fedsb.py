@@ -296,6 +296,7 @@ def test_what_a_client_may_send(gen, extras, why):
         (["aggregation.server_opt=fedadam"], None),
         (["privacy.mode=central", "lora.trainable_modules=[]"], None),
         (["aggregation.fedsb.init_examples=0"], "aggregation.fedsb.init_examples"),
+        (["comm.download=int8"], "comm.download = int8 would quantize them"),
     ],
 )
 def test_what_fedsb_refuses_and_accepts(over, refused):
@@ -332,6 +333,23 @@ def test_a_fedsb_run_uploads_a_dense_step_once_then_r(tmp_path, builtin_base):
     )
     assert rows[0]["up_params"] == 4 * dense and rows[0]["down_params"] == 0  # the dense steps, once
     assert len([k for k in exported if "lora_A" in k]) == modules
+    # round 1 is one step per client (the session's plan), round 2 trains as configured
+    assert all(first == last for first, last in rows[0]["client_loss"].values())
+    assert any(first != last for first, last in rows[1]["client_loss"].values())
+    # the exported adapter is A (orthonormal rows) and B R: R was trained off its initial diagonal
+    for k, A in exported.items():
+        if "lora_A" not in k:
+            continue
+        B = exported[k.replace("lora_A", "lora_B")]
+        assert torch.allclose(A @ A.T, torch.eye(A.shape[0]), atol=1e-4)
+        gram = B.T @ B  # = R^T R, B having orthonormal columns
+        off = gram - torch.diag(torch.diagonal(gram))
+        assert off.norm() > 1e-3 * gram.norm(), k
+    # the clients' personalization trains R (the hook's training view), not the bases without R
+    for row in rows:
+        personal = [v["personal_loss"] for v in row["personal"].values()]
+        glob = [v["global_loss"] for v in row["personal"].values()]
+        assert sum(personal) <= 1.5 * sum(glob), (personal, glob)
 
 
 def test_a_fedsb_run_under_central_dp_takes_every_clients_block(tmp_path, builtin_base):
@@ -348,6 +366,23 @@ def test_a_fedsb_run_under_central_dp_takes_every_clients_block(tmp_path, builti
     assert all(r["epsilon"] > 0 for r in rows)
 
 
+def test_a_sites_clip_and_its_wire_measure_a_block_from_its_download(gen):
+    """A rank-4 client's 4 x 4 block of R: its change is measured from the leading block of the 8 x 8 R it
+    downloaded (its DP clip; a quantized upload's reference), not from zero."""
+    from fedllm.privacy.transform import ClipAndNoise
+    from fedllm.protocol import ClientStart, UploadContext
+    from fedllm.transport.wire import reference
+
+    R = torch.randn(RMAX, RMAX, generator=gen) * 3
+    start = ClientStart(round=2, extras={f"{CORE}{KEY}": R})
+    block = R[:4, :4] + 0.01
+    up = ClientUpdate(0, 10, {}, extras={f"{CORE}{KEY}": block.clone()})
+    out = ClipAndNoise(clip_norm=1.0).apply(up, UploadContext(start, {}, {}, (STEP, CORE)))
+    assert_close(out.extras[f"{CORE}{KEY}"], block)  # a change of norm 0.04: no clip
+    assert torch.equal(reference(up, start, {}, f"extras.{CORE}{KEY}"), R[:4, :4])
+
+
+@pytest.mark.slow  # three tiny runs
 def test_a_fedsb_run_resumes_exactly(tmp_path, builtin_base):
     from conftest import assert_resume_matches_straight
 

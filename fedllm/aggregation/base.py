@@ -203,6 +203,12 @@ class Strategy(abc.ABC):
         Extras nobody claims are refused by the server."""
         return {}
 
+    def extras_numel(self, exp) -> int:
+        """The most numbers this strategy's extras in one update may hold (``exp``: the
+        ``fedllm.checks.Expected`` of the update), beyond the adapter's size (a driver's cap on a reply's
+        bytes counts them). Default: none beyond it."""
+        return 0
+
     def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
         """Extras that are parameters averaged like the adapter (the client hook's ``shared_extras``:
         FLoRAL's bias adaptors, FedSA-LoRA's shared B): clipped with it, their change measured from what the
@@ -357,6 +363,9 @@ class StrategyWrapper(Strategy, register=False):
 
     def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
         return self.inner.shared_extras(update)
+
+    def extras_numel(self, exp) -> int:
+        return self.inner.extras_numel(exp)
 
     def aggregate_factors(
         self,

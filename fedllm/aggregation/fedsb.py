@@ -168,6 +168,14 @@ class FedSBCore(_Frozen):
     def upload(self) -> dict[str, Tensor]:
         return {f"{CORE}{k}": R.detach().to("cpu", torch.float32).clone() for k, R in self.cores.items()}
 
+    def bake(self, factors: Adapter) -> tuple[Adapter, dict[str, Tensor]]:
+        """The model as a plain LoRA adapter at the layer's scale s: ``A``, ``B R / s``."""
+        out = {}
+        for k, f in factors.items():
+            R = self.cores[k].detach().to("cpu", torch.float32)
+            out[k] = LoraFactors(f.A, f.B @ R / f.scale, f.scale)
+        return out, {}
+
 
 class FedSBClient(ClientHook):
     """Trains nothing of the LoRA factors (they travel empty both ways but the bases' download): the
@@ -175,6 +183,7 @@ class FedSBClient(ClientHook):
 
     uploads: tuple[str, ...] = ()
     sets_local_plan = True  # the initialization round's one Adam step
+    params_outside_model = True  # R (and the initialization's dense step) live in the hook's sessions
     frozen: tuple[str, ...] = ("A", "B")  # the server's view of both is the bases it sent
     shared_extras: tuple[str, ...] = (STEP, CORE)  # trained like the adapter: clipped and noised with it
     init_examples = 32
@@ -214,6 +223,11 @@ class FedSB(Strategy):
                 f"aggregation.name = fedsb initializes with one Adam step (LoRA-SB's -lr sign(g)): set "
                 f"client.optimizer=adamw (got {cfg.client.optimizer})"
             )
+        if cfg.comm.download != "float32":
+            raise ValueError(
+                f"aggregation.name = fedsb needs its bases B and A exact on every client (R is averaged on "
+                f"them): comm.download = {cfg.comm.download} would quantize them; use float32"
+            )
 
     @classmethod
     def from_options(cls, options: FedSBOptions) -> FedSB:
@@ -247,6 +261,12 @@ class FedSB(Strategy):
             full[:r, :r] = block
             out[name] = full
         return out
+
+    def extras_numel(self, exp) -> int:
+        """The initialization round's dense steps (``out x in`` per module), or the client's R blocks."""
+        if unprefixed(exp.asked, CORE):
+            return len(exp.modules) * exp.rank * exp.rank
+        return sum(out_f * in_f for out_f, in_f in exp.modules.values())
 
     def aggregate_factors(
         self,

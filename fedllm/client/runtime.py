@@ -404,8 +404,7 @@ class ClientRuntime:
         if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
             plan = session.local_plan(plan)
             plan.local_params, plan.local_lr = session.local_params(), session.local_lr
-            params.update(session.shared_params())
-            params = {k: p for k, p in params.items() if p.requires_grad}  # FFA-LoRA freezes A
+            params = trained_params(params, session)  # FFA-LoRA freezes A; Fed-SB trains R
         batches = batch_stream(
             client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed, plan.group_by_length
         )
@@ -494,9 +493,10 @@ class ClientRuntime:
         if self.hook.personalizes:
             with self.view(client, start, "own"):
                 p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
-        else:
-            self.personalize(client, start, params)
-            p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
+        else:  # the personalization steps train what the client's training trains (the hook's train view)
+            with self.view(client, start, "train") as session:
+                self.personalize(client, start, trained_params(params, session))
+                p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
         return {"global_loss": g_loss, "global_acc": g_acc, "personal_loss": p_loss, "personal_acc": p_acc}
 
     def personalize(self, client: ClientData, start: ClientStart, params) -> None:
@@ -516,12 +516,21 @@ class ClientRuntime:
         """
         params, _ = self.switch_in(client, start)
         self.model.eval()
-        if not self.hook.personalizes:
-            self.personalize(client, start, params)
-        with self.view(client, start, "own") as session:
+        view = "own" if self.hook.personalizes else "train"  # else: personalized as in personalized()
+        with self.view(client, start, view) as session:
+            if not self.hook.personalizes:
+                self.personalize(client, start, trained_params(params, session))
             mine = read_factors(self.model, adapter_name(client.rank))
             mine, biases = session.bake(mine) if session is not None else (mine, {})
         return concat(mine, self.residual), read_dense(self.model, self.dense_names), biases
+
+
+def trained_params(params: dict, session: HookSession | None) -> dict:
+    """The parameters a client trains in ``session``: its adapter's and dense modules', the session's shared
+    ones (Fed-SB's R), less what the session froze (FFA-LoRA's A)."""
+    if session is None:
+        return params
+    return {k: p for k, p in {**params, **session.shared_params()}.items() if p.requires_grad}
 
 
 def keep_pending(

@@ -266,9 +266,11 @@ class FlowerDriver(RoundLoop):
 
     def max_reply_bytes(self, client_id: int) -> int:
         """The most a train reply of ``client_id`` may carry: three times its expected update in float32
-        (factors, dense modules, an algorithm's or strategy's extras of the same size), plus 1 MiB."""
-        shapes = self.server.expected(client_id).param_shapes()
-        return 3 * 4 * sum(int(torch.Size(s).numel()) for s in shapes.values()) + (1 << 20)
+        (factors, dense modules, an algorithm's or strategy's extras of the same size) and what the strategy
+        says its extras may hold beyond that (Fed-SB's dense initialization steps), plus 1 MiB."""
+        exp = self.server.expected(client_id)
+        numel = sum(int(torch.Size(s).numel()) for s in exp.param_shapes().values())
+        return 3 * 4 * numel + 4 * self.server.strategy.extras_numel(exp) + (1 << 20)
 
     def received(self, plan, k: int, update):
         """A parsed update as the server uses it: encoded changes (``comm.upload``) added to what the server

@@ -44,6 +44,8 @@ def reference(update: ClientUpdate, start: ClientStart, started: Adapter, name: 
         return start.dense.get(rest)
     value = update.extras[rest]
     ref = start.extras.get(rest)
+    if ref is not None and ref.shape != value.shape and ref.dim() == value.dim():
+        ref = ref[tuple(slice(0, n) for n in value.shape)]  # Fed-SB: a rank-r_k client's block of R
     return ref if ref is not None and ref.shape == value.shape else None
 
 
