@@ -484,7 +484,8 @@ class ClientRuntime:
         A strategy whose client side personalizes (FLoRAL: the client's own
         router against the uniform mixture) gives both models; for the others
         the personalization is ``client.personalize_steps`` plain SGD steps on
-        the client's own training data.
+        the client's own training data, on what its training trains (the
+        hook's training view: FFA-LoRA's B, Fed-SB's R).
         """
         params, _ = self.switch_in(client, start)
         self.model.eval()
