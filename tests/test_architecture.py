@@ -53,6 +53,9 @@ def test_import_rules():
     # the checks strategies and algorithms share live below them (fedllm/checks.py): none imports the server
     assert offenders("fedllm/aggregation", ("fedllm.server",)) == {}
     assert offenders("fedllm/client", ("fedllm.server",)) == {}
+    # atomic writes live below the clients' store and the config (fedllm/files/): neither imports fedllm.run
+    assert offenders("fedllm/client", ("fedllm.run",)) == {}
+    assert offenders("fedllm/config", ("fedllm.run",)) == {}
     assert offenders("eval", ("fedllm",)) == {}
     assert offenders("data_prep", ("fedllm",)) == {}
     server = imports_of(ROOT / "fedllm" / "server" / "server.py")

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from fedllm import files
 from fedllm.config import load_config
 from fedllm.factors import LoraFactors
 from fedllm.run import checkpoint as ckpt
@@ -126,7 +127,7 @@ def test_checkpoint_writer_failure_keeps_previous(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "save_file", boom)
+    monkeypatch.setattr(files, "save_file", boom)  # the atomic writer under the checkpoint
     with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint .*round-0002: No space left"):
         ckpt.save_checkpoint(tmp_path, 2, {"x": torch.zeros(2)}, {"round": 2})
     latest = ckpt.latest_checkpoint(tmp_path)

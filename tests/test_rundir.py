@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedllm import files
 from fedllm.cli import main
 from fedllm.run import checkpoint as ckpt
 from tests.conftest import tiny_overrides
@@ -309,7 +310,7 @@ def test_disk_full_message(tmp_path, capsys, builtin_base, monkeypatch):
         Path(path).write_bytes(b"partial")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(ckpt, "save_file", full)
+    monkeypatch.setattr(files, "save_file", full)  # the atomic writer under the checkpoint
     overrides = [o for o in tiny_overrides(tmp_path / "r", *FAST) if not o.startswith("output.dir")]
     code, err = cli(capsys, "run", "--output-dir", str(tmp_path / "r"), *overrides)
     assert code == 2

@@ -25,8 +25,8 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from fedllm.files import CheckpointError, io_cause, round_checkpoints, save_tensors_atomic
 from fedllm.logs import names_clients
-from fedllm.run.checkpoint import CheckpointError, _cause, round_checkpoints, save_tensors_atomic
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ClientStore:
                 save_tensors_atomic(path, client.state)
             except Exception as e:  # OSError, or safetensors' own error type for the same failures
                 raise CheckpointError(
-                    f"could not write the state of client {client.client_id} to {path}: {_cause(e)}"
+                    f"could not write the state of client {client.client_id} to {path}: {io_cause(e)}"
                 ) from e
         return True
 

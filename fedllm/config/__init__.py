@@ -386,7 +386,7 @@ def validate(cfg) -> None:
 
 def save_config(cfg, path: Path) -> None:
     """Write the resolved config as YAML (atomically, via the checkpoint helper)."""
-    from fedllm.run.checkpoint import atomic_write_text
+    from fedllm.files import atomic_write_text
 
     atomic_write_text(path, config_to_text(cfg))
 

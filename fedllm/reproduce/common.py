@@ -79,7 +79,7 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def write_results(out: Path, name: str, results: dict[str, Any]) -> Path:
-    from fedllm.run.checkpoint import atomic_write_text
+    from fedllm.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
     results = {"reproduction": name, "date": time.strftime("%Y-%m-%d"), **results}
