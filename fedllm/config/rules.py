@@ -1,12 +1,13 @@
 """The one table of refused combinations, written against declared capabilities, never against names.
 
 A strategy declares what its aggregate is (``averages_parameters``, ``same_weights``, ``supports_robust``,
-``linear``) and its client hook what it does on the client (``local_params``, ``frozen``); a client
-algorithm declares what it needs (``needs_parameter_averaging``, ``trains_local_params``,
-``server_state_per_parameter``). Each :class:`~fedllm.options.Rule` below refuses one combination of those,
-with the reason and what to change; a feature (``fedllm/features.py``: differential privacy) adds its own
-rules. Then each method checks what it alone requires (``check_config``: FLoRAL's single rank). The docs'
-table of rules is this table (``docs/rules.md``, checked by a test).
+``linear``, ``global_state``) and its client hook what it does on the client (``local_params``, ``frozen``,
+``alternates``, ``sets_local_plan``); a client algorithm declares what it needs
+(``needs_parameter_averaging``, ``trains_local_params``, ``server_state_per_parameter``,
+``plain_first_step``). Each :class:`~fedllm.options.Rule` below refuses one combination of those, with the
+reason and what to change; a feature (``fedllm/features.py``: differential privacy) adds its own rules.
+Then each method checks what it alone requires (``check_config``: FLoRAL's single rank, Fed-SB's Adam).
+``fedllm run --help-config`` and the error a refused config gets are the user's view of this table.
 """
 
 from __future__ import annotations
