@@ -490,7 +490,7 @@ def load_model(name: str, adapter: str | None, dtype: str, device):
     )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, use_kernels=False).to(device)
     except OSError as e:
         raise MMLUDataError(f"--model {name!r} cannot be loaded ({str(e).splitlines()[0]})") from None
     if adapter is not None:

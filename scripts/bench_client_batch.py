@@ -232,7 +232,9 @@ def base_model(folder: str | None):
 
     if folder is None:
         return build_model(build_tokenizer(), seed=0)
-    return AutoModelForCausalLM.from_pretrained(ensure_checkpoint(folder) if is_gguf(folder) else folder)
+    return AutoModelForCausalLM.from_pretrained(
+        ensure_checkpoint(folder) if is_gguf(folder) else folder, use_kernels=False
+    )
 
 
 def tinyllama_folder(layers: int, root: Path) -> str:

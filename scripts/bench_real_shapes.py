@@ -199,7 +199,7 @@ def child(args) -> dict:
 
         path = resolve_model_path(args.model, 0)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False)
     else:
         tokenizer = build_tokenizer()
         model = tinyllama_shaped(args.layers)

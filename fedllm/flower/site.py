@@ -154,7 +154,7 @@ class Site:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=self.state_dir))
-            AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp)
+            AutoModelForCausalLM.from_pretrained(path, use_kernels=False).save_pretrained(tmp)
             AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
             tmp.rename(local)
         return str(local)

@@ -126,7 +126,9 @@ def ensure_checkpoint(name: str) -> Path:
         import torch
 
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=torch.float32, use_kernels=False
+        )
         # the dequantized weights are plain float32: what save_pretrained writes must not claim a quantizer
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

@@ -123,7 +123,10 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
     qconfig = quantization_config(
         model_cfg.quantization, compute_dtype(model_cfg.quant_compute_dtype), model_cfg.quant_type
     )
-    kwargs = {"dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code}
+    # use_kernels=False: transformers >= 5.25 swaps layers for kernels fetched from the Hub by default (and
+    # re-swaps them at every train()/eval() for the model's device); fedllm's bases are the plain modules,
+    # offline and the same on every machine
+    kwargs = {"dtype": dtype, "trust_remote_code": model_cfg.trust_remote_code, "use_kernels": False}
     if qconfig is not None:
         # bitsandbytes logs one line per 8-bit matmul on float32 inputs (it casts them to float16)
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)

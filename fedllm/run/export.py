@@ -194,7 +194,7 @@ def _merge(base: str, adapter_dir: Path, out: Path, cfg) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, use_kernels=False)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
