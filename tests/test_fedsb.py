@@ -15,10 +15,10 @@ from torch.testing import assert_close
 from fedllm.aggregation import STRATEGIES, ClientUpdate, GlobalState, RoundContext
 from fedllm.aggregation.fedsb import CORE, RANK, STEP, FedSB, FedSBCore, FedSBInit
 from fedllm.aggregation.server_opt import FedAdam
+from fedllm.checks import ClientFailure, Expected
 from fedllm.config import ConfigError, load_config
 from fedllm.factors import LoraFactors, lora_modules
 from fedllm.privacy.strategy import DPStrategy
-from fedllm.server.trust import ClientFailure, Expected
 
 OUT, IN, RMAX = 12, 10, 8
 KEY = "m.q_proj"

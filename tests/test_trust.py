@@ -11,11 +11,11 @@ import torch
 from torch.testing import assert_close
 
 from fedllm.aggregation import STRATEGIES, GlobalState
+from fedllm.checks import cap_weights
 from fedllm.client.scaffold import ScaffoldServer
 from fedllm.factors import LoraFactors
 from fedllm.protocol import ClientInfo, ClientUpdate
 from fedllm.server import Rules, Server
-from fedllm.server.trust import cap_weights
 
 MODULES = {"l0.q_proj": (6, 5), "l0.v_proj": (6, 5)}
 RANKS, COUNTS, SCALE = (4, 4, 8, 8), (10, 20, 30, 40), 2.0

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation import GlobalState, RoundContext, Strategy
+from fedllm.checks import ClientFailure, Expected, cap_weights, change_norm, finite_tensors, one_line
 from fedllm.factors import (
     Adapter,
     adapter_from_tensors,
@@ -49,19 +50,7 @@ from fedllm.protocol import (
 )
 from fedllm.server.catchup import MergeLog
 from fedllm.server.ledger import Ledger
-from fedllm.server.trust import (
-    ClientFailure,
-    Expected,
-    accept_dense,
-    accept_factors,
-    cap_weights,
-    change_norm,
-    check_finite,
-    clean_metrics,
-    finite_tensors,
-    one_line,
-    upload_numel,
-)
+from fedllm.server.trust import accept_dense, accept_factors, check_finite, clean_metrics, upload_numel
 
 log = logging.getLogger(__name__)
 

@@ -32,16 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from fedllm.checks import (  # noqa: F401  (the shared checks, re-exported for the server's users)
-    MAX_REASON,
-    ClientFailure,
-    Expected,
-    as_float32,
-    cap_weights,
-    change_norm,
-    finite_tensors,
-    one_line,
-)
+from fedllm.checks import ClientFailure, Expected, as_float32, finite_tensors
 from fedllm.factors import Adapter, DenseDelta, LoraFactors
 
 if TYPE_CHECKING:
