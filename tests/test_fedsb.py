@@ -169,7 +169,7 @@ def test_the_core_session_trains_r_alone_on_the_bases(gen):
     R = state.extras[f"{CORE}{KEY}"].float()
     x = torch.randn(5, IN, generator=gen)
     W0 = layer.base_layer.weight.detach()
-    session = FedSBCore(modules, "default", {next(iter(modules)): R})
+    session = FedSBCore(model, "default", {next(iter(modules)): R})
     y = model(x)
     expect = x @ W0.T + x @ (f.B.float() @ R[:4, :4] @ f.A.float()).T
     assert_close(y, expect, rtol=1e-5, atol=1e-6)
@@ -189,7 +189,7 @@ def test_the_initialization_session_takes_one_adam_step_of_full_fine_tuning(gen)
     from fedllm.client.base import LocalPlan
 
     model, modules, layer = _peft(4)
-    session = FedSBInit(modules, "default", init_examples=20, init_lr=1e-3)
+    session = FedSBInit(model, "default", init_examples=20, init_lr=1e-3)
     plan = session.local_plan(LocalPlan(round=1, client_id=0, steps=50, seed=0, lr=3e-3, batch_size=8))
     assert (plan.steps, plan.grad_accum, plan.lr, plan.scheduler) == (1, 3, 1e-3, "constant")
     assert (plan.weight_decay, plan.max_grad_norm, plan.warmup_ratio) == (0.0, 0.0, 0.0)

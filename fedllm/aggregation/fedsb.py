@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.ffa import Frozen
 from fedllm.checks import ClientFailure, as_float32
-from fedllm.factors import Adapter, LoraFactors, lora_modules, unprefixed
+from fedllm.factors import Adapter, LoraFactors, unprefixed
 from fedllm.options import opt
 from fedllm.protocol import ClientHook, HookSession
 
@@ -71,35 +71,15 @@ class FedSBOptions:
     )
 
 
-class _Frozen(HookSession):
-    """The client's LoRA factors untrainable for the session (both: Fed-SB trains neither), restored after."""
-
-    def __init__(self, modules: dict[str, torch.nn.Module], adapter: str) -> None:
-        self.weights = [
-            w for m in modules.values() for w in (m.lora_A[adapter].weight, m.lora_B[adapter].weight)
-        ]
-        self.trainable = [w.requires_grad for w in self.weights]
-        for w in self.weights:
-            w.requires_grad_(False)
-        self.handles: list[Any] = []
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        for w, t in zip(self.weights, self.trainable, strict=True):
-            w.requires_grad_(t)
-
-
-class FedSBInit(_Frozen):
+class FedSBInit(Frozen):
     """The initialization round: one Adam step on a zero dense delta ``D`` of each module's weight,
     ``y = W0 x + B A x + D x`` (``B = 0``: the base), taken over ``init_examples`` examples; uploads ``D``."""
 
-    def __init__(self, modules, adapter: str, init_examples: int, init_lr: float) -> None:
-        super().__init__(modules, adapter)
+    def __init__(self, model, adapter: str, init_examples: int, init_lr: float) -> None:
+        super().__init__(model, adapter, "AB")
         self.init_examples, self.init_lr = init_examples, init_lr
         self.deltas: dict[str, torch.nn.Parameter] = {}
-        for key, m in modules.items():
+        for key, m in self.modules.items():
             w = m.lora_B[adapter].weight
             out_f, in_f = w.shape[0], m.lora_A[adapter].weight.shape[1]
             d = torch.nn.Parameter(torch.zeros(out_f, in_f, device=w.device, dtype=torch.float32))
@@ -143,14 +123,14 @@ class FedSBInit(_Frozen):
         return {f"{STEP}{k}": d.detach().to("cpu", torch.float32).clone() for k, d in self.deltas.items()}
 
 
-class FedSBCore(_Frozen):
+class FedSBCore(Frozen):
     """``y = W0 x + s B (R / s) A x``: the downloaded ``R``'s leading ``r_k x r_k`` block, trained
     (scale-free: the hook divides out the layer's LoRA scale, so R is in the server's units)."""
 
-    def __init__(self, modules, adapter: str, cores: dict[str, Tensor]) -> None:
-        super().__init__(modules, adapter)
+    def __init__(self, model, adapter: str, cores: dict[str, Tensor]) -> None:
+        super().__init__(model, adapter, "AB")
         self.cores: dict[str, torch.nn.Parameter] = {}
-        for key, m in modules.items():
+        for key, m in self.modules.items():
             lin = m.lora_A[adapter]
             r = lin.weight.shape[0]
             R = torch.nn.Parameter(cores[key][:r, :r].to(lin.weight.device, torch.float32).clone())
@@ -195,12 +175,11 @@ class FedSBClient(ClientHook):
         return dict(download) if download else fresh
 
     def session(self, model, adapter, state, extras, view) -> HookSession | None:
-        modules = lora_modules(model, adapter)
         cores = unprefixed(extras, CORE)
         if cores:
-            return FedSBCore(modules, adapter, cores)
+            return FedSBCore(model, adapter, cores)
         if view == "train":
-            return FedSBInit(modules, adapter, self.init_examples, self.init_lr)
+            return FedSBInit(model, adapter, self.init_examples, self.init_lr)
         return None  # before the initialization: the client's model is the base (its fresh B is zero)
 
 

@@ -38,18 +38,26 @@ from fedllm.protocol import ClientHook, HookSession
 
 
 class Frozen(HookSession):
-    """One factor of a client's adapter (A here and in FedSVD; B in RoLoRA's A rounds) made untrainable for
-    one training session (restored after)."""
+    """Factors of a client's adapter made untrainable for one session, restored after: A here and in FedSVD,
+    B in RoLoRA's A rounds (``factors`` "A" or "B"), both in Fed-SB ("AB"), whose sessions also keep the
+    forward hooks they add in :attr:`handles` (removed on close)."""
 
-    def __init__(self, model, adapter: str, factor: str = "A") -> None:
-        layer = "lora_A" if factor == "A" else "lora_B"
-        self.weights = [getattr(m, layer)[adapter].weight for m in lora_modules(model, adapter).values()]
+    def __init__(self, model, adapter: str, factors: str = "A") -> None:
+        self.modules = lora_modules(model, adapter)
+        self.weights = [
+            getattr(m, f"lora_{f}")[adapter].weight for m in self.modules.values() for f in factors
+        ]
+        self.trainable = [w.requires_grad for w in self.weights]
         for w in self.weights:
             w.requires_grad_(False)
+        self.handles: list = []
 
     def close(self) -> None:
-        for w in self.weights:
-            w.requires_grad_(True)
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for w, t in zip(self.weights, self.trainable, strict=True):
+            w.requires_grad_(t)
 
 
 def frozen_factor(g: LoraFactors, updates: list[ClientUpdate], key: str, factor: str) -> Tensor:
