@@ -178,6 +178,15 @@ class AlgorithmServer:
 # ---- a strategy's client side ------------------------------------------------------------------------------
 
 
+def leading_block(ref: Tensor, like: Tensor) -> Tensor:
+    """``ref`` cut from its leading corner to ``like``'s shape when both have the same number of dimensions
+    (a client that trains the leading block of a downloaded tensor: Fed-SB's R at a client's rank), else
+    ``ref`` as it is. What an uploaded extra's change is measured from, on the site and on the wire."""
+    if ref.shape != like.shape and ref.dim() == like.dim():
+        return ref[tuple(slice(0, n) for n in like.shape)]
+    return ref
+
+
 def fit_download(download: Adapter | None, fresh: Adapter) -> Adapter | None:
     """A download of lower rank than the client's adapter (a download budget), zero-padded to its rank: the
     padded directions are then revived like any empty one. As it is otherwise."""

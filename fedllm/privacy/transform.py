@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fedllm.factors import LoraFactors
-from fedllm.protocol import ClientUpdate, UploadContext, UploadTransform
+from fedllm.protocol import ClientUpdate, UploadContext, UploadTransform, leading_block
 
 
 def generator(seed: int, *parts: int) -> torch.Generator:
@@ -89,8 +89,4 @@ def _downloaded(extras: dict[str, Tensor], name: str, sent: Tensor) -> Tensor:
     """What an uploaded extra's change is measured from: the download of the same name (zero if none), or its
     leading block when the client trains only that (Fed-SB: a rank-r_k client's r_k x r_k block of R)."""
     got = extras.get(name)
-    if got is None:
-        return torch.zeros_like(sent)
-    if got.shape != sent.shape and got.dim() == sent.dim():
-        got = got[tuple(slice(0, n) for n in sent.shape)]
-    return got.to(sent.dtype)
+    return torch.zeros_like(sent) if got is None else leading_block(got, sent).to(sent.dtype)

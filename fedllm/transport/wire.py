@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from fedllm.factors import Adapter, LoraFactors
-from fedllm.protocol import ClientStart, ClientUpdate
+from fedllm.protocol import ClientStart, ClientUpdate, leading_block
 from fedllm.transport.codec import FLOATS, FORMATS, Encoded, EncodingError, decode
 
 WIRE = "wire."  # message tensors of encoded payloads: wire.<name>.payload / wire.<name>.scales
@@ -44,8 +44,7 @@ def reference(update: ClientUpdate, start: ClientStart, started: Adapter, name: 
         return start.dense.get(rest)
     value = update.extras[rest]
     ref = start.extras.get(rest)
-    if ref is not None and ref.shape != value.shape and ref.dim() == value.dim():
-        ref = ref[tuple(slice(0, n) for n in value.shape)]  # Fed-SB: a rank-r_k client's block of R
+    ref = None if ref is None else leading_block(ref, value)  # Fed-SB: a rank-r_k client's block of R
     return ref if ref is not None and ref.shape == value.shape else None
 
 
