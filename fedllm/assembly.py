@@ -265,6 +265,16 @@ def check_client_batches(cfg: Config, layout: Layout, data: list[ClientTokens]) 
             )
 
 
+def train_exchange(cfg: Config):
+    """The way a feature has the driver gather each round's uploads (secure aggregation's sum), or None: each
+    update as it is (see ``Feature.train_exchange``)."""
+    for feature in FEATURES:
+        exchange = feature.train_exchange(getattr(cfg, feature.section), cfg)
+        if exchange is not None:
+            return exchange
+    return None
+
+
 def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runtime: ClientRuntime) -> Server:
     """The server over ``infos``, starting from the base's dense modules (warns when they are large)."""
     fed = cfg.federation

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from fedllm.privacy import PRIVACY
 from fedllm.protocol import Feature
+from fedllm.secagg import SECAGG
 from fedllm.transport import TRANSPORT
 
-FEATURES: list[Feature] = [PRIVACY, TRANSPORT]  # in order: uploads are clipped and noised, then encoded
+# in order: uploads are clipped and noised, then made a secure summand or encoded
+FEATURES: list[Feature] = [PRIVACY, SECAGG, TRANSPORT]

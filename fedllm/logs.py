@@ -44,6 +44,7 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level), format=fmt, datefmt="%H:%M:%S")
     if level == "DEBUG":
         return
+    logging.getLogger("flwr").setLevel(logging.INFO)  # Flower's own logger starts at DEBUG (SecAgg+'s stages)
     for noisy in QUIET_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):

@@ -128,6 +128,23 @@ class ClientUpdate:
 
 
 @dataclass
+class SummedUpdates:
+    """A round's uploads as their sum only (secure aggregation: the server never sees one site's update).
+
+    ``update``: the round as one update at the largest rank (scale 1), which a linear strategy aggregates
+    with weight 1 to the plain round's result; ``clients``: the sites whose uploads it holds (the protocol
+    tells who finished); ``contributors``: how many they are; ``failures``: why each other active client
+    is missing; ``upload_numel`` / ``upload_bytes``: what each contributor's masked vector took."""
+
+    clients: list[int]
+    update: ClientUpdate
+    contributors: int
+    failures: dict[int, str] = field(default_factory=dict)
+    upload_numel: int = 0
+    upload_bytes: int | None = None
+
+
+@dataclass
 class ClientInfo:
     """What the server knows of a client: its id, LoRA rank and scale, and how many examples it trains on."""
 
@@ -479,6 +496,17 @@ class Feature:
         """The settings of this feature that make each client keep state between rounds (an error-feedback
         residual), as a user would write them; empty when none do."""
         return ""
+
+    def train_exchange(self, options, cfg):
+        """Another way a driver gathers a round's uploads (secure aggregation: their sum only, as
+        :class:`SummedUpdates`), an object with ``train(driver, plan)``; None: each update as it is. A driver
+        that cannot run it refuses the config (``RoundLoop``)."""
+        return None
+
+    def client_mods(self) -> list:
+        """Flower ClientApp mods this feature adds to every site's ``train`` (each passes messages that are
+        not its own through)."""
+        return []
 
     def hidden_sample(self, options, cfg) -> str:
         """Why this feature needs each round's sample kept secret and how a user lifts that, as one clause

@@ -28,7 +28,7 @@ from eval.mmlu import Benchmark
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.client.store import ClientStore
-from fedllm.config import Config, flat_config
+from fedllm.config import Config, ConfigError, flat_config
 from fedllm.logs import set_names_clients
 from fedllm.model.evaluation import Generation, evaluate_global
 from fedllm.protocol import derive_seed
@@ -66,10 +66,20 @@ class RoundLoop(abc.ABC):
     partition_stats: list[dict]
     generation: Generation | None = None  # held-out Rouge-L (eval.generate_size), when configured
 
+    # whether this driver can gather a round another way than update by update (a feature's
+    # ``train_exchange``: secure aggregation's sum, on Flower only)
+    runs_exchanges: bool = False
+
     def __init__(self, cfg: Config, run_dir: Path, accelerator=None):
         from accelerate import Accelerator
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.exchange = assembly.train_exchange(cfg)
+        if self.exchange is not None and not self.runs_exchanges:
+            raise ConfigError(
+                f"{self.exchange.option} runs on the Flower deployment only (fedllm flower, or flwr run .); "
+                f"{type(self).__name__} gathers each update as it is"
+            )
         # the launch decides the device, the process group, DeepSpeed and mixed precision
         self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
         self.start_round, self.wall_before = 1, 0.0

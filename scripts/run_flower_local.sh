@@ -8,6 +8,7 @@
 #
 #   scripts/run_flower_local.sh default 4 federation.rounds=2          # the built-in default, 4 sites
 #   scripts/run_flower_local.sh configs/builtin_fedit.yaml 4 lora.trainable_modules=[]
+#   scripts/run_flower_local.sh default 4 flower.secure_aggregation=true secagg.clip_norm=10   # SecAgg+
 #
 # By default (the secure setup):
 #   - TLS everywhere: a local CA (openssl) signs one certificate for the SuperLink and its proxy;

@@ -58,7 +58,8 @@ class RoundContext:
     ``references``: what each update's client started from (the server's own derivation, in the order of
     the updates); ``sampled``: how many clients the round sampled; ``max_rank``: the largest adapter rank
     of the federation; ``fresh()``: the round's shared fresh initialization at that rank (computed on
-    demand); ``max_weight``: the server's cap on one client's share of an average.
+    demand); ``max_weight``: the server's cap on one client's share of an average; ``contributors``: how many
+    clients the updates stand for (secure aggregation hands one update, the sum of several).
     """
 
     round: int
@@ -67,6 +68,8 @@ class RoundContext:
     max_rank: int
     fresh: Callable[[], Adapter]
     max_weight: float = 1.0
+    # how many clients' uploads the updates carry (a secure sum is one update of several; None: one each)
+    contributors: int | None = None
 
 
 def example_weights(updates: list[ClientUpdate]) -> list[float]:

@@ -455,6 +455,12 @@ class FlowerConfig:
     handshake_timeout_s: float = opt(
         60.0, "Flower: how long a handshake waits for the sites it asks", _positive, "> 0"
     )
+    secure_aggregation: bool = opt(
+        False,
+        "Flower: each round's uploads are summed by Flower's SecAgg+ (secagg.*): the server learns their "
+        "sum only, never one site's update (linear strategies: fedit, ffa, fedsvd, rolora; see "
+        "docs/trust.md for the checks that give way)",
+    )
     share_token_modules: bool = opt(
         False,
         "Flower: acknowledge that sharing token-indexed dense modules (embed_tokens, lm_head in "

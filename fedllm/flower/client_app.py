@@ -16,6 +16,7 @@ import os
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
+from fedllm.features import FEATURES
 from fedllm.flower.records import (
     evaluation_record,
     info_record,
@@ -54,7 +55,7 @@ def query(message: Message, context: Context) -> Message:
     return Message(reply, reply_to=message)
 
 
-@app.train()
+@app.train(mods=[mod for feature in FEATURES for mod in feature.client_mods()])  # secure aggregation's
 def train(message: Message, context: Context) -> Message:
     start, config_text, client_id = read_start(message.content)
     site = _site(context, config_text)

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 class FlowerDriver(RoundLoop):
     """The round loop over a Flower Grid (see module docstring)."""
 
+    runs_exchanges = True  # a feature's way to gather a round (secure aggregation) runs here
+
     def __init__(
         self, cfg: Config, run_dir: Path, grid: Grid, accelerator=None, startup_timeout_s: float = 600.0
     ):
@@ -303,7 +305,12 @@ class FlowerDriver(RoundLoop):
         done.row.update(self.wire_bytes)
         return done
 
-    def train_clients(self, plan) -> dict[int, Any]:
+    def train_clients(self, plan) -> Any:
+        """Each active client's update (or why it failed), or a feature's exchange's result (secure
+        aggregation: the round's sum, ``fedllm/secagg``)."""
+        if self.exchange is not None:
+            return self.exchange.train(self, plan)
+
         def parse(k, content, reply_to):
             update = parse_update(content, self.max_reply_bytes(k), self.key_of(k), reply_to)
             return self.received(plan, k, update)

@@ -12,6 +12,9 @@ privacy.clip_norm``.
   deviation ``sigma C / m`` to the result.
 * **local** (any strategy whose uploads are all parameters): each client adds noise of standard deviation
   ``sigma C`` to its own clipped change before it leaves; the server aggregates as the strategy does.
+* **distributed** (a linear strategy on Flower with ``flower.secure_aggregation=true``): each client clips
+  and adds its share ``sigma C / sqrt(m)`` of the noise; the server sees only the sum (SecAgg+), which
+  carries ``sigma C`` as central mode's does, and is accounted as central mode (``fedllm/secagg``).
 
 The sample: by default (``privacy.sampling=secret``) each round's clients are drawn from the operating
 system's randomness, the run folder never names them (rows carry counts only; the ledger totals only),
@@ -55,14 +58,27 @@ def delta_of(cfg) -> float:
     return cfg.privacy.delta or default_delta(cfg.federation.num_clients)
 
 
+def accounted(mode: str) -> str:
+    """The accountant's mode: distributed DP (secure aggregation, each site a share of the noise) releases
+    what central DP releases, and is accounted as it."""
+    return "central" if mode == "distributed" else mode
+
+
 def spent(cfg, rounds: int) -> float:
     """Epsilon at ``delta`` after ``rounds`` rounds (skipped rounds count: their clients were sampled)."""
     p = cfg.privacy
-    if p.mode == "central" and p.sampling == "public":  # the adversary knows who took part in which round
+    if (
+        accounted(p.mode) == "central" and p.sampling == "public"
+    ):  # the adversary knows who took part in which round
         k = max_participation(cfg.federation.seed, cfg.federation.num_clients, per_round(cfg), rounds)
         return unamplified(p.noise_multiplier, k, delta_of(cfg))
     return epsilon(
-        p.mode, cfg.federation.num_clients, per_round(cfg), p.noise_multiplier, rounds, delta_of(cfg)
+        accounted(p.mode),
+        cfg.federation.num_clients,
+        per_round(cfg),
+        p.noise_multiplier,
+        rounds,
+        delta_of(cfg),
     )
 
 
@@ -81,12 +97,22 @@ class PrivacyFeature(Feature):
         return [
             Rule(
                 "central DP needs a linear aggregate",
-                lambda cfg, s, a: cfg.privacy.mode == "central" and not s.linear,
+                lambda cfg, s, a: accounted(cfg.privacy.mode) == "central" and not s.linear,
                 lambda cfg, s, a: (
-                    "privacy.mode=central needs a strategy whose aggregate is a weighted sum of the uploads ("
+                    f"privacy.mode={cfg.privacy.mode} needs a strategy whose aggregate is a weighted sum of "
+                    "the uploads ("
                     + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.linear))
                     + f"); aggregation.name={cfg.aggregation.name} needs each client's own factors: use "
                     "privacy.mode=local"
+                ),
+            ),
+            Rule(
+                "distributed DP needs secure aggregation",
+                lambda cfg, s, a: cfg.privacy.mode == "distributed" and not cfg.flower.secure_aggregation,
+                lambda cfg, s, a: (
+                    "privacy.mode=distributed: each site adds only 1/sqrt(m) of the noise, so without "
+                    "flower.secure_aggregation=true the server would see every site's update nearly bare; "
+                    "set it, or use privacy.mode=central or local"
                 ),
             ),
             Rule(
@@ -122,7 +148,7 @@ class PrivacyFeature(Feature):
         ]
 
     def hidden_sample(self, p: PrivacyOptions, cfg) -> str:
-        if p.mode != "central" or p.sampling != "secret":  # local DP claims no amplification by sampling
+        if accounted(p.mode) != "central" or p.sampling != "secret":  # local DP claims no amplification
             return ""
         return (
             "privacy.sampling = secret: the accountant's amplification assumes the sample hidden (or use "
@@ -145,7 +171,7 @@ class PrivacyFeature(Feature):
         if p.target_epsilon > 0:
             eps = spent(cfg, cfg.federation.rounds)
             if eps > p.target_epsilon:
-                if p.mode == "central" and p.sampling == "public":
+                if accounted(p.mode) == "central" and p.sampling == "public":
                     k = max_participation(
                         cfg.federation.seed, cfg.federation.num_clients, per_round(cfg), cfg.federation.rounds
                     )
@@ -153,7 +179,7 @@ class PrivacyFeature(Feature):
                 else:
                     need = noise_for_epsilon(
                         p.target_epsilon,
-                        p.mode,
+                        accounted(p.mode),
                         cfg.federation.num_clients,
                         per_round(cfg),
                         cfg.federation.rounds,
@@ -185,7 +211,7 @@ class PrivacyFeature(Feature):
             return rules
         # uniform weights (never the example counts); in central mode the fixed clip of the wrapper
         # replaces the median-relative one, whose cap depends on the other clients' data
-        ratio = 0.0 if p.mode == "central" else rules.clip_norm_ratio
+        ratio = 0.0 if accounted(p.mode) == "central" else rules.clip_norm_ratio
         return dataclasses.replace(rules, weighting="uniform", clip_norm_ratio=ratio)
 
     def sampling(self, sampling, p: PrivacyOptions, cfg):
@@ -198,14 +224,14 @@ class PrivacyFeature(Feature):
             dropout=sampling.dropout,
             noise_seed=p.noise_seed,
             # local DP claims no amplification by sampling: its sample needs no hiding and may be named
-            public=p.mode != "central",
+            public=accounted(p.mode) != "central",
         )
 
     def upload_transforms(self, p: PrivacyOptions, cfg) -> list:
         if p.mode == "none":
             return []
-        std = p.noise_multiplier * p.clip_norm if p.mode == "local" else 0.0
-        return [ClipAndNoise(p.clip_norm, std, p.noise_seed)]
+        std = {"local": 1.0, "distributed": per_round(cfg) ** -0.5}.get(p.mode, 0.0)
+        return [ClipAndNoise(p.clip_norm, std * p.noise_multiplier * p.clip_norm, p.noise_seed)]
 
     def add_commands(self, subparsers) -> None:
         from fedllm.privacy.cli import add_privacy_command
@@ -232,7 +258,10 @@ class PrivacyFeature(Feature):
                 "epsilon": eps,
                 "rounds": rounds,
                 "sampling": sample,
-                "accountant": "dp-accounting RDP, replace-one (sensitivity 2C)",
+                "accountant": "dp-accounting RDP, replace-one (sensitivity 2C)"
+                + (
+                    ", as central (the sites' noise shares sum to sigma C)" if p.mode == "distributed" else ""
+                ),
             },
             "metrics": {"epsilon": eps},
             "guarantees": [

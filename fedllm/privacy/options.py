@@ -15,8 +15,9 @@ class PrivacyOptions:
     mode: str = opt(
         "none",
         "user-level differential privacy (DP-FedAvg): 'central' (clients clip, the server noises the sum: "
-        "fedit, ffa), 'local' (each client noises its own clipped update) or 'none'",
-        *one_of("none", "central", "local"),
+        "fedit, ffa), 'local' (each client noises its own clipped update), 'distributed' (each site adds "
+        "its share of central's noise; needs flower.secure_aggregation=true) or 'none'",
+        *one_of("none", "central", "local", "distributed"),
     )
     clip_norm: float = opt(
         1.0,

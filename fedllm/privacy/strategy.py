@@ -14,6 +14,11 @@ update at the largest rank, the components a client does not train left at the b
 
 Local mode: the sites noised their own updates; the inner strategy aggregates them as it always does.
 
+Distributed mode (with secure aggregation, ``fedllm/secagg``): each site clips its change to C and adds
+its share ``N(0, (sigma C)^2 / m)`` of the noise; the server sees only the sum, which carries
+``N(0, (sigma C)^2)`` when all ``m`` sampled sites finish; the wrapper divides by ``m`` and adds the shares
+of the sites that did not (:meth:`DPStrategy._distributed`). Accounted as central mode.
+
 In both modes the wrapper accounts: ``round_report`` gives the epsilon spent after a round, and
 ``run_summary`` the run's guarantee, which the round row, the summary, the printed summary, the model card
 and ``fedllm compare`` show without knowing what they show.
@@ -62,6 +67,8 @@ class DPStrategy(StrategyWrapper):
         weights: list[float] | None = None,
         context: RoundContext | None = None,
     ) -> RoundResult:
+        if self.mode == "distributed":
+            return self._distributed(updates, state, context)
         if self.mode != "central":
             return self.inner.aggregate(updates, state, weights, context)
         if context is None:
@@ -87,6 +94,27 @@ class DPStrategy(StrategyWrapper):
         if self.report_clip_stats:  # exact functions of the data: outside the guarantee (docs/privacy.md)
             result.info["dp_clipped"] = sum(n > self.clip_norm * (1 + 1e-4) for n in norms)
             result.info["dp_update_norm_median"] = float(torch.tensor(norms).median()) if norms else 0.0
+        return result
+
+    def _distributed(
+        self, updates: list[ClientUpdate], state: GlobalState, context: RoundContext | None
+    ) -> RoundResult:
+        """Distributed mode: one update, secure aggregation's ``base + sum_k (clip(change_k) + z_k)`` over
+        the ``n`` sites that finished, each ``z_k`` a share ``N(0, (sigma C)^2 / m)`` its site added; the
+        result is central mode's ``base + (sum + N(0, (sigma C)^2)) / m``: the server adds the shares of the
+        ``m - n`` sampled sites that did not finish (a round with dropouts then trusts the server for that
+        part of the noise; its row says how much, ``dp_server_noise_share``)."""
+        if context is None or context.contributors is None or len(updates) != 1:
+            raise ValueError("distributed DP aggregates secure aggregation's one sum of the round's uploads")
+        n = context.contributors
+        m = max(context.sampled, n)
+        rest = ClientUpdate(-1, 0, self._base(state, context), dict(state.dense))
+        result = self.inner.combine([updates[0], rest], state, [1.0 / m, (m - 1.0) / m], context)
+        share = (m - n) / m
+        if share > 0:
+            self._add_noise(result.state, context.round, m, share**0.5)
+        result.state = self.inner.release(result.state)
+        result.info["dp_server_noise_share"] = share
         return result
 
     def _base(self, state: GlobalState, context: RoundContext):
@@ -124,9 +152,9 @@ class DPStrategy(StrategyWrapper):
         extras.update({k: starts[k] + next(it).float() for k in shared})
         return ClientUpdate(u.client_id, u.num_examples, factors, dense, extras, dict(u.metrics)), norm
 
-    def _add_noise(self, state: GlobalState, round_idx: int, m: int) -> None:
-        """N(0, (sigma C / m)^2) on every released coordinate the uploads determine, in a fixed order."""
-        std = self.noise_multiplier * self.clip_norm
+    def _add_noise(self, state: GlobalState, round_idx: int, m: int, part: float = 1.0) -> None:
+        """N(0, (part sigma C / m)^2) on every released coordinate the uploads determine, in a fixed order."""
+        std = part * self.noise_multiplier * self.clip_norm
         gen = generator(self.noise_seed, round_idx, 0)
 
         def noisy(t: Tensor) -> Tensor:

@@ -44,6 +44,7 @@ from fedllm.protocol import (
     ClientInfo,
     ClientStart,
     ClientUpdate,
+    SummedUpdates,
     derive_seed,
     fit_download,
     sample_size,
@@ -212,36 +213,46 @@ class Server:
             self.ledger.download(k, start.numel(), nbytes, behind)
         return plan
 
-    def finish_round(self, plan: RoundPlan, results: dict[int, ClientUpdate | str]) -> RoundReport:
+    def finish_round(
+        self, plan: RoundPlan, results: dict[int, ClientUpdate | str] | SummedUpdates
+    ) -> RoundReport:
         """Accept, count, clip and aggregate the round's updates; the merged update is the report's.
 
         ``results`` maps each active client to its update, or to why it
         failed (an exception on the client, a lost message).
         """
         t0 = time.perf_counter()
-        updates, failures = self._accept(plan, results)
-        info = self._clip(plan, updates)
-        skipped = len(updates) < self.rules.min_clients
+        summed = isinstance(results, SummedUpdates)
+        if summed:  # secure aggregation: the sum of the uploads, never one of them
+            updates, failures, replied = self._accept_sum(plan, results)
+            info: dict[str, Any] = {}
+        else:
+            updates, failures = self._accept(plan, results)
+            replied = [u.client_id for u in updates]
+            info = self._clip(plan, updates)
+        valid = results.contributors if summed and updates else len(updates)
+        skipped = valid < self.rules.min_clients
         merged: Adapter = {}
         if skipped:
             log.warning(
                 "round %d skipped: %d valid update(s) < federation.min_clients = %d",
                 plan.round,
-                len(updates),
+                valid,
                 self.rules.min_clients,
             )
         else:
-            merged, skipped = self._aggregate(plan, updates, info)
+            merged, skipped = self._aggregate(plan, updates, info, replied, contributors=valid)
         self.merges.add(plan.round, merged)
         for k in plan.active:  # a client that replied applied its catch-up first
-            if isinstance(results.get(k, "no reply"), str):
-                self.merges.failed(k)
-            else:
+            got = k in results.clients if summed else not isinstance(results.get(k, "no reply"), str)
+            if got:
                 self.merges.replied(k, plan.starts[k].catchup)
+            else:
+                self.merges.failed(k)
         row = {
             "round": plan.round,
             **self._who(plan, failures, updates),
-            "n_updates": len(updates),
+            "n_updates": valid,
             "skipped": skipped,
             **{f"agg_{k}": v for k, v in info.items()},
             "n_sampled": len(plan.sampled),
@@ -323,6 +334,23 @@ class Server:
                 log.warning("round %d: %s left out: %s", plan.round, client_label(k), redact(why))
                 failures[str(k)] = f"ClientFailure: {why}"
         return sorted(updates, key=lambda u: u.client_id), failures
+
+    def _accept_sum(
+        self, plan: RoundPlan, summed: SummedUpdates
+    ) -> tuple[list[ClientUpdate], dict, list[int]]:
+        """A secure round's one update (the sum) if it is finite, the failures, and the clients it holds.
+        Each contributor's masked vector counts as its upload; nothing else of one site can be checked here
+        (docs/security.md: what the server trusts under secure aggregation)."""
+        failures = {str(k): one_line(why) for k, why in summed.failures.items()}
+        clients = [k for k in plan.active if k in summed.clients]
+        for k in clients:
+            self.ledger.upload(k, summed.upload_numel, summed.upload_bytes)
+        u = summed.update
+        tensors = [t for f in u.factors.values() for t in (f.A, f.B)] + list(u.dense.values())
+        if clients and not finite_tensors(tensors):
+            log.warning("round %d: the secure sum is not finite: the round is skipped", plan.round)
+            return [], {**failures, "sum": "the secure sum is not finite"}, []
+        return ([u] if clients else []), failures, clients
 
     def accept(self, update: ClientUpdate, exp: Expected) -> ClientUpdate:
         """A checked copy of ``update`` with the server's own count and scale, or ClientFailure saying why."""
@@ -448,15 +476,23 @@ class Server:
             max_weight=self.rules.max_client_weight,
         )
 
-    def _aggregate(self, plan: RoundPlan, updates: list[ClientUpdate], info: dict) -> tuple[Adapter, bool]:
+    def _aggregate(
+        self, plan: RoundPlan, updates: list[ClientUpdate], info: dict, replied: list[int], contributors: int
+    ) -> tuple[Adapter, bool]:
         """The strategy's new global state and the algorithm's server update; returns what is merged, and
         whether the round had to be skipped (an aggregate or a server state that fails or is not finite
-        changes nothing)."""
+        changes nothing). ``replied``: the clients the updates hold (a secure sum is one update of
+        ``contributors`` clients, aggregated with weight 1)."""
         round_idx = plan.round
         before = self.algorithm.state_dict()
+        summed = len(updates) == 1 and updates[0].client_id < 0
+        context = self.context(plan, [] if summed else updates)
+        context.contributors = contributors
+        if summed:
+            context.references = [{}]
         try:
             result = self.strategy.aggregate(
-                updates, self.state, self.weights(updates), self.context(plan, updates)
+                updates, self.state, [1.0] if summed else self.weights(updates), context
             )
             check_finite(result.state, result.merged)
             self.algorithm.update(updates, self.population_weights())
@@ -472,8 +508,8 @@ class Server:
         self.state = result.state
         self.updated_rounds += 1
         info.update(result.info)
-        for u in updates:
-            self.accepted[u.client_id] = round_idx
+        for k in replied:
+            self.accepted[k] = round_idx
         return result.merged, False
 
     # ------------------------------------------------------ the global model

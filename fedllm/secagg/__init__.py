@@ -1,0 +1,233 @@
+"""Secure aggregation: the server learns the sum of each round's uploads, never one site's, as a feature in
+its own room (``flower.secure_aggregation=true``, parameters in ``secagg.*``).
+
+The protocol is Flower's own SecAgg+ (Bell et al., CCS 2020; ``flwr.server.workflow.SecAggPlusWorkflow`` on
+the server, ``flwr.client.mod.secaggplus_mod`` on the sites): each site masks its quantized vector with
+pairwise masks agreed with its neighbours and a private one, secret-shares what rebuilds them, and the server
+unmasks only the sum, recovering the masks of sites that drop after sharing their keys. fedllm adds what makes
+a federated LoRA round a sum of fixed-shape vectors (:mod:`fedllm.secagg.summand`): each site's clipped
+change, zero-padded from its rank to the federation's largest, in a layout the server fixes per round. Only
+strategies whose aggregate is a weighted sum of the uploads can run on it (``Strategy.linear``: FedIT,
+FFA-LoRA, FedSVD, RoLoRA); the config refuses the others, each with why.
+
+What the server can no longer check, and what it still can, is the trust table of docs/trust.md: it sees
+neither a site's update (so no per-update finiteness check, median clip, or norm report), only the sum's shape
+and the protocol's quorum; each site clips before masking (``secagg.clip_norm``, or ``privacy.clip_norm``), so
+a site that follows the code moves the sum by at most the clip, while a hostile site can still send any vector
+within the protocol's range (``clipping_range`` per value).
+
+With ``privacy.mode=distributed`` each site adds its share ``N(0, (sigma C)^2 / m)`` of the noise before
+masking, so the sum carries central DP's ``N(0, (sigma C)^2)`` without the server ever adding it; the
+accountant is central mode's (``fedllm/privacy``). A site that drops out leaves its share missing: the server
+adds it (and says so in the round's row, ``dp_server_noise_share``), which trusts the server for that part.
+
+The feature hooks the core from outside only: an upload transform on the sites (the change the vector
+carries), the Flower driver's exchange (``train_exchange``: the protocol's round instead of one message per
+site), and a ClientApp mod (the protocol's stages; other messages pass through).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fedllm.options import Rule
+from fedllm.protocol import Feature, sample_size
+from fedllm.secagg.options import SecAggOptions
+from fedllm.secagg.summand import SecureSummand
+
+__all__ = ["SECAGG", "SecAggOptions", "SecureAggregationFeature"]
+
+# why each strategy that is not a weighted sum of the uploads cannot run on a sum
+WHY_NOT = {
+    "flora": "stacks each client's factors",
+    "flexlora": "takes the SVD of each client's product",
+    "florist": "stacks each client's factors for its SVD",
+    "hetlora": "weights each update by its own norm",
+    "floral": "averages each router with its own client's weights",
+    "fedex": "adds the residual of each client's own product",
+    "fedsa": "averages the shared B over the clients that send it that round only",
+    "fedsb": "sends R and its initialization steps as strategy extras, which the secure layout does not "
+    "carry yet",
+    "local": "aggregates nothing",
+}
+
+
+def _on(cfg) -> bool:
+    return bool(cfg.flower.secure_aggregation)
+
+
+def per_round(cfg) -> int:
+    fed = cfg.federation
+    return sample_size(fed.clients_per_round, fed.client_fraction, fed.num_clients)
+
+
+def clip_of(cfg) -> float:
+    """The L2 bound each site's change has before masking: DP's clip when DP is on, else
+    ``secagg.clip_norm``."""
+    return cfg.privacy.clip_norm if cfg.privacy.mode != "none" else cfg.secagg.clip_norm
+
+
+def noise_std(cfg) -> float:
+    """The standard deviation of the noise each site adds to each value before masking (0 without DP)."""
+    p = cfg.privacy
+    share = {"local": 1.0, "distributed": per_round(cfg) ** -0.5}.get(p.mode, 0.0)
+    return share * p.noise_multiplier * p.clip_norm
+
+
+def clipping_range(cfg) -> float:
+    """The protocol's per-value range: a clipped change's values are within its L2 bound; a noised one's
+    also within ``secagg.noise_tails`` standard deviations of the noise."""
+    return clip_of(cfg) + cfg.secagg.noise_tails * noise_std(cfg)
+
+
+def quantization_bits(cfg) -> int:
+    """``secagg.quantization_bits``, or (0) the most the field holds: the sum of the round's ``m`` sites'
+    values, each below ``2^bits``, must stay below ``2^modulus_bits``."""
+    o = cfg.secagg
+    return o.quantization_bits or min(30, o.modulus_bits - math.ceil(math.log2(per_round(cfg) + 1)))
+
+
+def quantization_error(cfg, weights: list[float] | None = None) -> float:
+    """The most the protocol's quantization moves one value of the weighted mean of the round's vectors:
+    stochastic rounding moves each site's weighted value by less than one step ``2 range / 2^bits``, and the
+    mean divides the sum of those errors by the sum of the weights (each weight ``n_k / max_weight <= 1``;
+    1 each under uniform weighting, where the bound is one step)."""
+    step = 2 * clipping_range(cfg) / 2 ** quantization_bits(cfg)
+    return step if weights is None else step * len(weights) / sum(weights)
+
+
+class SecureAggregationFeature(Feature):
+    """Secure aggregation as a feature (see module docstring)."""
+
+    section = "secagg"
+    options = SecAggOptions
+
+    def rules(self) -> list[Rule]:
+        return [
+            Rule(
+                "secure aggregation sums the uploads",
+                lambda cfg, s, a: _on(cfg) and not s.linear,
+                lambda cfg, s, a: (
+                    f"flower.secure_aggregation=true: the server learns only the sum of the uploads, and "
+                    f"aggregation.name={cfg.aggregation.name} "
+                    f"{WHY_NOT.get(cfg.aggregation.name, 'is not a weighted sum of the uploads')}; use "
+                    "fedit, ffa, fedsvd or rolora"
+                ),
+            ),
+            Rule(
+                "secure aggregation's layout",
+                lambda cfg, s, a: _on(cfg) and s.linear and bool(s.hook.shared_extras),
+                lambda cfg, s, a: (
+                    f"flower.secure_aggregation=true: aggregation.name={cfg.aggregation.name} "
+                    + WHY_NOT.get(cfg.aggregation.name, "uploads extras the secure layout does not carry")
+                    + "; use fedit, ffa, fedsvd or rolora"
+                ),
+            ),
+            Rule(
+                "secure aggregation carries the model update only",
+                lambda cfg, s, a: _on(cfg) and a.uploads_extras,
+                lambda cfg, s, a: (
+                    f"flower.secure_aggregation=true: client.algorithm={cfg.client.algorithm} uploads its "
+                    "own tensors (control-variate changes) beside the update; use sft, fedprox or perfedavg"
+                ),
+            ),
+            Rule(
+                "robust rules need each update",
+                lambda cfg, s, a: _on(cfg) and cfg.aggregation.robust != "none",
+                lambda cfg, s, a: (
+                    f"flower.secure_aggregation=true: aggregation.robust={cfg.aggregation.robust} needs "
+                    "each update, which the server no longer sees; sites clip before masking "
+                    "(secagg.clip_norm)"
+                ),
+            ),
+            Rule(
+                "a weight cap needs each weight",
+                lambda cfg, s, a: _on(cfg) and cfg.federation.max_client_weight < 1,
+                lambda cfg, s, a: (
+                    "flower.secure_aggregation=true: federation.max_client_weight caps each client's "
+                    "share of an average the protocol computes; set it to 1"
+                ),
+            ),
+            Rule(
+                "the protocol quantizes",
+                lambda cfg, s, a: _on(cfg) and cfg.comm.upload != "float32",
+                lambda cfg, s, a: (
+                    f"flower.secure_aggregation=true: comm.upload={cfg.comm.upload}: the protocol quantizes "
+                    "each vector itself (secagg.quantization_bits); use comm.upload=float32"
+                ),
+            ),
+            Rule(
+                "central DP's server clips each update",
+                lambda cfg, s, a: _on(cfg) and cfg.privacy.mode == "central",
+                lambda cfg, s, a: (
+                    "flower.secure_aggregation=true: privacy.mode=central has the server clip each update "
+                    "and add the noise; use privacy.mode=distributed (each site adds its share before "
+                    "masking)"
+                ),
+            ),
+        ]
+
+    def check_config(self, o: SecAggOptions, cfg) -> None:
+        if not _on(cfg):
+            default = SecAggOptions()
+            changed = [
+                f.name for f in dataclasses.fields(o) if getattr(o, f.name) != getattr(default, f.name)
+            ]
+            if changed:
+                raise ValueError(
+                    f"secagg.{changed[0]} is set but flower.secure_aggregation is false: set "
+                    "flower.secure_aggregation=true or leave secagg.* out"
+                )
+            return
+        if cfg.privacy.mode == "none" and o.clip_norm <= 0:
+            raise ValueError(
+                "secagg.clip_norm: flower.secure_aggregation=true needs the L2 bound each site clips its "
+                "change to before masking (> 0; a plain run's agg_update_norm_median with "
+                "aggregation.clip_norm_ratio set shows the scale), or a privacy.mode whose clip_norm bounds "
+                "it"
+            )
+        if cfg.privacy.mode != "none" and o.clip_norm not in (0.0, cfg.privacy.clip_norm):
+            raise ValueError(
+                f"secagg.clip_norm={o.clip_norm}: with privacy.mode={cfg.privacy.mode} the sites clip to "
+                f"privacy.clip_norm={cfg.privacy.clip_norm}; leave secagg.clip_norm at 0"
+            )
+        m, bits = per_round(cfg), quantization_bits(cfg)
+        if bits < 4 or m * 2**bits >= 2**o.modulus_bits:
+            raise ValueError(
+                f"secagg.quantization_bits={bits}: the sum of {m} sites' values (each < 2^{bits}) must fit "
+                f"the field 2^{o.modulus_bits} with at least 4 bits each; use secagg.quantization_bits <= "
+                f"{o.modulus_bits - math.ceil(math.log2(m + 1))} or a larger secagg.modulus_bits"
+            )
+        if m < 3:
+            raise ValueError(
+                f"flower.secure_aggregation=true needs at least 3 clients per round (SecAgg+ shares each "
+                f"site's secrets among the others); this config samples {m}"
+            )
+
+    def server_rules(self, rules, o: SecAggOptions, cfg):
+        if not _on(cfg):
+            return rules
+        # the median-relative clip needs each update's norm: the sites' own clip before masking replaces it
+        return dataclasses.replace(rules, clip_norm_ratio=0.0)
+
+    def upload_transforms(self, o: SecAggOptions, cfg) -> list:
+        if not _on(cfg):
+            return []
+        # under DP, DP's own transform (before this one) clipped and noised the change: kept as it is
+        return [SecureSummand(0.0 if cfg.privacy.mode != "none" else o.clip_norm)]
+
+    def train_exchange(self, o: SecAggOptions, cfg):
+        if not _on(cfg):
+            return None
+        from fedllm.secagg.flower import SecureExchange
+
+        return SecureExchange(o, cfg)
+
+    def client_mods(self) -> list:
+        from fedllm.secagg.flower import secure_mod
+
+        return [secure_mod]
+
+
+SECAGG = SecureAggregationFeature()

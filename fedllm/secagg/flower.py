@@ -1,0 +1,229 @@
+"""Secure aggregation on Flower: the server's round through Flower's SecAgg+ workflow, and the sites' mod.
+
+Flower 1.42 ships SecAgg+ for the classic ``Strategy`` + ``LegacyContext`` style only; fedllm's ServerApp is
+written against the Grid. So each secure round runs Flower's ``SecAggPlusWorkflow`` on the Grid the driver
+holds, with a thin classic strategy (:class:`_Round`) whose ``configure_fit`` hands the workflow fedllm's
+plan (each site's start as a ``FitIns``, its record serialized in the config) and whose ``aggregate_fit``
+receives the unmasked mean. The protocol (key agreement, secret sharing, masking, dropout recovery) is
+Flower's; nothing here re-implements it. On the sites, :func:`secure_mod` runs Flower's ``secaggplus_mod`` on
+the protocol's messages only; its training step is the site's own, replying with the padded change
+(:mod:`fedllm.secagg.summand`) that the mod quantizes and masks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import numpy as np
+
+from fedllm.checks import one_line
+from fedllm.protocol import SummedUpdates
+from fedllm.secagg import clip_of, clipping_range, quantization_bits
+from fedllm.secagg.options import SecAggOptions
+from fedllm.secagg.summand import (
+    KEY,
+    Layout,
+    layout,
+    layout_size,
+    summed_update,
+    survivors_weights,
+    to_vector,
+)
+
+log = logging.getLogger(__name__)
+
+START, LAYOUT = "fedllm-start", "fedllm-layout"  # what a site's FitIns config carries
+
+
+def _to_bytes(record) -> bytes:
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(record).SerializeToString()
+
+
+def _from_bytes(data: bytes):
+    from flwr.common.serde import recorddict_from_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    proto = ProtoRecordDict()
+    proto.ParseFromString(data)
+    return recorddict_from_proto(proto)
+
+
+def _round_strategy(fit_ins: list):
+    """The thin classic strategy of one secure round (see module docstring)."""
+    from flwr.server.strategy import Strategy
+
+    class _Round(Strategy):
+        def __init__(self) -> None:
+            self.results: tuple[list, list] | None = None
+
+        def initialize_parameters(self, client_manager):
+            return None
+
+        def configure_fit(self, server_round, parameters, client_manager):
+            return fit_ins
+
+        def aggregate_fit(self, server_round, results, failures):
+            self.results = (results, failures)
+            return None, {}
+
+        def configure_evaluate(self, server_round, parameters, client_manager):
+            return []
+
+        def aggregate_evaluate(self, server_round, results, failures):
+            return None, {}
+
+        def evaluate(self, server_round, parameters):
+            return None
+
+    return _Round()
+
+
+class SecureExchange:
+    """A driver's round through SecAgg+ (``Feature.train_exchange``): returns the round's
+    :class:`~fedllm.protocol.SummedUpdates`."""
+
+    option = "flower.secure_aggregation=true"
+
+    def __init__(self, o: SecAggOptions, cfg) -> None:
+        self.o, self.cfg = o, cfg
+        self.distributed = cfg.privacy.mode == "distributed"
+        self.range = clipping_range(cfg)
+        self.quantization = 2 ** quantization_bits(cfg)
+        self.last: dict[str, Any] = {}  # the last round's protocol outcome (tests and the row read it)
+
+    def workflow(self, max_weight: float, timeout: float):
+        from flwr.server.workflow import SecAggPlusWorkflow
+
+        return SecAggPlusWorkflow(
+            num_shares=float(self.o.num_shares),
+            reconstruction_threshold=float(self.o.reconstruction_threshold),
+            max_weight=max_weight,
+            clipping_range=self.range,
+            quantization_range=self.quantization,
+            modulus_range=2**self.o.modulus_bits,
+            timeout=timeout,
+        )
+
+    def train(self, driver, plan) -> SummedUpdates:
+        from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+        from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+        from flwr.server import LegacyContext, ServerConfig
+        from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+        from fedllm.flower.records import start_record
+
+        server = driver.server
+        driver.handshake()  # a restarted site has a new node id: find it again
+        lay: Layout = layout(server, plan.round)
+        failures: dict[int, str] = {}
+        fit_ins = []
+        run_id = int(getattr(getattr(driver.grid, "run", None), "run_id", 0) or 0)
+        for k, start in plan.starts.items():
+            if k not in driver.nodes:
+                failures[k] = "site not connected"
+                continue
+            config = {
+                START: _to_bytes(start_record(start, driver.site_config, k)),
+                LAYOUT: json.dumps([[name, list(shape)] for name, shape in lay]),
+            }
+            proxy = GridClientProxy(driver.nodes[k], driver.grid, run_id)
+            fit_ins.append((proxy, FitIns(Parameters(tensors=[], tensor_type=""), config)))
+        uniform = server.rules.weighting == "uniform"
+        max_weight = 1.0 if uniform else float(max(c.num_examples for c in server.clients.values()))
+        strategy = _round_strategy(fit_ins)
+        context = LegacyContext(
+            Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+            config=ServerConfig(num_rounds=self.cfg.federation.rounds),
+            strategy=strategy,
+        )
+        context.state.config_records["config"] = ConfigRecord({"current_round": plan.round})
+        context.state.array_records["parameters"] = ArrayRecord()
+        timeout = self.o.timeout_s or driver.timeout
+        if fit_ins:
+            try:
+                self.workflow(max_weight, timeout)(driver.grid, context)
+            except Exception as e:  # the protocol's own refusal (e.g. a site's inconsistent reply)
+                log.warning("round %d: secure aggregation failed: %s", plan.round, one_line(str(e)))
+                strategy.results = None
+        node_to_client = {n: k for k, n in driver.nodes.items()}
+        results = strategy.results[0] if strategy.results is not None else []
+        clients = sorted(
+            node_to_client[int(p.node_id)] for p, _ in results if int(p.node_id) in node_to_client
+        )
+        self.last = {"round": plan.round, "clients": clients, "layout": lay, "range": self.range}
+        if not clients:
+            why = "the secure aggregation halted (fewer sites than its threshold finished a stage)"
+            failures.update({k: why for k in plan.starts if k not in failures})
+            return SummedUpdates([], _empty(plan), 0, failures)
+        mean = np.asarray(parameters_to_ndarrays(results[0][1].parameters)[0], dtype=np.float64).ravel()
+        self.last["mean"] = mean
+        weights = survivors_weights(server, clients, max_weight, self.quantization)
+        summed = summed_update(server, plan, clients, mean, lay, weights, self.distributed)
+        for k in plan.starts:
+            if k not in clients and k not in failures:
+                failures[k] = "left the secure aggregation before its end (its masks were removed)"
+        summed.failures = failures
+        # what each site's masked vector took: its values and the weight, as 64-bit integers of the field
+        summed.upload_numel = layout_size(lay) + 1
+        summed.upload_bytes = 8 * summed.upload_numel
+        return summed
+
+
+def _empty(plan):
+    from fedllm.protocol import ClientUpdate
+
+    return ClientUpdate(-1, 0, {}, round=plan.round, plan=plan.token)
+
+
+# ------------------------------------------------------------------ the sites' side
+def secure_mod(msg, context, call_next):
+    """A ClientApp mod: the protocol's messages go through Flower's ``secaggplus_mod`` with the site's secure
+    training step; every other message passes to the app unchanged."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if RECORD_KEY_CONFIGS not in msg.content.config_records:
+        return call_next(msg, context)
+    return secaggplus_mod(msg, context, _secure_train)
+
+
+def _secure_train(msg, context):
+    """The site's round under secure aggregation: train from the start in the FitIns, reply with the padded
+    change for the mod to quantize and mask (its weight: its own example count, or 1 under uniform
+    weighting; no metrics leave the site)."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fedllm.flower import client_app
+    from fedllm.flower.records import read_start
+
+    config = msg.content.config_records["fitins.config"]
+    start, config_text, client_id = read_start(_from_bytes(bytes(config[START])))
+    lay = [(name, tuple(shape)) for name, shape in json.loads(str(config[LAYOUT]))]
+    site = client_app._site(context, config_text)
+    if site.client_id != client_id:
+        raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
+    update = site.train(start)
+    client_app._keep_state(context, site)
+    changes = update.wire.get(KEY)
+    if changes is None:
+        raise RuntimeError("secure aggregation: the site's runtime made no secure summand (secagg is off)")
+    vector = to_vector(changes, lay)
+    if clip_of(site.cfg) <= 0:
+        raise RuntimeError("secure aggregation: no clip bounds the site's change")
+    uniform = site.cfg.federation.weighting == "uniform" or site.cfg.privacy.mode != "none"
+    weight = 1 if uniform else int(site.client.num_examples)
+    return Message(
+        RecordDict(
+            {
+                "fitres.parameters": ArrayRecord([vector]),
+                "fitres.num_examples": MetricRecord({"num_examples": weight}),
+                "fitres.metrics": ConfigRecord({}),
+                "fitres.status": ConfigRecord({"code": 0, "message": ""}),
+            }
+        ),
+        reply_to=msg,
+    )

@@ -1,0 +1,669 @@
+"""Secure aggregation (``flower.secure_aggregation``, ``fedllm/secagg``): the secure round's sum gives each
+linear strategy's plain round; Flower's SecAgg+ sums within the quantization bound, hides each site's vector
+and recovers a site that drops after sharing its keys; distributed DP equals central DP and tops up the noise
+of sites that drop; the refusals. The Flower runs (in-process grid, Simulation Engine) are ``slow``."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+from fedllm.config import ConfigError, load_config
+from fedllm.privacy.strategy import DPStrategy
+from fedllm.protocol import ClientUpdate, UploadContext
+from fedllm.secagg import quantization_error
+from fedllm.secagg.summand import SecureSummand, layout, summed_update, survivors_weights, to_vector
+from tests.conftest import tiny_overrides
+from tests.test_trust import COUNTS, honest, make_server
+
+Q = 2**22
+
+
+def products(server) -> dict[str, torch.Tensor]:
+    out = {k: f.folded().B @ f.folded().A for k, f in server.strategy.global_adapter(server.state).items()}
+    return {**out, **{f"dense.{k}": t for k, t in server.state.dense.items()}}
+
+
+def site_vector(server, plan, k: int, u: ClientUpdate, lay, clip: float = 0.0) -> np.ndarray:
+    """What site k's masked vector carries: its upload as it leaves (the hook's outgoing factors), its change
+    padded into the round's layout by the site's own transform."""
+    sent = copy.deepcopy(u)
+    sent.factors = server.hook.for_round(plan.round).outgoing(sent.factors)
+    start = plan.starts[k]
+    ctx = UploadContext(start, server.reference(plan.round, k, start), {}, ())
+    return to_vector(SecureSummand(clip).apply(sent, ctx).wire["secagg"], lay)
+
+
+def secure_round(server, plan, updates: dict[int, ClientUpdate], distributed=False, clip=0.0, sampled=None):
+    """The round as the server gets it under SecAgg+ (the exact weighted mean, without the protocol's
+    quantization, which the protocol tests bound)."""
+    lay = layout(server, plan.round)
+    clients = sorted(updates)
+    vecs = [site_vector(server, plan, k, updates[k], lay, clip) for k in clients]
+    weights = survivors_weights(server, clients, float(max(COUNTS)), Q)
+    mean = sum(w * v for w, v in zip(weights, vecs, strict=True))
+    summed = summed_update(server, plan, clients, mean, lay, weights, distributed)
+    summed.failures = {k: "left" for k in plan.active if k not in updates}
+    return server.finish_round(plan, summed)
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "ffa", "fedsvd", "rolora"])
+@pytest.mark.parametrize("drop", [None, 2], ids=["all", "one-dropped"])
+def test_the_secure_sum_gives_each_linear_strategys_plain_round(strategy, drop):
+    """Mixed ranks (4, 4, 8, 8), example weights, three rounds (RoLoRA: B, A, B): the strategy's global model
+    from the sum equals its plain round on the same updates (FedSVD's re-factoring included)."""
+    plain, secure = make_server(strategy, clip_norm_ratio=0), make_server(strategy, clip_norm_ratio=0)
+    for r in (1, 2, 3):
+        plan_p, plan_s = plain.plan_round(r), secure.plan_round(r)
+        updates = {k: honest(plain, plan_p, k, size=0.05, seed=r) for k in plan_p.active if k != drop}
+        report = plain.finish_round(plan_p, {**{k: "no reply" for k in plan_p.active}, **updates})
+        assert report.row["n_updates"] == len(updates)
+        got = secure_round(secure, plan_s, updates)
+        assert got.row["n_updates"] == len(updates) and not got.row["skipped"]
+        want, have = products(plain), products(secure)
+        for key in want:
+            assert_close(have[key], want[key], rtol=1e-5, atol=1e-6)
+    assert secure.accepted == plain.accepted  # the same clients' updates were used
+
+
+def test_a_wrong_strategy_would_show_the_sum_is_not_each_update():
+    """Guard of the test above: FLoRA stacks each client's factors, so the secure sum's one update does not
+    give its round (the config refuses it; this shows why the refusal is needed)."""
+    plain, secure = make_server("flora", clip_norm_ratio=0), make_server("flora", clip_norm_ratio=0)
+    plan_p, plan_s = plain.plan_round(1), secure.plan_round(1)
+    updates = {k: honest(plain, plan_p, k, size=0.05) for k in plan_p.active}
+    plain.finish_round(plan_p, updates)
+    secure_round(secure, plan_s, updates)
+    merged_p, merged_s = plain.state.residual, secure.state.residual
+    assert max(float((merged_p[k].delta() - merged_s[k].delta()).abs().max()) for k in merged_p) > 1e-4
+
+
+def dp(inner_name: str, mode: str, sigma: float, seed: int = 0):
+    from fedllm.aggregation import STRATEGIES
+
+    return DPStrategy(
+        STRATEGIES[inner_name](),
+        mode=mode,
+        clip_norm=0.5,
+        noise_multiplier=sigma,
+        noise_seed=seed,
+        epsilon_after=lambda rounds: 0.0,
+        summary=lambda rounds: {},
+    )
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "ffa"])
+def test_distributed_dp_without_noise_is_central_dp_and_tops_up_a_dropped_sites_share(strategy):
+    """sigma = 0: the secure sum of clipped changes gives central DP's round (clip 0.5, uniform weights over
+    the 4 sampled, one site dropped); sigma > 0: what the server adds is the dropped site's share,
+    N(0, (sigma C)^2 / m) on the sum, so (sigma C / m) sqrt(1/m) on the average."""
+    central = make_server(dp(strategy, "central", 0.0), clip_norm_ratio=0, weighting="uniform")
+    dist = make_server(dp(strategy, "distributed", 0.0), clip_norm_ratio=0, weighting="uniform")
+    noisy = make_server(dp(strategy, "distributed", 3.0), clip_norm_ratio=0, weighting="uniform")
+    plan_c, plan_d, plan_n = central.plan_round(1), dist.plan_round(1), noisy.plan_round(1)
+    updates = {k: honest(central, plan_c, k, size=0.3) for k in plan_c.active if k != 1}
+    central.finish_round(plan_c, {**{k: "no reply" for k in plan_c.active}, **updates})
+    report = secure_round(dist, plan_d, updates, distributed=True, clip=0.5)
+    assert report.row["agg_dp_server_noise_share"] == pytest.approx(0.25)
+    for key, want in products(central).items():
+        assert_close(products(dist)[key], want, rtol=1e-5, atol=1e-6)
+    secure_round(noisy, plan_n, updates, distributed=True, clip=0.5)
+    moved = torch.cat(
+        [(noisy.state.factors[k].B - dist.state.factors[k].B).flatten() for k in dist.state.factors]
+    )
+    want = 3.0 * 0.5 * math.sqrt(1 / 4) / 4
+    assert float(moved.std()) == pytest.approx(want, rel=0.25)  # 96 values of B
+
+
+# ------------------------------------------------------------------ Flower's protocol on plain vectors
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch):
+    """What Flower sets in a ServerApp's process (a Message names its run and node from it)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+class VectorGrid:
+    """A Grid that hands Flower's own SecAgg+ messages to a ClientApp in this process (real Messages, copied
+    as the wire copies them); ``dead_at``: node -> the stage at which it stops answering; ``received``: what
+    the server got back at each stage."""
+
+    def __init__(self, app, nodes, dead_at=None):
+        from flwr.app import Context, RecordDict
+
+        self.app, self.ids, self.dead_at = app, itertools.count(1), dict(dead_at or {})
+        self.contexts = {
+            n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={}) for n in nodes
+        }
+        self.received: list[tuple[int, str, object]] = []
+        self.run = SimpleNamespace(run_id=1)
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import Error, Message
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+        out = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = f"m{next(self.ids)}"
+            m = copy.deepcopy(m)
+            node = m.metadata.dst_node_id
+            stage = m.content.config_records[RECORD_KEY_CONFIGS]["stage"]
+            if self.dead_at.get(node) == stage:
+                self.contexts.pop(node, None)
+            if node not in self.contexts:
+                continue  # no reply: the node is gone
+            try:
+                reply = self.app(m, self.contexts[node])
+            except Exception as e:  # the SuperNode's error reply
+                reply = Message(Error(code=0, reason=repr(e)), reply_to=m)
+            reply.metadata.__dict__["_src_node_id"] = node
+            if not reply.has_error():
+                self.received.append((node, stage, copy.deepcopy(reply.content)))
+            out.append(reply)
+        return out
+
+
+def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from fedllm.secagg.flower import secure_mod
+
+    app = ClientApp()
+
+    @app.train(mods=[secure_mod])
+    def train(msg, ctx):  # only reached through the mod's training stage
+        raise AssertionError("a secure message reached the plain handler")
+
+    import fedllm.secagg.flower as sf
+
+    def fake_train(msg, ctx):
+        n = ctx.node_id
+        return Message(
+            RecordDict(
+                {
+                    "fitres.parameters": ArrayRecord([vectors[n]]),
+                    "fitres.num_examples": MetricRecord({"num_examples": weights[n]}),
+                    "fitres.metrics": ConfigRecord({}),
+                    "fitres.status": ConfigRecord({"code": 0, "message": ""}),
+                }
+            ),
+            reply_to=msg,
+        )
+
+    return app, sf, fake_train
+
+
+def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True):
+    """One SecAgg+ round of Flower's workflow as fedllm configures it (clipping range from the clip, the
+    quantization bits from the field), on plain vectors; returns (mean, finishing nodes, grid)."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+    from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+    from flwr.server import LegacyContext
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+    from fedllm.secagg.flower import SecureExchange, _round_strategy
+
+    app, sf, fake_train = vector_app(vectors, weights)
+    grid = VectorGrid(app, list(vectors), dead_at)
+    ex = SecureExchange(cfg.secagg, cfg)
+    ins = [(GridClientProxy(n, grid, 1), FitIns(Parameters([], ""), {})) for n in vectors]
+    strategy = _round_strategy(ins)
+    ctx = LegacyContext(
+        Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}), strategy=strategy
+    )
+    ctx.state.config_records["config"] = ConfigRecord({"current_round": 1})
+    ctx.state.array_records["parameters"] = ArrayRecord()
+    max_weight = 1.0 if uniform else float(max(weights.values()))
+    original = sf._secure_train
+    sf._secure_train = fake_train
+    try:
+        ex.workflow(max_weight, 10.0)(grid, ctx)
+    finally:
+        sf._secure_train = original
+    if strategy.results is None:
+        return None, [], grid
+    results = strategy.results[0]
+    mean = np.asarray(parameters_to_ndarrays(results[0][1].parameters)[0], dtype=np.float64)
+    return mean, sorted(int(p.node_id) for p, _ in results), grid
+
+
+@pytest.fixture(scope="module")
+def secure_cfg(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("secagg")
+    return load_config(
+        None,
+        tiny_overrides(
+            tmp / "run",
+            "federation.num_clients=5",
+            "flower.secure_aggregation=true",
+            "secagg.clip_norm=1.0",
+            "secagg.reconstruction_threshold=0.6",
+        ),
+    )
+
+
+def clipped_vectors(n: int, d: int, seed: int, clip: float = 1.0) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k in range(n):
+        v = rng.normal(size=d) * rng.uniform(0.1, 3.0)
+        out[100 + k] = v * min(1.0, clip / np.linalg.norm(v))
+    return out
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "example-weights"])
+def test_flowers_secure_mean_is_the_true_mean_within_the_quantization_bound(secure_cfg, uniform):
+    """5 sites, 2,000 values each, clipped to 1: the protocol's mean differs from the exact weighted mean by
+    at most ``quantization_error`` per value (one step 2 range / 2^bits, over the mean weight), and by more
+    than float error (the bound is not vacuous: the quantization is real)."""
+    vectors = clipped_vectors(5, 2000, seed=1)
+    counts = {n: (1 if uniform else c) for n, c in zip(vectors, (3, 50, 7, 200, 31), strict=True)}
+    mean, nodes, _ = protocol_round(secure_cfg, vectors, counts, uniform=uniform)
+    assert nodes == sorted(vectors)
+    max_w = 1.0 if uniform else float(max(counts.values()))
+    q = 2**29  # 32 bits of field for 5 sites: 29 bits each (quantization_bits = 0: the most that fits)
+    ratios = [round(counts[n] / max_w * q) / q for n in vectors]
+    want = sum(r * vectors[n] for r, n in zip(ratios, vectors, strict=True)) / sum(ratios)
+    bound = quantization_error(secure_cfg, ratios)
+    err = np.abs(mean - want).max()
+    assert err <= bound, (err, bound)
+    assert err > 1e-3 * bound
+
+
+def test_what_the_server_receives_from_a_site_is_uncorrelated_with_its_vector(secure_cfg):
+    """The masked vector each site uploads (stage collect_masked_vectors) against its true vector: the
+    correlation is that of independent noise (|r| < 4 / sqrt(d)), while the unmasked mean correlates with
+    the mean it is (> 0.99)."""
+    vectors = clipped_vectors(5, 4000, seed=2)
+    mean, _, grid = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
+    masked = _masked(grid)
+    assert sorted(masked) == sorted(vectors)
+    for node, got in masked.items():
+        r = np.corrcoef(got.astype(np.float64)[-4000:], vectors[node])[0, 1]
+        assert abs(r) < 4 / math.sqrt(4000), (node, r)
+    true_mean = sum(vectors.values()) / 5
+    assert np.corrcoef(mean, true_mean)[0, 1] > 0.99
+
+
+def _masked(grid) -> dict[int, np.ndarray]:
+    """Each site's masked vector as the server received it (Flower's NumPy bytes of the arrays)."""
+    from flwr.common import bytes_to_ndarray
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    out = {}
+    for node, stage, content in grid.received:
+        if stage == "collect_masked_vectors":
+            arrays = [
+                bytes_to_ndarray(b) for b in content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
+            ]
+            out[node] = np.concatenate([a.ravel() for a in arrays])
+    return out
+
+
+def test_a_hostile_site_moves_the_mean_by_at_most_what_the_field_lets_it(secure_cfg, monkeypatch):
+    """Site 101 adds 2^modulus - 1 to every masked value it sends (the largest integer of the field, past the
+    quantization): the mean stays finite and moves by at most 2 range x 2^modulus / 2^bits / sites per value
+    (docs/trust.md), while an honest run stays within one quantization step."""
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    vectors = clipped_vectors(5, 1000, seed=5)
+    honest_mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
+    field = 2**secure_cfg.secagg.modulus_bits
+    original = VectorGrid.send_and_receive
+
+    def tampering(self, messages, timeout=None):
+        replies = original(self, messages, timeout)
+        for reply in replies:
+            records = reply.content.config_records if not reply.has_error() else {}
+            if reply.metadata.src_node_id == 101 and Key.MASKED_PARAMETERS in records.get(
+                RECORD_KEY_CONFIGS, {}
+            ):
+                config = records[RECORD_KEY_CONFIGS]
+                arrays = [bytes_to_ndarray(b) for b in config[Key.MASKED_PARAMETERS]]
+                config[Key.MASKED_PARAMETERS] = [ndarray_to_bytes((a + field - 1) % field) for a in arrays]
+        return replies
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", tampering)
+    mean, nodes, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
+    assert nodes == sorted(vectors) and np.isfinite(mean).all()
+    from fedllm.secagg import clipping_range, quantization_bits
+
+    bound = 2 * clipping_range(secure_cfg) * field / 2 ** quantization_bits(secure_cfg) / 5
+    moved = np.abs(mean - honest_mean).max()
+    assert quantization_error(secure_cfg) < moved <= bound, (moved, bound)
+
+
+@pytest.mark.parametrize("stage", ["collect_masked_vectors", "unmask"])
+def test_a_site_that_drops_after_sharing_its_keys_is_recovered(secure_cfg, stage):
+    """Site 102 vanishes after the key exchange: before sending its masked vector (its pairwise masks are
+    rebuilt from the others' shares and the mean is the other four's), or after it (its vector is in)."""
+    vectors = clipped_vectors(5, 500, seed=3)
+    mean, nodes, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, dead_at={102: stage})
+    kept = [n for n in vectors if n != 102] if stage == "collect_masked_vectors" else list(vectors)
+    assert nodes == kept
+    want = sum(vectors[n] for n in kept) / len(kept)
+    assert np.abs(mean - want).max() <= quantization_error(secure_cfg)
+
+
+def test_too_many_sites_gone_halts_the_round_without_a_result(secure_cfg):
+    vectors = clipped_vectors(5, 100, seed=4)
+    dead = {101: "share_keys", 102: "share_keys", 103: "share_keys"}
+    mean, nodes, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, dead_at=dead)
+    assert mean is None and nodes == []
+
+
+# ------------------------------------------------------------------ the refusals
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["aggregation.name=flora"], "stacks each client's factors"),
+        (["aggregation.name=flexlora"], "SVD of each client's product"),
+        (["aggregation.name=florist"], "stacks each client's factors"),
+        (["aggregation.name=hetlora"], "by its own norm"),
+        (["aggregation.name=floral"], "router"),
+        (["aggregation.name=fedex"], "residual of each client's own product"),
+        (["aggregation.name=fedsa"], "clients that send it"),
+        (["aggregation.name=fedsb"], "strategy extras"),
+        (["client.algorithm=scaffold"], "control-variate"),
+        (["aggregation.robust=median"], "aggregation.robust=median"),
+        (["comm.upload=int8"], "comm.upload=int8"),
+        (["privacy.mode=central"], "privacy.mode=distributed"),
+        (["federation.max_client_weight=0.5"], "federation.max_client_weight"),
+        (["federation.clients_per_round=2"], "at least 3 clients per round"),
+        (["secagg.quantization_bits=30"], "secagg.quantization_bits=30"),
+    ],
+)
+def test_what_secure_aggregation_cannot_run_is_refused_in_one_line(tmp_path, extra, says):
+    base = ["flower.secure_aggregation=true", "secagg.clip_norm=1", "federation.num_clients=4"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, tiny_overrides(tmp_path, *base, *extra))
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["flower.secure_aggregation=true"], "secagg.clip_norm"),
+        (["secagg.clip_norm=2"], "flower.secure_aggregation is false"),
+        (["privacy.mode=distributed"], "flower.secure_aggregation=true"),
+        (
+            ["flower.secure_aggregation=true", "privacy.mode=distributed", "secagg.clip_norm=3"],
+            "leave secagg.clip_norm at 0",
+        ),
+    ],
+)
+def test_secure_aggregations_own_options_are_checked(tmp_path, extra, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, tiny_overrides(tmp_path, "federation.num_clients=4", *extra))
+    assert says in str(e.value)
+
+
+def test_the_in_process_simulation_refuses_secure_aggregation(tmp_path):
+    from fedllm.simulation import Simulation
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path, "federation.num_clients=4", "flower.secure_aggregation=true", "secagg.clip_norm=1"
+        ),
+    )
+    with pytest.raises(ConfigError, match="Flower deployment only"):
+        Simulation(cfg, tmp_path)
+
+
+# ------------------------------------------------------------------ fedllm's ServerApp and ClientApp
+class SiteGrid:
+    """A Grid whose nodes 100+k host site k in this process behind the real ClientApp (its mods included),
+    with real Messages: what a SuperLink would carry. ``dead_at``: node -> SecAgg+ stage at which it vanishes;
+    ``received``: what the server got back at each stage."""
+
+    def __init__(self, tmp_path, n: int, dead_at=None):
+        from flwr.app import Context, RecordDict
+
+        self.contexts = {
+            100 + k: Context(
+                run_id=1,
+                node_id=100 + k,
+                node_config={"client-id": k, "state-dir": str(tmp_path / f"site-{k}")},
+                state=RecordDict(),
+                run_config={},
+            )
+            for k in range(n)
+        }
+        self.ids, self.dead_at, self.received = itertools.count(1), dict(dead_at or {}), []
+        self.run = SimpleNamespace(run_id=1)
+
+    def get_nodes(self):
+        return [SimpleNamespace(node_id=n, public_key=b"") for n in self.contexts]
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import Error, Message
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+        from fedllm.flower import client_app
+
+        out = []
+        for m in messages:
+            m.metadata.__dict__["_message_id"] = f"m{next(self.ids)}"
+            m = copy.deepcopy(m)
+            node = m.metadata.dst_node_id
+            records = m.content.config_records
+            stage = records[RECORD_KEY_CONFIGS]["stage"] if RECORD_KEY_CONFIGS in records else None
+            if stage is not None and self.dead_at.get(node) == stage:
+                self.contexts.pop(node, None)
+            if node not in self.contexts:
+                continue
+            try:
+                reply = client_app.app(m, self.contexts[node])
+            except Exception as e:
+                reply = Message(Error(code=0, reason=repr(e)), reply_to=m)
+            reply.metadata.__dict__["_src_node_id"] = node
+            if not reply.has_error():
+                self.received.append((node, stage, copy.deepcopy(reply.content)))
+            out.append(reply)
+        return out
+
+
+def flower_run(tmp_path, name, *extra, dead_at=None, n=4):
+    from fedllm.flower import server_app
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / name,
+            f"federation.num_clients={n}",
+            "flower.share_token_modules=true",
+            "client.optimizer=sgd",
+            "client.lr=0.05",
+            "eval.personalized=false",
+            *extra,
+        ),
+    )
+    grid = SiteGrid(tmp_path / f"{name}-sites", n, dead_at)
+    driver = server_app.FlowerDriver(cfg, tmp_path / name, grid, startup_timeout_s=5)
+    driver.setup()
+    return driver, grid, driver.run()
+
+
+def server_tensors(run_dir, round_idx: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    t = load_file(run_dir / "checkpoints" / f"round-{round_idx:04d}" / "state.safetensors")
+    return {k: v for k, v in t.items() if k.startswith(("global.", "dense."))}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_a_secure_fedit_run_is_the_plain_run_within_the_quantization_bound(tmp_path, monkeypatch):
+    """Two rounds of FedIT on fedllm's ServerApp and ClientApp (4 sites, mixed ranks, example weights, SGD):
+    round 1's global state is the plain run's within the quantization bound of each value; round 2's within
+    three bounds (its own quantization, and round 1's carried through two SGD steps); what the server
+    received from each site at the masking stage is uncorrelated with the site's true vector."""
+    from fedllm.secagg import summand
+
+    sent: dict[int, np.ndarray] = {}
+    original = summand.to_vector
+
+    def recording(changes, lay):
+        v = original(changes, lay)
+        sent[len(sent)] = v
+        return v
+
+    import fedllm.secagg.flower as sf
+
+    monkeypatch.setattr(sf, "to_vector", recording)
+    _, _, plain = flower_run(tmp_path, "plain")
+    driver, grid, secure = flower_run(
+        tmp_path, "secure", "flower.secure_aggregation=true", "secagg.clip_norm=10"
+    )
+    cfg = driver.cfg
+    counts = [c.num_examples for c in driver.server.clients.values()]
+    bound = quantization_error(cfg, [c / max(counts) for c in counts])
+    r1 = max_diff(server_tensors(tmp_path / "plain", 1), server_tensors(tmp_path / "secure", 1))
+    r2 = max_diff(server_tensors(tmp_path / "plain", 2), server_tensors(tmp_path / "secure", 2))
+    assert 0 < r1 <= bound * (1 + 1e-3) + 1e-7, (r1, bound)
+    assert r2 <= 3 * bound, (r2, bound)
+    assert secure["loss_after"] == pytest.approx(plain["loss_after"], rel=1e-3)
+    masked = _masked(grid)  # the last round's masked vectors, by node (the first round's were replaced)
+    assert len(masked) == 4 and len(sent) == 8
+    for i, node in enumerate(sorted(masked)):
+        true = sent[4 + i]
+        got = masked[node][-true.size :].astype(np.float64)
+        assert abs(np.corrcoef(got, true)[0, 1]) < 4 / math.sqrt(true.size)
+    rows = [json.loads(x) for x in (tmp_path / "secure" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["n_updates"] for r in rows[1:]] == [4, 4]
+    assert rows[1]["up_bytes"] == 4 * 8 * (driver.exchange.last["mean"].size + 1)
+
+
+@pytest.mark.slow
+def test_a_site_vanishing_mid_protocol_leaves_the_round_to_the_others(tmp_path):
+    """Of 5 sites, site 2 vanishes after round 1's key exchange: round 1 is the other four's sum (the protocol
+    rebuilds its masks from their shares), round 2 runs without it, each row names its failure."""
+    _, _, out = flower_run(
+        tmp_path,
+        "drop",
+        "flower.secure_aggregation=true",
+        "secagg.clip_norm=10",
+        dead_at={102: "collect_masked_vectors"},
+        n=5,
+    )
+    rows = [json.loads(x) for x in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["n_updates"] for r in rows[1:]] == [4, 4]
+    assert "left the secure aggregation" in json.dumps(rows[1]["failed"])  # after its keys were shared
+    assert "site not connected" in json.dumps(rows[2]["failed"])  # round 2: gone before the protocol
+    assert math.isfinite(out["loss_after"])
+
+
+@pytest.mark.slow
+def test_distributed_dp_reports_the_central_epsilon_of_the_summed_noise(tmp_path):
+    """privacy.mode=distributed: each site adds sigma C / sqrt(m) before masking; the run's epsilon is what
+    dp-accounting gives central DP with sigma (the same function, fed the same numbers), and no round needed
+    the server's top-up."""
+    from fedllm.privacy import spent
+
+    driver, _, out = flower_run(
+        tmp_path,
+        "ddp",
+        "flower.secure_aggregation=true",
+        "privacy.mode=distributed",
+        "privacy.noise_multiplier=1.0",
+        "privacy.clip_norm=0.5",
+        "privacy.noise_seed=0",
+    )
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    central = copy.deepcopy(driver.cfg)
+    central.privacy.mode, central.flower.secure_aggregation = "central", False
+    assert (
+        summary["privacy"]["epsilon"] == pytest.approx(spent(central, 2))
+        and summary["privacy"]["epsilon"] > 0
+    )
+    rows = [json.loads(x) for x in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["agg_dp_server_noise_share"] for r in rows[1:]] == [0.0, 0.0]
+    assert math.isfinite(out["loss_after"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [False, True], ids=["secure", "secure-distributed-dp"])
+def test_a_two_round_simulation_engine_run(tmp_path, builtin_base, dp):
+    """Flower's Simulation Engine (Ray workers, the real ClientApp with its mods), 4 sites, 2 rounds of FedIT:
+    with secure aggregation the global state is the in-process plain simulation's within the quantization
+    bound after round 1 and three bounds after round 2 (SGD); with distributed DP, the summary's epsilon is
+    dp-accounting's for central DP with the summed noise."""
+    from flwr.simulation import run_simulation
+
+    from fedllm.flower.client_app import app as client_app
+    from fedllm.flower.server_app import server_app
+    from fedllm.privacy import spent
+    from fedllm.simulation import Simulation
+
+    extra = [
+        "federation.num_clients=4",
+        "federation.seed=3",
+        "client.optimizer=sgd",
+        "client.lr=0.05",
+        "eval.limit=2",
+        "eval.personalized=false",
+        "flower.share_token_modules=true",
+    ]
+    secure = ["flower.secure_aggregation=true", "secagg.clip_norm=10"]
+    if dp:
+        secure = [
+            "flower.secure_aggregation=true",
+            "privacy.mode=distributed",
+            "privacy.noise_multiplier=1.0",
+        ]
+        secure += ["privacy.clip_norm=0.5", "privacy.noise_seed=0", "privacy.sampling=public"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each Ray worker computes
+    try:
+        if not dp:
+            reference = Simulation(
+                load_config(None, tiny_overrides(tmp_path / "sim", *extra)), tmp_path / "sim"
+            )
+            reference.setup()
+            reference.run()
+        cfg = load_config(None, tiny_overrides(tmp_path / "flower", *extra, *secure))
+        run_simulation(
+            server_app(cfg, tmp_path / "flower", startup_timeout_s=300),
+            client_app,
+            num_supernodes=4,
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"num_cpus": 2, "include_dashboard": False},
+            },
+        )
+    finally:
+        torch.set_num_threads(threads)
+    summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
+    rows = [json.loads(x) for x in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["n_updates"] for r in rows[1:]] == [4, 4]
+    if dp:
+        assert summary["privacy"]["mode"] == "distributed"
+        central = copy.deepcopy(cfg)
+        central.privacy.mode, central.flower.secure_aggregation = "central", False
+        assert summary["privacy"]["epsilon"] == pytest.approx(spent(central, 2))
+        assert math.isfinite(summary["loss_after"])
+        return
+    sizes = json.loads((tmp_path / "flower" / "partition.json").read_text())
+    counts = [c["train"] for c in sizes]
+    bound = quantization_error(cfg, [c / max(counts) for c in counts])
+    r1 = max_diff(server_tensors(tmp_path / "sim", 1), server_tensors(tmp_path / "flower", 1))
+    r2 = max_diff(server_tensors(tmp_path / "sim", 2), server_tensors(tmp_path / "flower", 2))
+    assert 0 < r1 <= bound * (1 + 1e-3) + 1e-7, (r1, bound)
+    assert r2 <= 3 * bound, (r2, bound)
