@@ -442,6 +442,7 @@ def restore(
     damaged newer checkpoint is passed over, and a checkpoint of another
     strategy is refused.
     """
+    from fedllm import files
     from fedllm.run import checkpoint as ckpt
 
     found = ckpt.load_latest(run_dir)
@@ -449,7 +450,7 @@ def restore(
         return None
     path, tensors, meta = found
     if meta["strategy"] != server.strategy.name:
-        raise ckpt.CheckpointError(
+        raise files.CheckpointError(
             f"{path}: written by strategy {meta['strategy']!r}, config says {server.strategy.name!r}"
         )
     server.load_state_dict(tensors, meta)

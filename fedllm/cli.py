@@ -30,8 +30,8 @@ def friendly_errors() -> Iterator[None]:
     from data_prep.schema import DataError
     from eval.data import MMLUDataError
     from fedllm.config import ConfigError
+    from fedllm.files import CheckpointError
     from fedllm.model.modeling import ModelError
-    from fedllm.run.checkpoint import CheckpointError
     from fedllm.run.export import ExportError
     from fedllm.run.reader import RunReadError
 
@@ -268,7 +268,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for r in records:
         print(f"### {r['instruction']}" + (f"\n{r['input']}" if r["input"] else "") + f"\n{r['answer']}\n")
     if args.output:
-        from fedllm.run.checkpoint import atomic_write_text
+        from fedllm.files import atomic_write_text
 
         atomic_write_text(Path(args.output), "".join(json.dumps(r) + "\n" for r in records))
         print(f"answers written to {args.output}")

@@ -134,7 +134,8 @@ class SummedUpdates:
     ``update``: the round as one update at the largest rank (scale 1), which a linear strategy aggregates
     with weight 1 to the plain round's result; ``clients``: the sites whose uploads it holds (the protocol
     tells who finished); ``contributors``: how many they are; ``failures``: why each other active client
-    is missing; ``upload_numel`` / ``upload_bytes``: what each contributor's masked vector took."""
+    is missing; ``upload_numel`` / ``upload_bytes``: what each contributor's masked vector took;
+    ``reference``: the base point at the largest rank (the round context's reference for the one update)."""
 
     clients: list[int]
     update: ClientUpdate
@@ -142,6 +143,7 @@ class SummedUpdates:
     failures: dict[int, str] = field(default_factory=dict)
     upload_numel: int = 0
     upload_bytes: int | None = None
+    reference: Adapter = field(default_factory=dict)  # the point the sum's changes are measured from
 
 
 @dataclass

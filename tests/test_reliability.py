@@ -128,7 +128,9 @@ def test_checkpoint_writer_failure_keeps_previous(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(files, "save_file", boom)  # the atomic writer under the checkpoint
-    with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint .*round-0002: No space left"):
+    with pytest.raises(
+        files.CheckpointError, match=r"could not write checkpoint .*round-0002: No space left"
+    ):
         ckpt.save_checkpoint(tmp_path, 2, {"x": torch.zeros(2)}, {"round": 2})
     latest = ckpt.latest_checkpoint(tmp_path)
     assert latest.name == "round-0001"
@@ -142,14 +144,14 @@ def test_incompatible_checkpoint_is_reported(tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     meta["format"] = 99
     (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ckpt.CheckpointError, match="format 99 was written by another fedllm version"):
+    with pytest.raises(files.CheckpointError, match="format 99 was written by another fedllm version"):
         ckpt.load_checkpoint(path)
 
 
 def test_torn_metrics_line_is_ignored(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_text('{"round": 0}\n{"round": 1}\n{"rou')
-    assert [r["round"] for r in ckpt.read_jsonl(p)] == [0, 1]
+    assert [r["round"] for r in files.read_jsonl(p)] == [0, 1]
 
 
 def fedllm_cmd(*args):
@@ -186,13 +188,13 @@ def test_sigkill_mid_round_then_resume_matches_uninterrupted(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (killed_dir / "summary.json").exists()  # it really died before finishing
-    done = len(ckpt.read_jsonl(metrics))
+    done = len(files.read_jsonl(metrics))
     assert done < 5
     out = subprocess.run(
         fedllm_cmd("run", "--resume", str(killed_dir)), env=env, timeout=600, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = ckpt.read_jsonl(metrics)
+    rows = files.read_jsonl(metrics)
     assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
     a = load_file(ref_dir / "global_adapter" / "adapter_model.safetensors")
     b = load_file(killed_dir / "global_adapter" / "adapter_model.safetensors")

@@ -60,7 +60,7 @@ def listing(run_dir: Path) -> list[str]:
 
 
 def rounds_in(run_dir: Path) -> list[int]:
-    return [r["round"] for r in ckpt.read_jsonl(run_dir / "metrics.jsonl")]
+    return [r["round"] for r in files.read_jsonl(run_dir / "metrics.jsonl")]
 
 
 # 1. export never deletes what it did not write
@@ -103,7 +103,7 @@ def test_reused_output_dir_is_refused_continued_or_overwritten(run_copy, tmp_pat
     assert code == 0, err
     assert rounds_in(run_copy) == [0, 1, 2]  # the old rows are gone, not mixed in
     assert "seed: 7" in (run_copy / "config.yaml").read_text()
-    assert [p.name for p in ckpt.round_checkpoints(run_copy)] == ["round-0001", "round-0002"]
+    assert [p.name for p in files.round_checkpoints(run_copy)] == ["round-0001", "round-0002"]
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "data.csv").write_text("a,b\n")
@@ -261,7 +261,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(run_copy, capsys, cap
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "random", "meta"])
 def test_no_intact_checkpoint_is_refused_naming_the_file(run_copy, capsys, damage):
-    for d in ckpt.round_checkpoints(run_copy):
+    for d in files.round_checkpoints(run_copy):
         state, meta = d / "state.safetensors", d / "meta.json"
         if damage == "truncated":
             state.write_bytes(state.read_bytes()[:100])
@@ -327,14 +327,14 @@ def test_pruning_keeps_the_newest_rounds_by_number(tmp_path):
     for r in (9998, 9999, 10000, 10001):
         ckpt.save_checkpoint(tmp_path, r, {"x": torch.full((2,), float(r))}, {"round": r})
         ckpt.prune_checkpoints(tmp_path, keep=2)
-    assert [p.name for p in ckpt.round_checkpoints(tmp_path)] == ["round-10000", "round-10001"]
+    assert [p.name for p in files.round_checkpoints(tmp_path)] == ["round-10000", "round-10001"]
     _, tensors, meta = ckpt.load_latest(tmp_path)
     assert meta["round"] == 10001 and tensors["x"][0] == 10001
 
 
 def test_keep_checkpoints_is_an_option(tmp_path, capsys, builtin_base):
     new_run(capsys, tmp_path / "r", "federation.rounds=3", "output.keep_checkpoints=0")
-    assert [p.name for p in ckpt.round_checkpoints(tmp_path / "r")] == [
+    assert [p.name for p in files.round_checkpoints(tmp_path / "r")] == [
         "round-0001",
         "round-0002",
         "round-0003",
@@ -411,7 +411,7 @@ def test_client_past_its_time_budget_is_stopped_between_steps(tmp_path, capsys, 
         "data.min_examples_per_client=4",
     )
     elapsed = time.perf_counter() - t0
-    row = ckpt.read_jsonl(tmp_path / "r" / "metrics.jsonl")[1]
+    row = files.read_jsonl(tmp_path / "r" / "metrics.jsonl")[1]
     assert row["n_failed"] == 2
     assert all("stopped after" in why and "of 40 steps" in why for why in row["failed"].values())
     assert elapsed < 0.5 * 2 * 40 * 0.25  # far less than the clients' full 2 x 40 slow steps

@@ -187,6 +187,7 @@ def test_client_state_lives_on_disk_and_a_resume_reads_it_back(tmp_path, builtin
     """SCAFFOLD's c_k: no client keeps state in memory between rounds, checkpoints hold only the index (no
     client tensors), old versions are pruned, and a run stopped after round 2 then resumed ends where an
     uninterrupted run ends."""
+    from fedllm.files import read_jsonl, round_checkpoints
     from fedllm.run import checkpoint as ckpt
     from tests.conftest import assert_close_updates
 
@@ -196,11 +197,11 @@ def test_client_state_lives_on_disk_and_a_resume_reads_it_back(tmp_path, builtin
     _, tensors, meta = ckpt.load_latest(tmp_path / "ref")
     assert not any(k.startswith("client.") for k in tensors)
     index = meta["client_state"]
-    trained = {k for r in ckpt.read_jsonl(tmp_path / "ref" / "metrics.jsonl")[1:] for k in r["sampled"]}
+    trained = {k for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl")[1:] for k in r["sampled"]}
     assert {int(k) for k in index} == trained and 0 < len(trained) < 12
     kept = {  # the versions the kept checkpoints (two by default) refer to, and no other
         f"client-{k}-r{r}.safetensors"
-        for p in ckpt.round_checkpoints(tmp_path / "ref")
+        for p in round_checkpoints(tmp_path / "ref")
         for k, r in ckpt.load_checkpoint(p)[1]["client_state"].items()
     }
     assert files == sorted(kept) and len(files) < 4 * 3
@@ -209,7 +210,7 @@ def test_client_state_lives_on_disk_and_a_resume_reads_it_back(tmp_path, builtin
     sim, _ = simulate(scaffold_cfg(tmp_path / "cut", 4), tmp_path / "cut", resume=True)
     assert sim.store.index == ref.store.index
     assert_close_updates(tmp_path / "ref", tmp_path / "cut", 1e-5)
-    rows = ckpt.read_jsonl(tmp_path / "ref" / "metrics.jsonl")[1:]
+    rows = read_jsonl(tmp_path / "ref" / "metrics.jsonl")[1:]
     personal = [
         r for r in rows if "personal" in r
     ]  # (a round whose sampled clients hold no test data has none)

@@ -18,11 +18,12 @@ from torch.testing import assert_close
 
 from fedllm.config import ConfigError, load_config
 from fedllm.privacy.strategy import DPStrategy
-from fedllm.protocol import ClientUpdate, UploadContext
+from fedllm.protocol import ClientInfo, ClientUpdate, UploadContext
 from fedllm.secagg import quantization_error
 from fedllm.secagg.summand import SecureSummand, layout, summed_update, survivors_weights, to_vector
+from fedllm.server import Rules, Server
 from tests.conftest import tiny_overrides
-from tests.test_trust import COUNTS, honest, make_server
+from tests.test_trust import COUNTS, MODULES, RANKS, honest, make_server
 
 Q = 2**22
 
@@ -72,6 +73,139 @@ def test_the_secure_sum_gives_each_linear_strategys_plain_round(strategy, drop):
         for key in want:
             assert_close(have[key], want[key], rtol=1e-5, atol=1e-6)
     assert secure.accepted == plain.accepted  # the same clients' updates were used
+
+
+def rank_scaled_server(strategy: str, **rules) -> Server:
+    """make_server's federation with each client's scale alpha / r_k (ranks 4, 4, 8, 8): the site's folding of
+    its own scale into B must match the server's."""
+    from fedllm.aggregation import STRATEGIES
+
+    rules.setdefault("clip_norm_ratio", 0.0)
+    return Server(
+        strategy=STRATEGIES[strategy](),
+        clients=[ClientInfo(k, r, 16.0 / r, n) for k, (r, n) in enumerate(zip(RANKS, COUNTS, strict=True))],
+        modules=MODULES,
+        dense={"model.embed_tokens.weight": torch.zeros(7, 3)},
+        rules=Rules(**rules),
+    )
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "ffa"])
+def test_each_sites_own_scale_is_folded_as_the_server_folds_it(strategy):
+    plain, secure = rank_scaled_server(strategy), rank_scaled_server(strategy)
+    for r in (1, 2):
+        plan_p, plan_s = plain.plan_round(r), secure.plan_round(r)
+        updates = {k: honest(plain, plan_p, k, size=0.05, seed=r) for k in plan_p.active}
+        plain.finish_round(plan_p, updates)
+        secure_round(secure, plan_s, updates)
+        for key, want in products(plain).items():
+            assert_close(products(secure)[key], want, rtol=1e-5, atol=1e-6)
+
+
+def test_what_no_finishing_site_trains_stays_exactly_zero():
+    """Round 1 of FedIT with only the rank-4 sites finishing: the protocol's mean carries quantization dust
+    (here 1e-9) in the rank-8 rows; the global state has exact zeros there, as the plain average has, so
+    those directions are revived as empty ones are."""
+    plain, secure = make_server("fedit", clip_norm_ratio=0), make_server("fedit", clip_norm_ratio=0)
+    plan_p, plan_s = plain.plan_round(1), secure.plan_round(1)
+    updates = {k: honest(plain, plan_p, k, size=0.05) for k in (0, 1)}  # ranks 4 and 4 of (4, 4, 8, 8)
+    plain.finish_round(plan_p, {**{k: "no reply" for k in plan_p.active}, **updates})
+    lay = layout(secure, 1)
+    vecs = [site_vector(secure, plan_s, k, updates[k], lay) for k in (0, 1)]
+    weights = survivors_weights(secure, [0, 1], float(max(COUNTS)), Q)
+    mean = sum(w * v for w, v in zip(weights, vecs, strict=True))
+    mean = mean + 1e-9 * np.random.default_rng(0).standard_normal(mean.shape)
+    secure.finish_round(plan_s, summed_update(secure, plan_s, [0, 1], mean, lay, weights, False))
+    for key, f in secure.state.factors.items():
+        assert f.A.shape[0] == 8 and not f.A[4:].any() and not f.B[:, 4:].any()
+        assert_close(f.B @ f.A, plain.state.factors[key].B @ plain.state.factors[key].A, rtol=1e-6, atol=1e-6)
+
+
+def test_a_sum_that_is_not_finite_or_holds_too_few_sites_skips_the_round():
+    server = make_server("fedit", clip_norm_ratio=0, min_clients=3)
+    plan = server.plan_round(1)
+    updates = {k: honest(server, plan, k) for k in plan.active}
+    lay = layout(server, 1)
+    vecs = {k: site_vector(server, plan, k, updates[k], lay) for k in plan.active}
+    before = copy.deepcopy(server.state.factors)
+    for clients, poison in (([0, 1, 2, 3], True), ([0, 1], False)):
+        weights = survivors_weights(server, clients, float(max(COUNTS)), Q)
+        mean = sum(w * vecs[k] for w, k in zip(weights, clients, strict=True))
+        summed = summed_update(server, plan, clients, mean, lay, weights, False)
+        if poison:
+            next(iter(summed.update.factors.values())).B[0, 0] = float("nan")
+        report = server.finish_round(plan, summed)
+        assert report.row["skipped"]
+        assert all(torch.equal(server.state.factors[k].B, before[k].B) for k in before)
+        assert ("sum" in report.row["failed"]) == poison
+
+
+def test_distributed_dp_noise_is_each_sites_share_on_every_coordinate(tmp_path):
+    """privacy.mode=distributed: the DP transform only clips (it adds no noise at the site's own rank); the
+    site's vector gets N(0, (sigma C)^2 / m) on every coordinate of the layout, its rank's padding included,
+    so that the sum of the m sites' shares is central DP's noise everywhere."""
+    from fedllm.privacy import PRIVACY
+    from fedllm.secagg import noise_std
+    from fedllm.secagg.summand import site_vector as pad_and_noise
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            "federation.num_clients=16",
+            "federation.clients_per_round=9",
+            "flower.secure_aggregation=true",
+            "privacy.mode=distributed",
+            "privacy.noise_multiplier=2.0",
+            "privacy.clip_norm=0.5",
+        ),
+    )
+    (dp_transform,) = PRIVACY.upload_transforms(cfg.privacy, cfg)
+    assert dp_transform.noise_std == 0.0 and dp_transform.clip_norm == 0.5
+    assert noise_std(cfg) == pytest.approx(2.0 * 0.5 / 3.0)  # sigma C / sqrt(9)
+    lay = [("A.m", (8, 50)), ("B.m", (40, 8))]
+    changes = {"A.m": torch.zeros(4, 50), "B.m": torch.zeros(40, 4)}  # a rank-4 site, no change
+    vec = pad_and_noise(changes, lay, noise_std(cfg), torch.Generator().manual_seed(0))
+    padded = np.concatenate([vec[200:400], vec[400:].reshape(40, 8)[:, 4:].ravel()])  # rows/cols 4..7
+    assert padded.std() == pytest.approx(1 / 3, rel=0.1) and vec[:200].std() == pytest.approx(1 / 3, rel=0.15)
+
+
+def test_a_site_that_misstates_its_weight_has_the_round_refused(secure_cfg):
+    """A hostile site masks a weight of its choosing (Flower takes it from the site's own reply): here one
+    that drives the protocol's total weight near 1, which multiplies the mean ~2^28-fold. The mean then
+    leaves the protocol's range, which no weighted mean of in-range values can, and the server refuses the
+    round."""
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    from fedllm.secagg import clipping_range, quantization_bits
+    from fedllm.secagg.flower import in_range
+
+    vectors = clipped_vectors(5, 300, seed=6)
+    field, q = 2**secure_cfg.secagg.modulus_bits, 2 ** quantization_bits(secure_cfg)
+    original = VectorGrid.send_and_receive
+
+    def lying(self, messages, timeout=None):
+        replies = original(self, messages, timeout)
+        for reply in replies:
+            config = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            if reply.metadata.src_node_id == 101 and Key.MASKED_PARAMETERS in config:
+                arrays = [bytes_to_ndarray(b) for b in config[Key.MASKED_PARAMETERS]]
+                arrays[0] = (arrays[0] - 5 * q + 1) % field  # the weight: total 5q -> 1
+                config[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(a) for a in arrays]
+        return replies
+
+    honest_mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
+    bound, step = clipping_range(secure_cfg), 2 * clipping_range(secure_cfg) / q
+    assert np.array_equal(in_range(honest_mean, bound, step), honest_mean)
+    VectorGrid.send_and_receive = lying
+    try:
+        mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
+    finally:
+        VectorGrid.send_and_receive = original
+    assert np.abs(mean).max() > 1e3 * bound
+    with pytest.raises(ValueError, match="leaves the protocol's range"):
+        in_range(mean, bound, step)
 
 
 def test_a_wrong_strategy_would_show_the_sum_is_not_each_update():

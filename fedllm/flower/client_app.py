@@ -2,7 +2,9 @@
 
 A SuperNode is started per site with ``--node-config "client-id=K
 data-path=FILE state-dir=DIR [model-path=PATH] [sign-key=NODE_KEY]"`` (``sign-key``: the private key
-the SuperNode authenticates with, which signs every reply); on the Simulation Engine the
+the SuperNode authenticates with, which signs every reply; ``secure-aggregation=required``: the site
+refuses any plain train message, so that no server can have its update in the clear); on the Simulation
+Engine the
 node's ``partition-id`` is the client id and its data is rebuilt from the run's
 config. The client state travels between the messages of a SuperNode in
 ``context.state`` and is written to ``state-dir`` after every message.
@@ -25,7 +27,7 @@ from fedllm.flower.records import (
     signed,
     update_record,
 )
-from fedllm.flower.site import Site, signing_key, site_for
+from fedllm.flower.site import Site, node_setting, signing_key, site_for
 from fedllm.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,12 @@ def query(message: Message, context: Context) -> Message:
 
 @app.train(mods=[mod for feature in FEATURES for mod in feature.client_mods()])  # secure aggregation's
 def train(message: Message, context: Context) -> Message:
+    if str(node_setting(context.node_config, "secure-aggregation", "")).lower() in ("required", "true", "1"):
+        # the site's own pin: a server that asks for a plain round would get its update in the clear
+        raise RuntimeError(
+            "this site requires secure aggregation (node-config secure-aggregation=required): it refuses a "
+            "plain train message"
+        )
     start, config_text, client_id = read_start(message.content)
     site = _site(context, config_text)
     if site.client_id != client_id:

@@ -25,8 +25,8 @@ import torch
 
 from fedllm.config import Config, ConfigError, config_from_text
 from fedllm.factors import adapter_from_tensors, adapter_tensors, prefixed, unprefixed
+from fedllm.files import atomic_write_text, save_tensors_atomic
 from fedllm.protocol import ClientStart, ClientUpdate
-from fedllm.run.checkpoint import atomic_write_text, save_tensors_atomic
 
 log = logging.getLogger(__name__)
 

@@ -230,8 +230,10 @@ class PrivacyFeature(Feature):
     def upload_transforms(self, p: PrivacyOptions, cfg) -> list:
         if p.mode == "none":
             return []
-        std = {"local": 1.0, "distributed": per_round(cfg) ** -0.5}.get(p.mode, 0.0)
-        return [ClipAndNoise(p.clip_norm, std * p.noise_multiplier * p.clip_norm, p.noise_seed)]
+        # distributed mode: clip only here; each site's share of the noise goes on its whole padded vector,
+        # where secure aggregation builds it (fedllm/secagg: every coordinate of the sum, as central mode's)
+        std = p.noise_multiplier * p.clip_norm if p.mode == "local" else 0.0
+        return [ClipAndNoise(p.clip_norm, std, p.noise_seed)]
 
     def add_commands(self, subparsers) -> None:
         from fedllm.privacy.cli import add_privacy_command

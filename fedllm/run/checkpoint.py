@@ -27,17 +27,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from fedllm.files import (  # noqa: F401  (re-exported: the run folder's users read them here too)
+from fedllm.files import (
     CheckpointError,
     _fsync_dir,
-    append_line,
-    atomic_write_bytes,
     atomic_write_text,
-    checkpoint_round,
     file_sha256,
     honour_umask,
     io_cause,
-    read_jsonl,
     round_checkpoints,
     save_tensors_atomic,
 )

@@ -414,7 +414,7 @@ def write_results(out_root: Path, summary: dict) -> None:
     import csv
     import io
 
-    from fedllm.run.checkpoint import atomic_write_text
+    from fedllm.files import atomic_write_text
 
     out_root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_root / "compare.json", json.dumps(summary, indent=1))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fedllm.factors import PEFT_PREFIX, Adapter, compact, concat, pad_rank
-from fedllm.run.checkpoint import atomic_write_text, honour_umask, save_tensors_atomic
+from fedllm.files import atomic_write_text, honour_umask, save_tensors_atomic
 
 log = logging.getLogger(__name__)
 

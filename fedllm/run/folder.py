@@ -354,7 +354,7 @@ class RunWriter:
 
     def start(self, cfg, partition_stats: list[dict]) -> None:
         from fedllm.config import save_config
-        from fedllm.run.checkpoint import atomic_write_text
+        from fedllm.files import atomic_write_text
 
         if not self.enabled:
             return
@@ -395,13 +395,13 @@ class RunWriter:
             )
 
     def rows(self) -> list[dict]:
-        from fedllm.run.checkpoint import read_jsonl
+        from fedllm.files import read_jsonl
 
         return read_jsonl(self.metrics_path)
 
     def keep_rows_before(self, round_idx: int) -> list[dict]:
         """Drop the rows of rounds a resume will run again; returns the rows kept."""
-        from fedllm.run.checkpoint import atomic_write_text
+        from fedllm.files import atomic_write_text
 
         rows = [r for r in self.rows() if r["round"] < round_idx]
         if self.enabled:
@@ -414,7 +414,7 @@ class RunWriter:
         return rows
 
     def log(self, row: dict) -> None:
-        from fedllm.run.checkpoint import append_line
+        from fedllm.files import append_line
 
         if not self.enabled:
             return
@@ -428,7 +428,7 @@ class RunWriter:
     def log_answers(self, round_idx: int, answers: list[dict]) -> None:
         """The Rouge-L evaluation's answers of a round, one line in ``generations.jsonl``: a score says
         how often the model is right, its answers how it is wrong."""
-        from fedllm.run.checkpoint import append_line
+        from fedllm.files import append_line
 
         if self.enabled and answers:
             append_line(self.run_dir / GENERATIONS, standard_json({"round": round_idx, "answers": answers}))
@@ -444,7 +444,7 @@ class RunWriter:
         """Complete ``summary`` from the metrics, write the global adapter (``write_adapter(path)``)
         and it.
         """
-        from fedllm.run.checkpoint import atomic_write_text
+        from fedllm.files import atomic_write_text
 
         rows = self.rows() if self.enabled else []
         evals = [r for r in rows if "accuracy" in r or "eval_loss" in r]

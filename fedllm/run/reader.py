@@ -68,7 +68,7 @@ class RunFolder:
 
     def rows(self) -> list[dict]:
         """The ``metrics.jsonl`` rows, in order (a torn last line from a crash is skipped)."""
-        from fedllm.run.checkpoint import read_jsonl
+        from fedllm.files import read_jsonl
 
         return read_jsonl(self.path / ROWS)
 
@@ -92,13 +92,14 @@ class RunFolder:
 
     def rounds_done(self) -> int:
         """The newest round with a checkpoint (0 when none)."""
-        from fedllm.run.checkpoint import checkpoint_round, latest_checkpoint
+        from fedllm.files import checkpoint_round
+        from fedllm.run.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(self.path)
         return checkpoint_round(latest) if latest is not None else 0
 
     def kept_rounds(self) -> list[int]:
-        from fedllm.run.checkpoint import checkpoint_round, round_checkpoints
+        from fedllm.files import checkpoint_round, round_checkpoints
 
         return [checkpoint_round(p) for p in round_checkpoints(self.path)]
 

@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from fedllm.run.checkpoint import atomic_write_text
+from fedllm.files import atomic_write_text
 from fedllm.run.reader import RunFolder
 
 

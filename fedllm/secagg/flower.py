@@ -19,17 +19,18 @@ from typing import Any
 import numpy as np
 
 from fedllm.checks import one_line
+from fedllm.privacy.transform import generator
 from fedllm.protocol import SummedUpdates
-from fedllm.secagg import clip_of, clipping_range, quantization_bits
+from fedllm.secagg import clip_of, clipping_range, noise_std, quantization_bits
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import (
     KEY,
     Layout,
     layout,
     layout_size,
+    site_vector,
     summed_update,
     survivors_weights,
-    to_vector,
 )
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class SecureExchange:
         self.range = clipping_range(cfg)
         self.quantization = 2 ** quantization_bits(cfg)
         self.last: dict[str, Any] = {}  # the last round's protocol outcome (tests and the row read it)
+        self.workflow(1.0, None)  # Flower checks its parameters here, once, not in every round
 
     def workflow(self, max_weight: float, timeout: float):
         from flwr.server.workflow import SecAggPlusWorkflow
@@ -143,26 +145,38 @@ class SecureExchange:
         context.state.config_records["config"] = ConfigRecord({"current_round": plan.round})
         context.state.array_records["parameters"] = ArrayRecord()
         timeout = self.o.timeout_s or driver.timeout
-        if fit_ins:
-            try:
-                self.workflow(max_weight, timeout)(driver.grid, context)
-            except Exception as e:  # the protocol's own refusal (e.g. a site's inconsistent reply)
-                log.warning("round %d: secure aggregation failed: %s", plan.round, one_line(str(e)))
-                strategy.results = None
-        node_to_client = {n: k for k, n in driver.nodes.items()}
-        results = strategy.results[0] if strategy.results is not None else []
-        clients = sorted(
-            node_to_client[int(p.node_id)] for p, _ in results if int(p.node_id) in node_to_client
-        )
-        self.last = {"round": plan.round, "clients": clients, "layout": lay, "range": self.range}
-        if not clients:
-            why = "the secure aggregation halted (fewer sites than its threshold finished a stage)"
+
+        def fail(why: str) -> SummedUpdates:
             failures.update({k: why for k in plan.starts if k not in failures})
+            log.warning("round %d: %s", plan.round, why)
             return SummedUpdates([], _empty(plan), 0, failures)
-        mean = np.asarray(parameters_to_ndarrays(results[0][1].parameters)[0], dtype=np.float64).ravel()
-        self.last["mean"] = mean
-        weights = survivors_weights(server, clients, max_weight, self.quantization)
-        summed = summed_update(server, plan, clients, mean, lay, weights, self.distributed)
+
+        least = max(3, server.rules.min_clients)
+        if len(fit_ins) < least:  # never unmask a sum of fewer sites than that
+            return fail(f"secure aggregation needs {least} connected sites (3, and federation.min_clients)")
+        try:
+            self.workflow(max_weight, timeout)(driver.grid, context)
+        except Exception as e:  # the protocol refused a stage's reply (a site's malformed message)
+            return fail(one_line(f"secure aggregation failed ({type(e).__name__}: {e})"))
+        if strategy.results is None:
+            return fail("the secure aggregation halted: too few sites finished one of its stages")
+        node_to_client = {n: k for k, n in driver.nodes.items()}
+        results = strategy.results[0]
+        if not results or any(int(p.node_id) not in node_to_client for p, _ in results):
+            return fail("the secure aggregation's sum holds a node that is no longer bound to a client")
+        clients = sorted(node_to_client[int(p.node_id)] for p, _ in results)
+        self.last = {"round": plan.round, "clients": clients, "layout": lay, "range": self.range}
+        try:
+            mean = in_range(
+                parameters_to_ndarrays(results[0][1].parameters)[0],
+                self.range,
+                2 * self.range / self.quantization,
+            )
+            self.last["mean"] = mean
+            weights = survivors_weights(server, clients, max_weight, self.quantization)
+            summed = summed_update(server, plan, clients, mean, lay, weights, self.distributed)
+        except (ValueError, RuntimeError, IndexError) as e:
+            return fail(one_line(f"the secure sum is unusable: {e}"))
         for k in plan.starts:
             if k not in clients and k not in failures:
                 failures[k] = "left the secure aggregation before its end (its masks were removed)"
@@ -171,6 +185,17 @@ class SecureExchange:
         summed.upload_numel = layout_size(lay) + 1
         summed.upload_bytes = 8 * summed.upload_numel
         return summed
+
+
+def in_range(mean, bound: float, step: float) -> np.ndarray:
+    """The protocol's mean as a flat float64 vector, refused (ValueError) when a value is not finite or lies
+    beyond ``[-bound, bound]`` by more than a quantization step: a weighted mean of values in the range is in
+    the range, so a value beyond it comes from a site that masked values or a weight outside the protocol's
+    (docs/trust.md: what a hostile site can still do)."""
+    mean = np.asarray(mean, dtype=np.float64).ravel()
+    if not np.isfinite(mean).all() or (mean.size and np.abs(mean).max() > bound + step):
+        raise ValueError(f"the unmasked mean leaves the protocol's range [-{bound:g}, {bound:g}]")
+    return mean
 
 
 def _empty(plan):
@@ -204,16 +229,18 @@ def _secure_train(msg, context):
     start, config_text, client_id = read_start(_from_bytes(bytes(config[START])))
     lay = [(name, tuple(shape)) for name, shape in json.loads(str(config[LAYOUT]))]
     site = client_app._site(context, config_text)
+    if not site.cfg.flower.secure_aggregation or clip_of(site.cfg) <= 0:
+        raise RuntimeError("a secure aggregation message under a config without it (or without a clip)")
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
     update = site.train(start)
     client_app._keep_state(context, site)
     changes = update.wire.get(KEY)
     if changes is None:
-        raise RuntimeError("secure aggregation: the site's runtime made no secure summand (secagg is off)")
-    vector = to_vector(changes, lay)
-    if clip_of(site.cfg) <= 0:
-        raise RuntimeError("secure aggregation: no clip bounds the site's change")
+        raise RuntimeError("secure aggregation: the site's runtime made no secure summand")
+    p = site.cfg.privacy
+    gen = generator(p.noise_seed, start.round, client_id, 3)
+    vector = site_vector(changes, lay, noise_std(site.cfg) if p.mode == "distributed" else 0.0, gen)
     uniform = site.cfg.federation.weighting == "uniform" or site.cfg.privacy.mode != "none"
     weight = 1 if uniform else int(site.client.num_examples)
     return Message(

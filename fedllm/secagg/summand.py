@@ -102,6 +102,17 @@ def to_vector(changes: dict[str, Tensor], lay: Layout) -> np.ndarray:
     return out
 
 
+def site_vector(changes: dict[str, Tensor], lay: Layout, noise_std: float = 0.0, gen=None) -> np.ndarray:
+    """The site's masked vector before masking: its changes in the layout, plus (distributed DP) its share of
+    the noise on *every* coordinate, the padding beyond its rank included, so that each coordinate of the sum
+    carries the noise of all the round's sites as central DP's does (noise on its own rank only would leave
+    the components only the largest ranks train with a fraction of it)."""
+    vec = to_vector(changes, lay)
+    if noise_std > 0:
+        vec += torch.randn(vec.shape, generator=gen, dtype=torch.float64).numpy() * noise_std
+    return vec
+
+
 def from_vector(vec: np.ndarray, lay: Layout) -> dict[str, Tensor]:
     """The layout's tensors out of a flat vector (the protocol's sum)."""
     if vec.shape != (layout_size(lay),):
@@ -150,13 +161,21 @@ def summed_update(
                 start[key]["A"] += w * padded.A
                 start[key]["B"] += w * padded.B
         scale_sum = 1.0
+    # without DP, what no finishing site trains (ranks above the largest of them) is exactly zero, as the
+    # plain average of zero-padded uploads has it (the quantization would leave ~1e-16 there)
+    top = None if distributed else max(server.strategy.adapter_rank(server.clients[k].rank) for k in clients)
     factors: Adapter = {}
     for key, f in base.items():
         A = start[key]["A"] + scale_sum * tensors[f"A.{key}"] if "A" in uploads else f.A.clone()
         B = start[key]["B"] + scale_sum * tensors[f"B.{key}"] if "B" in uploads else f.B.clone()
+        if top is not None:
+            if "A" in uploads:
+                A[top:] = 0.0
+            if "B" in uploads:
+                B[:, top:] = 0.0
         factors[key] = LoraFactors(A, B, 1.0)
     # what did not travel because it is frozen and shared is the base point's (FFA-LoRA's A)
     factors = server.hook.for_round(plan.round).incoming(factors, base)
     dense = {k: t + scale_sum * tensors[f"dense.{k}"] for k, t in server.state.dense.items()}
     update = ClientUpdate(-1, 0, factors, dense, round=plan.round, plan=plan.token)
-    return SummedUpdates(clients=list(clients), update=update, contributors=n)
+    return SummedUpdates(clients=list(clients), update=update, contributors=n, reference=base)

@@ -241,7 +241,9 @@ class Server:
                 self.rules.min_clients,
             )
         else:
-            merged, skipped = self._aggregate(plan, updates, info, replied, contributors=valid)
+            merged, skipped = self._aggregate(
+                plan, updates, info, replied, contributors=valid, summed=results if summed else None
+            )
         self.merges.add(plan.round, merged)
         for k in plan.active:  # a client that replied applied its catch-up first
             got = k in results.clients if summed else not isinstance(results.get(k, "no reply"), str)
@@ -340,7 +342,7 @@ class Server:
     ) -> tuple[list[ClientUpdate], dict, list[int]]:
         """A secure round's one update (the sum) if it is finite, the failures, and the clients it holds.
         Each contributor's masked vector counts as its upload; nothing else of one site can be checked here
-        (docs/security.md: what the server trusts under secure aggregation)."""
+        (docs/trust.md: what the server trusts under secure aggregation)."""
         failures = {str(k): one_line(why) for k, why in summed.failures.items()}
         clients = [k for k in plan.active if k in summed.clients]
         for k in clients:
@@ -477,19 +479,24 @@ class Server:
         )
 
     def _aggregate(
-        self, plan: RoundPlan, updates: list[ClientUpdate], info: dict, replied: list[int], contributors: int
+        self,
+        plan: RoundPlan,
+        updates: list[ClientUpdate],
+        info: dict,
+        replied: list[int],
+        contributors: int,
+        summed: SummedUpdates | None = None,
     ) -> tuple[Adapter, bool]:
         """The strategy's new global state and the algorithm's server update; returns what is merged, and
         whether the round had to be skipped (an aggregate or a server state that fails or is not finite
         changes nothing). ``replied``: the clients the updates hold (a secure sum is one update of
-        ``contributors`` clients, aggregated with weight 1)."""
+        ``contributors`` clients, aggregated with weight 1: ``summed``)."""
         round_idx = plan.round
         before = self.algorithm.state_dict()
-        summed = len(updates) == 1 and updates[0].client_id < 0
         context = self.context(plan, [] if summed else updates)
         context.contributors = contributors
-        if summed:
-            context.references = [{}]
+        if summed is not None:
+            context.references = [summed.reference]
         try:
             result = self.strategy.aggregate(
                 updates, self.state, [1.0] if summed else self.weights(updates), context
