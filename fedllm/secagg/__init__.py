@@ -13,8 +13,9 @@ FFA-LoRA, FedSVD, RoLoRA); the config refuses the others, each with why.
 What the server can no longer check, and what it still can, is the trust table of docs/trust.md: it sees
 neither a site's update (so no per-update finiteness check, median clip, or norm report), only the sum's shape
 and the protocol's quorum; each site clips before masking (``secagg.clip_norm``, or ``privacy.clip_norm``), so
-a site that follows the code moves the sum by at most the clip, while a hostile site can still send any vector
-within the protocol's range (``clipping_range`` per value).
+a site that follows the code moves the sum by at most the clip, while a hostile site can mask any integers
+of the field (values, or its weight); the server refuses a mean outside the protocol's range, so such a site
+moves each value of the mean by at most twice the range (``clipping_range``).
 
 With ``privacy.mode=distributed`` each site adds its share ``N(0, (sigma C)^2 / m)`` of the noise before
 masking, so the sum carries central DP's ``N(0, (sigma C)^2)`` without the server ever adding it; the
