@@ -39,7 +39,7 @@ from fedllm.features import FEATURES
 from fedllm.model.evaluation import Generation
 from fedllm.model.modeling import context_length, is_quantized, load_base
 from fedllm.model.parallel import Layout, uses_deepspeed, zero_stage
-from fedllm.protocol import ClientInfo, derive_seed
+from fedllm.protocol import ClientInfo, TrainExchange, derive_seed
 from fedllm.server import Rules, Sampling, Server
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ def check_client_batches(cfg: Config, layout: Layout, data: list[ClientTokens]) 
             )
 
 
-def train_exchange(cfg: Config):
+def train_exchange(cfg: Config) -> TrainExchange | None:
     """The way a feature has the driver gather each round's uploads (secure aggregation's sum), or None: each
     update as it is (see ``Feature.train_exchange``)."""
     for feature in FEATURES:

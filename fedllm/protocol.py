@@ -18,7 +18,7 @@ client runtime).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -144,6 +144,16 @@ class SummedUpdates:
     upload_numel: int = 0
     upload_bytes: int | None = None
     reference: Adapter = field(default_factory=dict)  # the point the sum's changes are measured from
+
+
+class TrainExchange(Protocol):
+    """A feature's way of gathering a round (``Feature.train_exchange``): ``option`` names the setting that
+    asks for it (for a driver's refusal); ``train`` runs the round on a driver that can (the Flower
+    driver)."""
+
+    option: str
+
+    def train(self, driver: Any, plan: Any) -> SummedUpdates: ...
 
 
 @dataclass
@@ -499,7 +509,7 @@ class Feature:
         residual), as a user would write them; empty when none do."""
         return ""
 
-    def train_exchange(self, options, cfg):
+    def train_exchange(self, options, cfg) -> TrainExchange | None:
         """Another way a driver gathers a round's uploads (secure aggregation: their sum only, as
         :class:`SummedUpdates`), an object with ``train(driver, plan)``; None: each update as it is. A driver
         that cannot run it refuses the config (``RoundLoop``)."""

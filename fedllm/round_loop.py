@@ -31,7 +31,7 @@ from fedllm.client.store import ClientStore
 from fedllm.config import Config, ConfigError, flat_config
 from fedllm.logs import set_names_clients
 from fedllm.model.evaluation import Generation, evaluate_global
-from fedllm.protocol import derive_seed
+from fedllm.protocol import SummedUpdates, derive_seed
 from fedllm.run.export import save_global_adapter
 from fedllm.run.folder import RunWriter
 from fedllm.server import RoundPlan, RoundReport, Server
@@ -110,8 +110,9 @@ class RoundLoop(abc.ABC):
         """Build the pieces (``fedllm.assembly``); bad input fails before the model loads."""
 
     @abc.abstractmethod
-    def train_clients(self, plan: RoundPlan) -> dict[int, Any]:
-        """Each active client's update (or why it failed), trained from ``plan.starts``."""
+    def train_clients(self, plan: RoundPlan) -> dict[int, Any] | SummedUpdates:
+        """Each active client's update (or why it failed), trained from ``plan.starts``; or, under a feature's
+        exchange (secure aggregation), the round's sum."""
 
     @abc.abstractmethod
     def personalized(self, round_idx: int, clients: list[int]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
 from fedllm.flower.records import info_record, record_bytes, start_record
 from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update
 from fedllm.logs import client_label, names_clients, redact, setup_logging
+from fedllm.protocol import SummedUpdates
 from fedllm.round_loop import RoundLoop, personal_summary
 
 log = logging.getLogger(__name__)
@@ -305,7 +306,7 @@ class FlowerDriver(RoundLoop):
         done.row.update(self.wire_bytes)
         return done
 
-    def train_clients(self, plan) -> Any:
+    def train_clients(self, plan) -> dict[int, Any] | SummedUpdates:
         """Each active client's update (or why it failed), or a feature's exchange's result (secure
         aggregation: the round's sum, ``fedllm/secagg``)."""
         if self.exchange is not None:

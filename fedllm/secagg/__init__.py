@@ -33,7 +33,7 @@ import dataclasses
 import math
 
 from fedllm.options import Rule
-from fedllm.protocol import Feature, sample_size
+from fedllm.protocol import Feature, TrainExchange, sample_size
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import SecureSummand
 
@@ -218,7 +218,7 @@ class SecureAggregationFeature(Feature):
         # under DP, DP's own transform (before this one) clipped and noised the change: kept as it is
         return [SecureSummand(0.0 if cfg.privacy.mode != "none" else o.clip_norm)]
 
-    def train_exchange(self, o: SecAggOptions, cfg):
+    def train_exchange(self, o: SecAggOptions, cfg) -> TrainExchange | None:
         if not _on(cfg):
             return None
         from fedllm.secagg.flower import SecureExchange
