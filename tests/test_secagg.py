@@ -652,16 +652,16 @@ def test_a_secure_fedit_run_is_the_plain_run_within_the_quantization_bound(tmp_p
     from fedllm.secagg import summand
 
     sent: dict[int, np.ndarray] = {}
-    original = summand.to_vector
+    original = summand.site_vector
 
-    def recording(changes, lay):
-        v = original(changes, lay)
+    def recording(changes, lay, noise_std=0.0, gen=None):
+        v = original(changes, lay, noise_std, gen)
         sent[len(sent)] = v
         return v
 
     import fedllm.secagg.flower as sf
 
-    monkeypatch.setattr(sf, "to_vector", recording)
+    monkeypatch.setattr(sf, "site_vector", recording)
     _, _, plain = flower_run(tmp_path, "plain")
     driver, grid, secure = flower_run(
         tmp_path, "secure", "flower.secure_aggregation=true", "secagg.clip_norm=10"
