@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedllm.config import Config, ConfigError, load_config, save_config
 from fedllm.data import load_partitions
+from fedllm.files import atomic_write_text
 from fedllm.flower.identity import refuse_token_modules
-from fedllm.run.checkpoint import atomic_write_text
 
 
 def write_site_partitions(cfg: Config, out: Path) -> list[Path]:

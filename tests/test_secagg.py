@@ -29,7 +29,12 @@ Q = 2**22
 
 
 def products(server) -> dict[str, torch.Tensor]:
+    """The global model's update of each module and dense module, and the raw global factors where they are
+    the strategy's parameters (FedSVD's are re-factored: its SVD gauge is compared through the products)."""
     out = {k: f.folded().B @ f.folded().A for k, f in server.strategy.global_adapter(server.state).items()}
+    if server.strategy.name != "fedsvd":
+        for k, f in server.state.factors.items():
+            out[f"{k}.A"], out[f"{k}.B"] = f.A, f.B
     return {**out, **{f"dense.{k}": t for k, t in server.state.dense.items()}}
 
 
@@ -56,7 +61,7 @@ def secure_round(server, plan, updates: dict[int, ClientUpdate], distributed=Fal
     return server.finish_round(plan, summed)
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "ffa", "fedsvd", "rolora"])
+@pytest.mark.parametrize("strategy", ["fedit", "ffa", "fedsvd", "rolora", "fedsa"])
 @pytest.mark.parametrize("drop", [None, 2], ids=["all", "one-dropped"])
 def test_the_secure_sum_gives_each_linear_strategys_plain_round(strategy, drop):
     """Mixed ranks (4, 4, 8, 8), example weights, three rounds (RoLoRA: B, A, B): the strategy's global model
@@ -445,38 +450,47 @@ def _masked(grid) -> dict[int, np.ndarray]:
     return out
 
 
-def test_a_hostile_site_moves_the_mean_by_at_most_what_the_field_lets_it(secure_cfg, monkeypatch):
-    """Site 101 adds 2^modulus - 1 to every masked value it sends (the largest integer of the field, past the
-    quantization): the mean stays finite and moves by at most 2 range x 2^modulus / 2^bits / sites per value
-    (docs/trust.md), while an honest run stays within one quantization step."""
+@pytest.mark.parametrize("shift", ["quarter-range", "half-field"])
+def test_a_hostile_site_moves_the_mean_by_at_most_what_the_field_lets_it(secure_cfg, monkeypatch, shift):
+    """Site 101 adds an integer to every value it masks (past the quantization): a quarter of the quantization
+    range, or half the field (the largest move modulo the field). The mean stays finite and moves by at most
+    2 range x 2^modulus / 2^bits / sites per value; a mean the server accepts (in the range) has moved by at
+    most 2 range, and the half-field shift is refused (docs/trust.md)."""
     from flwr.common import bytes_to_ndarray, ndarray_to_bytes
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
+    from fedllm.secagg import clipping_range, quantization_bits
+    from fedllm.secagg.flower import in_range
+
     vectors = clipped_vectors(5, 1000, seed=5)
     honest_mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
-    field = 2**secure_cfg.secagg.modulus_bits
+    field, q = 2**secure_cfg.secagg.modulus_bits, 2 ** quantization_bits(secure_cfg)
+    added = q // 4 if shift == "quarter-range" else field // 2
     original = VectorGrid.send_and_receive
 
     def tampering(self, messages, timeout=None):
         replies = original(self, messages, timeout)
         for reply in replies:
-            records = reply.content.config_records if not reply.has_error() else {}
-            if reply.metadata.src_node_id == 101 and Key.MASKED_PARAMETERS in records.get(
-                RECORD_KEY_CONFIGS, {}
-            ):
-                config = records[RECORD_KEY_CONFIGS]
+            config = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            if reply.metadata.src_node_id == 101 and Key.MASKED_PARAMETERS in config:
                 arrays = [bytes_to_ndarray(b) for b in config[Key.MASKED_PARAMETERS]]
-                config[Key.MASKED_PARAMETERS] = [ndarray_to_bytes((a + field - 1) % field) for a in arrays]
+                arrays[1:] = [(a + added) % field for a in arrays[1:]]  # the values (not the weight)
+                config[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(a) for a in arrays]
         return replies
 
     monkeypatch.setattr(VectorGrid, "send_and_receive", tampering)
     mean, nodes, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
     assert nodes == sorted(vectors) and np.isfinite(mean).all()
-    from fedllm.secagg import clipping_range, quantization_bits
-
-    bound = 2 * clipping_range(secure_cfg) * field / 2 ** quantization_bits(secure_cfg) / 5
+    r = clipping_range(secure_cfg)
     moved = np.abs(mean - honest_mean).max()
-    assert quantization_error(secure_cfg) < moved <= bound, (moved, bound)
+    assert moved <= 2 * r * field / q / 5 + 2 * quantization_error(secure_cfg), moved
+    assert moved > 10 * quantization_error(secure_cfg)  # the tampering did move it
+    if shift == "half-field":
+        with pytest.raises(ValueError, match="leaves the protocol's range"):
+            in_range(mean, r, 2 * r / q)
+    else:
+        in_range(mean, r, 2 * r / q)
+        assert moved <= 2 * r
 
 
 @pytest.mark.parametrize("stage", ["collect_masked_vectors", "unmask"])
@@ -508,7 +522,7 @@ def test_too_many_sites_gone_halts_the_round_without_a_result(secure_cfg):
         (["aggregation.name=hetlora"], "by its own norm"),
         (["aggregation.name=floral"], "router"),
         (["aggregation.name=fedex"], "residual of each client's own product"),
-        (["aggregation.name=fedsa"], "clients that send it"),
+        (["aggregation.name=fedsa", "aggregation.fedsa.share_b_every=2"], "clients that send it"),
         (["aggregation.name=fedsb"], "strategy extras"),
         (["client.algorithm=scaffold"], "control-variate"),
         (["aggregation.robust=median"], "aggregation.robust=median"),

@@ -132,6 +132,13 @@ class Strategy(abc.ABC):
     def check_config(cls, cfg) -> None:
         """Refuse configs this strategy cannot run, before any work starts."""
 
+    @classmethod
+    def sums_uploads(cls, cfg) -> bool:
+        """Whether, under ``cfg``, the server needs only the weighted sum of the factors and dense modules the
+        clients upload (what secure aggregation gives it): the ``linear`` strategies, unless their sum is of
+        something else (Fed-SB's R, an extra)."""
+        return cls.linear
+
     def initial_factors(self, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
         """The global factors before round 1 (FFA-LoRA: its shared frozen A); default none, so that clients
         start from their own fresh initialization."""
@@ -330,6 +337,9 @@ class StrategyWrapper(Strategy, register=False):
     # calls
     def check_config(self, cfg) -> None:  # type: ignore[override]
         self.inner.check_config(cfg)
+
+    def sums_uploads(self, cfg) -> bool:  # type: ignore[override]
+        return self.inner.sums_uploads(cfg)
 
     def initial_factors(self, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
         return self.inner.initial_factors(modules, rank, seed)

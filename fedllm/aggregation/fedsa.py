@@ -122,6 +122,12 @@ class FedSALoRA(Strategy):
     averages_parameters = False  # B is never averaged: algorithms that pull every parameter do not apply
     options = FedSAOptions
 
+    @classmethod
+    def sums_uploads(cls, cfg) -> bool:
+        """Without B sharing the round is the weighted sum of the uploaded A's (secure aggregation can run
+        it); with it, the shared B is averaged over that round's sharers only."""
+        return cfg.aggregation.fedsa.share_b_every == 0
+
     def __init__(self, share_b_every: int = 0) -> None:
         if share_b_every < 0:
             raise ValueError(f"fedsa_share_b_every = {share_b_every}: expected an integer >= 0")

@@ -192,6 +192,12 @@ class FedSB(Strategy):
     averages_parameters = False  # the client trains R, not its LoRA factors: no per-factor client state
     options = FedSBOptions
 
+    @classmethod
+    def sums_uploads(cls, cfg) -> bool:
+        """Its sum is of R and the initialization's steps, which travel as extras: not the secure layout's
+        factors and dense modules (not built)."""
+        return False
+
     def __init__(self, init_examples: int = 32, init_lr: float = 1e-4) -> None:
         self.init_examples, self.init_lr = init_examples, init_lr
 

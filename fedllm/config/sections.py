@@ -458,7 +458,7 @@ class FlowerConfig:
     secure_aggregation: bool = opt(
         False,
         "Flower: each round's uploads are summed by Flower's SecAgg+ (secagg.*): the server learns their "
-        "sum only, never one site's update (linear strategies: fedit, ffa, fedsvd, rolora; see "
+        "sum only, never one site's update (fedit, ffa, fedsvd, rolora, fedsa without B sharing; see "
         "docs/trust.md for the checks that give way)",
     )
     share_token_modules: bool = opt(

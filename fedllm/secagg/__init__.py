@@ -7,8 +7,9 @@ pairwise masks agreed with its neighbours and a private one, secret-shares what 
 unmasks only the sum, recovering the masks of sites that drop after sharing their keys. fedllm adds what makes
 a federated LoRA round a sum of fixed-shape vectors (:mod:`fedllm.secagg.summand`): each site's clipped
 change, zero-padded from its rank to the federation's largest, in a layout the server fixes per round. Only
-strategies whose aggregate is a weighted sum of the uploads can run on it (``Strategy.linear``: FedIT,
-FFA-LoRA, FedSVD, RoLoRA); the config refuses the others, each with why.
+strategies whose aggregate is a weighted sum of the uploaded factors can run on it
+(``Strategy.sums_uploads``: FedIT, FFA-LoRA, FedSVD, RoLoRA, FedSA-LoRA without B sharing); the config refuses
+the others, each with why.
 
 What the server can no longer check, and what it still can, is the trust table of docs/trust.md: it sees
 neither a site's update (so no per-update finiteness check, median clip, or norm report), only the sum's shape
@@ -47,7 +48,8 @@ WHY_NOT = {
     "hetlora": "weights each update by its own norm",
     "floral": "averages each router with its own client's weights",
     "fedex": "adds the residual of each client's own product",
-    "fedsa": "averages the shared B over the clients that send it that round only",
+    "fedsa": "with aggregation.fedsa.share_b_every > 0 averages the shared B over the clients that send it "
+    "that round only",
     "fedsb": "sends R and its initialization steps as strategy extras, which the secure layout does not "
     "carry yet",
     "local": "aggregates nothing",
@@ -108,21 +110,12 @@ class SecureAggregationFeature(Feature):
         return [
             Rule(
                 "secure aggregation sums the uploads",
-                lambda cfg, s, a: _on(cfg) and not s.linear,
+                lambda cfg, s, a: _on(cfg) and not s.sums_uploads(cfg),
                 lambda cfg, s, a: (
                     f"flower.secure_aggregation=true: the server learns only the sum of the uploads, and "
                     f"aggregation.name={cfg.aggregation.name} "
-                    f"{WHY_NOT.get(cfg.aggregation.name, 'is not a weighted sum of the uploads')}; use "
-                    "fedit, ffa, fedsvd or rolora"
-                ),
-            ),
-            Rule(
-                "secure aggregation's layout",
-                lambda cfg, s, a: _on(cfg) and s.linear and bool(s.hook.shared_extras),
-                lambda cfg, s, a: (
-                    f"flower.secure_aggregation=true: aggregation.name={cfg.aggregation.name} "
-                    + WHY_NOT.get(cfg.aggregation.name, "uploads extras the secure layout does not carry")
-                    + "; use fedit, ffa, fedsvd or rolora"
+                    + WHY_NOT.get(cfg.aggregation.name, "is not a weighted sum of the uploads")
+                    + "; use fedit, ffa, fedsvd, rolora or fedsa (without B sharing)"
                 ),
             ),
             Rule(

@@ -1,6 +1,7 @@
 """What a site's masked vector carries, and how the server turns the protocol's sum back into a round.
 
-A strategy whose aggregate is linear in the uploads (``Strategy.linear``: FedIT, FFA-LoRA, FedSVD, RoLoRA)
+A strategy whose aggregate is linear in the uploads (``Strategy.sums_uploads``: FedIT, FFA-LoRA, FedSVD,
+RoLoRA, FedSA-LoRA without B sharing)
 needs only ``sum_k w_k x_k`` of fixed-shape tensors. Every site sends the *change* of what it uploads,
 measured from what it started from, in the aggregation space (B with its scale folded in), zero-padded from
 its rank to the federation's largest one (its leading components, as the strategies pad), flattened in an
