@@ -815,3 +815,22 @@ def test_a_two_round_simulation_engine_run(tmp_path, builtin_base, dp):
     r2 = max_diff(server_tensors(tmp_path / "sim", 2), server_tensors(tmp_path / "flower", 2))
     assert 0 < r1 <= bound * (1 + 1e-3) + 1e-7, (r1, bound)
     assert r2 <= 3 * bound, (r2, bound)
+
+
+def test_a_site_pinned_to_secure_aggregation_refuses_a_plain_round(tmp_path):
+    """A site whose operator set ``secure-aggregation=required`` in its node config refuses a plain train
+    message before reading it, so a server cannot ask it for its update in the clear."""
+    from flwr.app import Context, RecordDict
+
+    from fedllm.flower import client_app
+
+    context = Context(
+        run_id=1,
+        node_id=100,
+        node_config={"client-id": 0, "state-dir": str(tmp_path), "secure-aggregation": "required"},
+        state=RecordDict(),
+        run_config={},
+    )
+    message = SimpleNamespace(content=RecordDict(), metadata=SimpleNamespace(message_id="m1"))
+    with pytest.raises(RuntimeError, match="requires secure aggregation"):
+        client_app.train(message, context)
