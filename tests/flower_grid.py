@@ -153,3 +153,22 @@ def meta_of(content) -> dict:
 def with_meta(content, **change):
     meta = {**meta_of(content), **change}
     return RecordDict({"tensors": content["tensors"], "meta": ConfigRecord({"json": json.dumps(meta)})})
+
+
+def run_on_simulation_engine(cfg, run_dir, num_supernodes: int = 4) -> None:
+    """fedllm's ServerApp and ClientApp on Flower's Simulation Engine: Ray workers of one CPU each, two
+    CPUs in all (this machine's)."""
+    from flwr.simulation import run_simulation
+
+    from fedllm.flower.client_app import app as client_app
+    from fedllm.flower.server_app import server_app
+
+    run_simulation(
+        server_app(cfg, run_dir, startup_timeout_s=300),
+        client_app,
+        num_supernodes=num_supernodes,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
+    )

@@ -87,10 +87,7 @@ SLOW = pytest.mark.slow
     ],
 )
 def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, more, builtin_base):
-    from flwr.simulation import run_simulation
-
-    from fedllm.flower.client_app import app as client_app
-    from fedllm.flower.server_app import server_app
+    from tests.flower_grid import run_on_simulation_engine
 
     extra = [f"aggregation.name={strategy}", "eval.limit=2", "federation.seed=3", *more]
     extra.append("flower.share_token_modules=true")  # the tiny base shares its embeddings (accepted here)
@@ -103,15 +100,7 @@ def test_simulation_engine_equals_in_process_simulation(tmp_path, strategy, more
         reference.setup()
         ref = reference.run()
         cfg = load_config(None, tiny_overrides(tmp_path / "flower", *extra))
-        run_simulation(
-            server_app(cfg, tmp_path / "flower", startup_timeout_s=300),
-            client_app,
-            num_supernodes=4,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": 2, "include_dashboard": False},
-            },
-        )
+        run_on_simulation_engine(cfg, tmp_path / "flower")
     finally:
         torch.set_num_threads(threads)
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())

@@ -273,19 +273,22 @@ def task_identity(monkeypatch):
 
 
 class VectorGrid:
-    """A Grid that hands Flower's own SecAgg+ messages to a ClientApp in this process (real Messages, copied
-    as the wire copies them); ``dead_at``: node -> the stage at which it stops answering; ``received``: what
-    the server got back at each stage."""
+    """A Grid that hands Flower's messages to a ClientApp in this process (real Messages, copied as the wire
+    copies them): ``contexts`` by node; ``dead_at``: node -> the SecAgg+ stage at which it vanishes;
+    ``received``: what the server got back, with the stage of each (None: not a protocol message)."""
 
-    def __init__(self, app, nodes, dead_at=None):
-        from flwr.app import Context, RecordDict
-
-        self.app, self.ids, self.dead_at = app, itertools.count(1), dict(dead_at or {})
-        self.contexts = {
-            n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={}) for n in nodes
-        }
-        self.received: list[tuple[int, str, object]] = []
+    def __init__(self, app, contexts: dict, dead_at=None):
+        self.app, self.contexts, self.ids, self.dead_at = (
+            app,
+            contexts,
+            itertools.count(1),
+            dict(dead_at or {}),
+        )
+        self.received: list[tuple[int, str | None, object]] = []
         self.run = SimpleNamespace(run_id=1)
+
+    def get_nodes(self):
+        return [SimpleNamespace(node_id=n, public_key=b"") for n in self.contexts]
 
     def send_and_receive(self, messages, timeout=None):
         from flwr.app import Error, Message
@@ -296,8 +299,9 @@ class VectorGrid:
             m.metadata.__dict__["_message_id"] = f"m{next(self.ids)}"
             m = copy.deepcopy(m)
             node = m.metadata.dst_node_id
-            stage = m.content.config_records[RECORD_KEY_CONFIGS]["stage"]
-            if self.dead_at.get(node) == stage:
+            records = m.content.config_records
+            stage = records[RECORD_KEY_CONFIGS]["stage"] if RECORD_KEY_CONFIGS in records else None
+            if stage is not None and self.dead_at.get(node) == stage:
                 self.contexts.pop(node, None)
             if node not in self.contexts:
                 continue  # no reply: the node is gone
@@ -310,6 +314,12 @@ class VectorGrid:
                 self.received.append((node, stage, copy.deepcopy(reply.content)))
             out.append(reply)
         return out
+
+
+def bare_contexts(nodes) -> dict:
+    from flwr.app import Context, RecordDict
+
+    return {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={}) for n in nodes}
 
 
 def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
@@ -354,7 +364,7 @@ def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True):
     from fedllm.secagg.flower import SecureExchange, _round_strategy
 
     app, sf, fake_train = vector_app(vectors, weights)
-    grid = VectorGrid(app, list(vectors), dead_at)
+    grid = VectorGrid(app, bare_contexts(vectors), dead_at)
     ex = SecureExchange(cfg.secagg, cfg)
     ins = [(GridClientProxy(n, grid, 1), FitIns(Parameters([], ""), {})) for n in vectors]
     strategy = _round_strategy(ins)
@@ -572,56 +582,24 @@ def test_the_in_process_simulation_refuses_secure_aggregation(tmp_path):
 
 
 # ------------------------------------------------------------------ fedllm's ServerApp and ClientApp
-class SiteGrid:
-    """A Grid whose nodes 100+k host site k in this process behind the real ClientApp (its mods included),
-    with real Messages: what a SuperLink would carry. ``dead_at``: node -> SecAgg+ stage at which it vanishes;
-    ``received``: what the server got back at each stage."""
+def site_grid(tmp_path, n: int, dead_at=None) -> VectorGrid:
+    """Nodes 100+k host site k in this process behind fedllm's real ClientApp (its mods included), with real
+    Messages: what a SuperLink would carry."""
+    from flwr.app import Context, RecordDict
 
-    def __init__(self, tmp_path, n: int, dead_at=None):
-        from flwr.app import Context, RecordDict
+    from fedllm.flower import client_app
 
-        self.contexts = {
-            100 + k: Context(
-                run_id=1,
-                node_id=100 + k,
-                node_config={"client-id": k, "state-dir": str(tmp_path / f"site-{k}")},
-                state=RecordDict(),
-                run_config={},
-            )
-            for k in range(n)
-        }
-        self.ids, self.dead_at, self.received = itertools.count(1), dict(dead_at or {}), []
-        self.run = SimpleNamespace(run_id=1)
-
-    def get_nodes(self):
-        return [SimpleNamespace(node_id=n, public_key=b"") for n in self.contexts]
-
-    def send_and_receive(self, messages, timeout=None):
-        from flwr.app import Error, Message
-        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-
-        from fedllm.flower import client_app
-
-        out = []
-        for m in messages:
-            m.metadata.__dict__["_message_id"] = f"m{next(self.ids)}"
-            m = copy.deepcopy(m)
-            node = m.metadata.dst_node_id
-            records = m.content.config_records
-            stage = records[RECORD_KEY_CONFIGS]["stage"] if RECORD_KEY_CONFIGS in records else None
-            if stage is not None and self.dead_at.get(node) == stage:
-                self.contexts.pop(node, None)
-            if node not in self.contexts:
-                continue
-            try:
-                reply = client_app.app(m, self.contexts[node])
-            except Exception as e:
-                reply = Message(Error(code=0, reason=repr(e)), reply_to=m)
-            reply.metadata.__dict__["_src_node_id"] = node
-            if not reply.has_error():
-                self.received.append((node, stage, copy.deepcopy(reply.content)))
-            out.append(reply)
-        return out
+    contexts = {
+        100 + k: Context(
+            run_id=1,
+            node_id=100 + k,
+            node_config={"client-id": k, "state-dir": str(tmp_path / f"site-{k}")},
+            state=RecordDict(),
+            run_config={},
+        )
+        for k in range(n)
+    }
+    return VectorGrid(client_app.app, contexts, dead_at)
 
 
 def flower_run(tmp_path, name, *extra, dead_at=None, n=4):
@@ -639,7 +617,7 @@ def flower_run(tmp_path, name, *extra, dead_at=None, n=4):
             *extra,
         ),
     )
-    grid = SiteGrid(tmp_path / f"{name}-sites", n, dead_at)
+    grid = site_grid(tmp_path / f"{name}-sites", n, dead_at)
     driver = server_app.FlowerDriver(cfg, tmp_path / name, grid, startup_timeout_s=5)
     driver.setup()
     return driver, grid, driver.run()
@@ -753,12 +731,9 @@ def test_a_two_round_simulation_engine_run(tmp_path, builtin_base, dp):
     with secure aggregation the global state is the in-process plain simulation's within the quantization
     bound after round 1 and three bounds after round 2 (SGD); with distributed DP, the summary's epsilon is
     dp-accounting's for central DP with the summed noise."""
-    from flwr.simulation import run_simulation
-
-    from fedllm.flower.client_app import app as client_app
-    from fedllm.flower.server_app import server_app
     from fedllm.privacy import spent
     from fedllm.simulation import Simulation
+    from tests.flower_grid import run_on_simulation_engine
 
     extra = [
         "federation.num_clients=4",
@@ -787,15 +762,7 @@ def test_a_two_round_simulation_engine_run(tmp_path, builtin_base, dp):
             reference.setup()
             reference.run()
         cfg = load_config(None, tiny_overrides(tmp_path / "flower", *extra, *secure))
-        run_simulation(
-            server_app(cfg, tmp_path / "flower", startup_timeout_s=300),
-            client_app,
-            num_supernodes=4,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": 2, "include_dashboard": False},
-            },
-        )
+        run_on_simulation_engine(cfg, tmp_path / "flower")
     finally:
         torch.set_num_threads(threads)
     summary = json.loads((tmp_path / "flower" / "summary.json").read_text())
