@@ -721,6 +721,7 @@ def test_distributed_dp_reports_the_central_epsilon_of_the_summed_noise(tmp_path
     )
     rows = [json.loads(x) for x in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["agg_dp_server_noise_share"] for r in rows[1:]] == [0.0, 0.0]
+    assert "secure_aggregation" in summary and any("SecAgg+" in g for g in summary["guarantees"])
     assert math.isfinite(out["loss_after"])
 
 
@@ -801,3 +802,29 @@ def test_a_site_pinned_to_secure_aggregation_refuses_a_plain_round(tmp_path):
     message = SimpleNamespace(content=RecordDict(), metadata=SimpleNamespace(message_id="m1"))
     with pytest.raises(RuntimeError, match="requires secure aggregation"):
         client_app.train(message, context)
+
+
+def test_the_run_summary_names_secure_aggregation_beside_dps_guarantee(tmp_path):
+    from fedllm.aggregation import strategy_from_config
+    from fedllm.features import FEATURES
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            "federation.num_clients=4",
+            "flower.secure_aggregation=true",
+            "privacy.mode=distributed",
+            "privacy.noise_multiplier=1.0",
+        ),
+    )
+    strategy = strategy_from_config(cfg.aggregation)
+    for feature in FEATURES:
+        strategy = feature.wrap_strategy(strategy, getattr(cfg, feature.section), cfg)
+    summary = strategy.run_summary(2)
+    assert (
+        summary["privacy"]["mode"] == "distributed"
+        and summary["secure_aggregation"]["quantization_bits"] == 29
+    )
+    assert len(summary["guarantees"]) == 2 and "SecAgg+" in summary["guarantees"][1]
+    assert strategy.name == "fedit" and strategy.sums_uploads(cfg)

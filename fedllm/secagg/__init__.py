@@ -199,6 +199,31 @@ class SecureAggregationFeature(Feature):
                 f"site's secrets among the others); this config samples {m}"
             )
 
+    def wrap_strategy(self, strategy, o: SecAggOptions, cfg):
+        if not _on(cfg):
+            return strategy
+        from fedllm.secagg.report import SecureReport
+
+        return SecureReport(strategy, self.summary(cfg))
+
+    def summary(self, cfg) -> dict:
+        """What the run's summary says of secure aggregation (its section and its guarantee line)."""
+        o = cfg.secagg
+        section = {
+            "protocol": "Flower SecAgg+ (SecAggPlusWorkflow, secaggplus_mod)",
+            "clip_norm": clip_of(cfg),
+            "clipping_range": clipping_range(cfg),
+            "quantization_bits": quantization_bits(cfg),
+            "modulus_bits": o.modulus_bits,
+            "num_shares": o.num_shares,
+            "reconstruction_threshold": o.reconstruction_threshold,
+        }
+        line = (
+            "secure aggregation: the server unmasked only the sum of each round's uploads (Flower's SecAgg+, "
+            f"each site's change clipped to {clip_of(cfg):g} and quantized to {quantization_bits(cfg)} bits)"
+        )
+        return {"secure_aggregation": section, "guarantees": [line]}
+
     def server_rules(self, rules, o: SecAggOptions, cfg):
         if not _on(cfg):
             return rules
