@@ -515,9 +515,10 @@ class Feature:
         that cannot run it refuses the config (``RoundLoop``)."""
         return None
 
-    def client_mods(self) -> list:
+    def client_mods(self, sites: Any) -> list:
         """Flower ClientApp mods this feature adds to every site's ``train`` (each passes messages that are
-        not its own through)."""
+        not its own through); ``sites``: how the ClientApp gives a message's site (``site(context,
+        config_text)``) and keeps its state (``keep(context, site)``), so that a mod needs no import of it."""
         return []
 
     def hidden_sample(self, options, cfg) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
@@ -57,7 +58,13 @@ def query(message: Message, context: Context) -> Message:
     return Message(reply, reply_to=message)
 
 
-@app.train(mods=[mod for feature in FEATURES for mod in feature.client_mods()])  # secure aggregation's
+# what a feature's mod may do with a message's site (secure aggregation trains it in the protocol's stage)
+SITES = SimpleNamespace(
+    site=lambda context, config_text: _site(context, config_text), keep=lambda c, s: _keep_state(c, s)
+)
+
+
+@app.train(mods=[mod for feature in FEATURES for mod in feature.client_mods(SITES)])  # secure aggregation's
 def train(message: Message, context: Context) -> Message:
     if str(node_setting(context.node_config, "secure-aggregation", "")).lower() in ("required", "true", "1"):
         # the site's own pin: a server that asks for a plain round would get its update in the clear

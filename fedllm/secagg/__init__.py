@@ -243,10 +243,10 @@ class SecureAggregationFeature(Feature):
 
         return SecureExchange(o, cfg)
 
-    def client_mods(self) -> list:
+    def client_mods(self, sites) -> list:
         from fedllm.secagg.flower import secure_mod
 
-        return [secure_mod]
+        return [secure_mod(sites)]
 
 
 SECAGG = SecureAggregationFeature()

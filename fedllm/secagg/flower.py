@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from fedllm.checks import one_line
 from fedllm.privacy.transform import generator
 from fedllm.protocol import SummedUpdates
-from fedllm.secagg import clip_of, clipping_range, noise_std, quantization_bits
+from fedllm.secagg import clip_of, clipping_range, noise_std, quantization_bits, quantization_error
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import (
     KEY,
@@ -95,7 +96,22 @@ class SecureExchange:
         self.range = clipping_range(cfg)
         self.quantization = 2 ** quantization_bits(cfg)
         self.last: dict[str, Any] = {}  # the last round's protocol outcome (tests and the row read it)
+        self.size = 0  # values in the round's layout
         self.workflow(1.0, None)  # Flower checks its parameters here, once, not in every round
+
+    def tolerances(self, server, clients: list[int], max_weight: float) -> tuple[float, float]:
+        """How far an honest round's mean can be from the range and from the clip: (per value: the
+        quantization's error for these sites' weights; L2: the clip, plus that error over every value, plus
+        the sites' noise at 7 standard deviations of its norm)."""
+        if server.rules.weighting == "uniform":
+            ratios = [1.0] * len(clients)
+        else:
+            q = self.quantization
+            ratios = [round(server.clients[k].num_examples / max_weight * q) / q for k in clients]
+        per_value = quantization_error(self.cfg, ratios)
+        d = self.size
+        noise = noise_std(self.cfg) / math.sqrt(len(clients)) * (math.sqrt(d) + 7.0)
+        return per_value, clip_of(self.cfg) + math.sqrt(d) * per_value + noise
 
     def workflow(self, max_weight: float, timeout: float):
         from flwr.server.workflow import SecAggPlusWorkflow
@@ -121,6 +137,7 @@ class SecureExchange:
         server = driver.server
         driver.handshake()  # a restarted site has a new node id: find it again
         lay: Layout = layout(server, plan.round)
+        self.size = layout_size(lay)
         failures: dict[int, str] = {}
         fit_ins = []
         run_id = int(getattr(getattr(driver.grid, "run", None), "run_id", 0) or 0)
@@ -170,7 +187,7 @@ class SecureExchange:
             mean = in_range(
                 parameters_to_ndarrays(results[0][1].parameters)[0],
                 self.range,
-                2 * self.range / self.quantization,
+                *self.tolerances(server, clients, max_weight),
             )
             self.last["mean"] = mean
             weights = survivors_weights(server, clients, max_weight, self.quantization)
@@ -187,14 +204,17 @@ class SecureExchange:
         return summed
 
 
-def in_range(mean, bound: float, step: float) -> np.ndarray:
-    """The protocol's mean as a flat float64 vector, refused (ValueError) when a value is not finite or lies
-    beyond ``[-bound, bound]`` by more than a quantization step: a weighted mean of values in the range is in
-    the range, so a value beyond it comes from a site that masked values or a weight outside the protocol's
-    (docs/trust.md: what a hostile site can still do)."""
+def in_range(mean, bound: float, tolerance: float, norm_bound: float = math.inf) -> np.ndarray:
+    """The protocol's mean as a flat float64 vector, refused (ValueError) when a value is not finite, lies
+    beyond ``[-bound, bound]`` by more than ``tolerance`` (the quantization's error), or the mean's L2 norm
+    passes ``norm_bound``: a weighted mean of vectors each in the range and within the clip is in the range
+    and within the clip, so a mean beyond either comes from a site that masked values or a weight outside the
+    protocol's (docs/trust.md: what a hostile site can still do)."""
     mean = np.asarray(mean, dtype=np.float64).ravel()
-    if not np.isfinite(mean).all() or (mean.size and np.abs(mean).max() > bound + step):
+    if not np.isfinite(mean).all() or (mean.size and np.abs(mean).max() > bound + tolerance):
         raise ValueError(f"the unmasked mean leaves the protocol's range [-{bound:g}, {bound:g}]")
+    if float(np.linalg.norm(mean)) > norm_bound:
+        raise ValueError(f"the unmasked mean's norm passes the sites' clip ({norm_bound:.4g})")
     return mean
 
 
@@ -205,36 +225,40 @@ def _empty(plan):
 
 
 # ------------------------------------------------------------------ the sites' side
-def secure_mod(msg, context, call_next):
+def secure_mod(sites):
     """A ClientApp mod: the protocol's messages go through Flower's ``secaggplus_mod`` with the site's secure
-    training step; every other message passes to the app unchanged."""
-    from flwr.client.mod import secaggplus_mod
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+    training step; every other message passes to the app unchanged. ``sites``: the ClientApp's access to a
+    message's site and its state (``site(context, config_text)``, ``keep(context, site)``)."""
 
-    if RECORD_KEY_CONFIGS not in msg.content.config_records:
-        return call_next(msg, context)
-    return secaggplus_mod(msg, context, _secure_train)
+    def mod(msg, context, call_next):
+        from flwr.client.mod import secaggplus_mod
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+        if RECORD_KEY_CONFIGS not in msg.content.config_records:
+            return call_next(msg, context)
+        return secaggplus_mod(msg, context, lambda m, c: _secure_train(m, c, sites))
+
+    return mod
 
 
-def _secure_train(msg, context):
+def _secure_train(msg, context, sites):
     """The site's round under secure aggregation: train from the start in the FitIns, reply with the padded
     change for the mod to quantize and mask (its weight: its own example count, or 1 under uniform
     weighting; no metrics leave the site)."""
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-    from fedllm.flower import client_app
     from fedllm.flower.records import read_start
 
     config = msg.content.config_records["fitins.config"]
     start, config_text, client_id = read_start(_from_bytes(bytes(config[START])))
     lay = [(name, tuple(shape)) for name, shape in json.loads(str(config[LAYOUT]))]
-    site = client_app._site(context, config_text)
+    site = sites.site(context, config_text)
     if not site.cfg.flower.secure_aggregation or clip_of(site.cfg) <= 0:
         raise RuntimeError("a secure aggregation message under a config without it (or without a clip)")
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
     update = site.train(start)
-    client_app._keep_state(context, site)
+    sites.keep(context, site)
     changes = update.wire.get(KEY)
     if changes is None:
         raise RuntimeError("secure aggregation: the site's runtime made no secure summand")

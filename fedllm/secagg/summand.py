@@ -162,21 +162,18 @@ def summed_update(
                 start[key]["A"] += w * padded.A
                 start[key]["B"] += w * padded.B
         scale_sum = 1.0
-    # without DP, what no finishing site trains (ranks above the largest of them) is exactly zero, as the
-    # plain average of zero-padded uploads has it (the quantization would leave ~1e-16 there)
-    top = None if distributed else max(server.strategy.adapter_rank(server.clients[k].rank) for k in clients)
     factors: Adapter = {}
     for key, f in base.items():
         A = start[key]["A"] + scale_sum * tensors[f"A.{key}"] if "A" in uploads else f.A.clone()
         B = start[key]["B"] + scale_sum * tensors[f"B.{key}"] if "B" in uploads else f.B.clone()
-        if top is not None:
-            if "A" in uploads:
-                A[top:] = 0.0
-            if "B" in uploads:
-                B[:, top:] = 0.0
         factors[key] = LoraFactors(A, B, 1.0)
     # what did not travel because it is frozen and shared is the base point's (FFA-LoRA's A)
     factors = server.hook.for_round(plan.round).incoming(factors, base)
+    if not distributed:
+        # the plain round's update is at the finishing sites' largest rank (what no one trained is not in it:
+        # the quantization would leave ~1e-16 there, and a server optimizer would step it)
+        top = max(server.strategy.adapter_rank(server.clients[k].rank) for k in clients)
+        factors = {k: LoraFactors(f.A[:top], f.B[:, :top], 1.0) for k, f in factors.items()}
     dense = {k: t + scale_sum * tensors[f"dense.{k}"] for k, t in server.state.dense.items()}
     update = ClientUpdate(-1, 0, factors, dense, round=plan.round, plan=plan.token)
     return SummedUpdates(clients=list(clients), update=update, contributors=n, reference=base)
