@@ -219,8 +219,9 @@ class SecureAggregationFeature(Feature):
             "reconstruction_threshold": o.reconstruction_threshold,
         }
         line = (
-            "secure aggregation: the server unmasked only the sum of each round's uploads (Flower's SecAgg+, "
-            f"each site's change clipped to {clip_of(cfg):g} and quantized to {quantization_bits(cfg)} bits)"
+            "secure aggregation: a server that follows Flower's SecAgg+ unmasks only the sum of each round's "
+            f"uploads (each site's change clipped to {clip_of(cfg):g}, quantized to {quantization_bits(cfg)} "
+            "bits; what it does not cover: docs/trust.md)"
         )
         return {"secure_aggregation": section, "guarantees": [line]}
 
