@@ -106,3 +106,13 @@ def cap_weights(weights: list[float], cap: float) -> list[float]:
 
 def finite_tensors(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def clip_(changes: list[Tensor], clip_norm: float) -> float:
+    """Scale the change tensors in place to a joint L2 norm of at most ``clip_norm``; returns the norm they
+    had."""
+    norm = math.sqrt(sum(float(c.double().pow(2).sum()) for c in changes))
+    if norm > clip_norm:
+        for c in changes:
+            c.mul_(clip_norm / norm)
+    return norm

@@ -17,6 +17,7 @@ client runtime).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -205,6 +206,16 @@ class AlgorithmServer:
 
 
 # ---- a strategy's client side ------------------------------------------------------------------------------
+
+
+def seeded_generator(seed: int, *parts: int) -> torch.Generator:
+    """OS randomness (``seed`` -1) or, for experiments, a generator seeded by ``seed`` and ``parts``."""
+    if seed < 0:
+        return torch.Generator().manual_seed(secrets.randbits(62))
+    mixed = seed
+    for p in parts:
+        mixed = (mixed * 1_000_003 + p + 1) % (1 << 62)
+    return torch.Generator().manual_seed(mixed)
 
 
 def leading_block(ref: Tensor, like: Tensor) -> Tensor:

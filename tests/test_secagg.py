@@ -19,7 +19,7 @@ from torch.testing import assert_close
 from fedllm.config import ConfigError, load_config
 from fedllm.privacy.strategy import DPStrategy
 from fedllm.protocol import ClientInfo, ClientUpdate, UploadContext
-from fedllm.secagg import quantization_error
+from fedllm.secagg.bounds import quantization_error
 from fedllm.secagg.summand import SecureSummand, layout, summed_update, survivors_weights, to_vector
 from fedllm.server import Rules, Server
 from tests.conftest import tiny_overrides
@@ -167,7 +167,7 @@ def test_distributed_dp_noise_is_each_sites_share_on_every_coordinate(tmp_path):
     site's vector gets N(0, (sigma C)^2 / m) on every coordinate of the layout, its rank's padding included,
     so that the sum of the m sites' shares is central DP's noise everywhere."""
     from fedllm.privacy import PRIVACY
-    from fedllm.secagg import noise_std
+    from fedllm.secagg.bounds import noise_std
     from fedllm.secagg.summand import site_vector as pad_and_noise
 
     cfg = load_config(
@@ -201,7 +201,7 @@ def test_a_site_that_misstates_its_weight_has_the_round_refused(secure_cfg, tota
     from flwr.common import bytes_to_ndarray, ndarray_to_bytes
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-    from fedllm.secagg import clipping_range, quantization_bits
+    from fedllm.secagg.bounds import clipping_range, quantization_bits
     from fedllm.secagg.flower import in_range
 
     vectors = clipped_vectors(5, 300, seed=6)
@@ -493,7 +493,7 @@ def test_a_hostile_site_moves_the_mean_by_at_most_what_the_field_lets_it(secure_
     from flwr.common import bytes_to_ndarray, ndarray_to_bytes
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-    from fedllm.secagg import clipping_range, quantization_bits
+    from fedllm.secagg.bounds import clipping_range, quantization_bits
     from fedllm.secagg.flower import in_range
 
     vectors = clipped_vectors(5, 1000, seed=5)

@@ -116,6 +116,15 @@ class PrivacyFeature(Feature):
                 ),
             ),
             Rule(
+                "central DP's server clips each update",
+                lambda cfg, s, a: cfg.flower.secure_aggregation and cfg.privacy.mode == "central",
+                lambda cfg, s, a: (
+                    "flower.secure_aggregation=true: privacy.mode=central has the server clip each update "
+                    "and add the noise; use privacy.mode=distributed (each site adds its share before "
+                    "masking)"
+                ),
+            ),
+            Rule(
                 "local DP noises every upload",
                 lambda cfg, s, a: cfg.privacy.mode == "local" and s.hook.uploads_statistics,
                 lambda cfg, s, a: (
@@ -168,6 +177,11 @@ class PrivacyFeature(Feature):
                     + ": the run would not be private; set privacy.mode=central or local, or leave them out"
                 )
             return
+        if cfg.flower.secure_aggregation and cfg.secagg.clip_norm not in (0.0, p.clip_norm):
+            raise ValueError(
+                f"secagg.clip_norm={cfg.secagg.clip_norm}: with privacy.mode={p.mode} the sites clip to "
+                f"privacy.clip_norm={p.clip_norm}; leave secagg.clip_norm at 0"
+            )
         if p.target_epsilon > 0:
             eps = spent(cfg, cfg.federation.rounds)
             if eps > p.target_epsilon:

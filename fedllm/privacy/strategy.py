@@ -33,8 +33,9 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, StrategyWrapper
+from fedllm.checks import clip_
 from fedllm.factors import LoraFactors, pad_rank
-from fedllm.privacy.transform import clip_, generator
+from fedllm.protocol import seeded_generator as generator
 
 
 class DPStrategy(StrategyWrapper):

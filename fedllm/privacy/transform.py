@@ -10,34 +10,12 @@ it (that client's failure for the round), whatever the config rules let through.
 
 from __future__ import annotations
 
-import math
-import secrets
-
 import torch
 from torch import Tensor
 
+from fedllm.checks import clip_
 from fedllm.factors import LoraFactors
-from fedllm.protocol import ClientUpdate, UploadContext, UploadTransform, leading_block
-
-
-def generator(seed: int, *parts: int) -> torch.Generator:
-    """OS randomness (``seed`` -1) or, for experiments, a generator seeded by ``seed`` and ``parts``."""
-    if seed < 0:
-        return torch.Generator().manual_seed(secrets.randbits(62))
-    mixed = seed
-    for p in parts:
-        mixed = (mixed * 1_000_003 + p + 1) % (1 << 62)
-    return torch.Generator().manual_seed(mixed)
-
-
-def clip_(changes: list[Tensor], clip_norm: float) -> float:
-    """Scale the change tensors in place to a joint L2 norm of at most ``clip_norm``; returns the norm they
-    had."""
-    norm = math.sqrt(sum(float(c.double().pow(2).sum()) for c in changes))
-    if norm > clip_norm:
-        for c in changes:
-            c.mul_(clip_norm / norm)
-    return norm
+from fedllm.protocol import ClientUpdate, UploadContext, UploadTransform, leading_block, seeded_generator
 
 
 class ClipAndNoise(UploadTransform):
@@ -70,7 +48,7 @@ class ClipAndNoise(UploadTransform):
         changes = [*dA.values(), *dB.values(), *dD.values(), *dE.values()]
         clip_(changes, self.clip_norm)
         if self.noise_std > 0:
-            gen = generator(self.noise_seed, start.round, update.client_id, 1)
+            gen = seeded_generator(self.noise_seed, start.round, update.client_id, 1)
             for c in changes:
                 c.add_(torch.randn(c.shape, generator=gen) * self.noise_std)
         factors = {}

@@ -34,7 +34,8 @@ import dataclasses
 import math
 
 from fedllm.options import Rule
-from fedllm.protocol import Feature, TrainExchange, sample_size
+from fedllm.protocol import Feature, TrainExchange
+from fedllm.secagg.bounds import clip_of, clipping_range, per_round, private, quantization_bits
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import SecureSummand
 
@@ -58,46 +59,6 @@ WHY_NOT = {
 
 def _on(cfg) -> bool:
     return bool(cfg.flower.secure_aggregation)
-
-
-def per_round(cfg) -> int:
-    fed = cfg.federation
-    return sample_size(fed.clients_per_round, fed.client_fraction, fed.num_clients)
-
-
-def clip_of(cfg) -> float:
-    """The L2 bound each site's change has before masking: DP's clip when DP is on, else
-    ``secagg.clip_norm``."""
-    return cfg.privacy.clip_norm if cfg.privacy.mode != "none" else cfg.secagg.clip_norm
-
-
-def noise_std(cfg) -> float:
-    """The standard deviation of the noise each site adds to each value before masking (0 without DP)."""
-    p = cfg.privacy
-    share = {"local": 1.0, "distributed": per_round(cfg) ** -0.5}.get(p.mode, 0.0)
-    return share * p.noise_multiplier * p.clip_norm
-
-
-def clipping_range(cfg) -> float:
-    """The protocol's per-value range: a clipped change's values are within its L2 bound; a noised one's
-    also within ``secagg.noise_tails`` standard deviations of the noise."""
-    return clip_of(cfg) + cfg.secagg.noise_tails * noise_std(cfg)
-
-
-def quantization_bits(cfg) -> int:
-    """``secagg.quantization_bits``, or (0) the most the field holds: the sum of the round's ``m`` sites'
-    values, each below ``2^bits``, must stay below ``2^modulus_bits``."""
-    o = cfg.secagg
-    return o.quantization_bits or min(30, o.modulus_bits - math.ceil(math.log2(per_round(cfg) + 1)))
-
-
-def quantization_error(cfg, weights: list[float] | None = None) -> float:
-    """The most the protocol's quantization moves one value of the weighted mean of the round's vectors:
-    stochastic rounding moves each site's weighted value by less than one step ``2 range / 2^bits``, and the
-    mean divides the sum of those errors by the sum of the weights (each weight ``n_k / max_weight <= 1``;
-    1 each under uniform weighting, where the bound is one step)."""
-    step = 2 * clipping_range(cfg) / 2 ** quantization_bits(cfg)
-    return step if weights is None else step * len(weights) / sum(weights)
 
 
 class SecureAggregationFeature(Feature):
@@ -151,15 +112,6 @@ class SecureAggregationFeature(Feature):
                     "each vector itself (secagg.quantization_bits); use comm.upload=float32"
                 ),
             ),
-            Rule(
-                "central DP's server clips each update",
-                lambda cfg, s, a: _on(cfg) and cfg.privacy.mode == "central",
-                lambda cfg, s, a: (
-                    "flower.secure_aggregation=true: privacy.mode=central has the server clip each update "
-                    "and add the noise; use privacy.mode=distributed (each site adds its share before "
-                    "masking)"
-                ),
-            ),
         ]
 
     def check_config(self, o: SecAggOptions, cfg) -> None:
@@ -174,17 +126,11 @@ class SecureAggregationFeature(Feature):
                     "flower.secure_aggregation=true or leave secagg.* out"
                 )
             return
-        if cfg.privacy.mode == "none" and o.clip_norm <= 0:
+        if not private(cfg) and o.clip_norm <= 0:
             raise ValueError(
                 "secagg.clip_norm: flower.secure_aggregation=true needs the L2 bound each site clips its "
                 "change to before masking (> 0; a plain run's agg_update_norm_median with "
-                "aggregation.clip_norm_ratio set shows the scale), or a privacy.mode whose clip_norm bounds "
-                "it"
-            )
-        if cfg.privacy.mode != "none" and o.clip_norm not in (0.0, cfg.privacy.clip_norm):
-            raise ValueError(
-                f"secagg.clip_norm={o.clip_norm}: with privacy.mode={cfg.privacy.mode} the sites clip to "
-                f"privacy.clip_norm={cfg.privacy.clip_norm}; leave secagg.clip_norm at 0"
+                "aggregation.clip_norm_ratio set shows the scale), or a DP mode whose clip bounds it"
             )
         m, bits = per_round(cfg), quantization_bits(cfg)
         if bits < 4 or m * 2**bits >= 2**o.modulus_bits:
@@ -235,7 +181,7 @@ class SecureAggregationFeature(Feature):
         if not _on(cfg):
             return []
         # under DP, DP's own transform (before this one) clipped and noised the change: kept as it is
-        return [SecureSummand(0.0 if cfg.privacy.mode != "none" else o.clip_norm)]
+        return [SecureSummand(0.0 if private(cfg) else o.clip_norm)]
 
     def train_exchange(self, o: SecAggOptions, cfg) -> TrainExchange | None:
         if not _on(cfg):

@@ -20,9 +20,17 @@ from typing import Any
 import numpy as np
 
 from fedllm.checks import one_line
-from fedllm.privacy.transform import generator
-from fedllm.protocol import SummedUpdates
-from fedllm.secagg import clip_of, clipping_range, noise_std, quantization_bits, quantization_error
+from fedllm.protocol import SummedUpdates, seeded_generator
+from fedllm.secagg.bounds import (
+    clip_of,
+    clipping_range,
+    distributed,
+    noise_seed,
+    noise_std,
+    quantization_bits,
+    quantization_error,
+    uniform,
+)
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import (
     KEY,
@@ -92,7 +100,7 @@ class SecureExchange:
 
     def __init__(self, o: SecAggOptions, cfg) -> None:
         self.o, self.cfg = o, cfg
-        self.distributed = cfg.privacy.mode == "distributed"
+        self.distributed = distributed(cfg)
         self.range = clipping_range(cfg)
         self.quantization = 2 ** quantization_bits(cfg)
         self.last: dict[str, Any] = {}  # the last round's protocol outcome (tests and the row read it)
@@ -262,11 +270,9 @@ def _secure_train(msg, context, sites):
     changes = update.wire.get(KEY)
     if changes is None:
         raise RuntimeError("secure aggregation: the site's runtime made no secure summand")
-    p = site.cfg.privacy
-    gen = generator(p.noise_seed, start.round, client_id, 3)
-    vector = site_vector(changes, lay, noise_std(site.cfg) if p.mode == "distributed" else 0.0, gen)
-    uniform = site.cfg.federation.weighting == "uniform" or site.cfg.privacy.mode != "none"
-    weight = 1 if uniform else int(site.client.num_examples)
+    gen = seeded_generator(noise_seed(site.cfg), start.round, client_id, 3)
+    vector = site_vector(changes, lay, noise_std(site.cfg) if distributed(site.cfg) else 0.0, gen)
+    weight = 1 if uniform(site.cfg) else int(site.client.num_examples)
     return Message(
         RecordDict(
             {

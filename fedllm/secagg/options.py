@@ -22,7 +22,7 @@ class SecAggOptions:
         0.0,
         "L2 bound of each site's change (everything it uploads, in the aggregation space) before it is "
         "masked: bounds what one site can add to the sum and the protocol's integer range (0: "
-        "privacy.clip_norm when DP is on; required otherwise)",
+        "the DP clip when DP is on; required otherwise)",
         nonneg,
         ">= 0",
     )
@@ -58,7 +58,7 @@ class SecAggOptions:
     )
     noise_tails: float = opt(
         7.0,
-        "under privacy.mode=distributed, each value's range is clip_norm + this many standard deviations of "
+        "under distributed DP, each value's range is clip_norm + this many standard deviations of "
         "a site's noise share (a noise draw beyond it is clipped: probability 2.6e-12 per value at 7)",
         positive,
         "> 0",

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedllm.checks import clip_
 from fedllm.factors import Adapter, LoraFactors, pad_rank
-from fedllm.privacy.transform import _downloaded, clip_
-from fedllm.protocol import ClientUpdate, SummedUpdates, UploadContext, UploadTransform
+from fedllm.protocol import ClientUpdate, SummedUpdates, UploadContext, UploadTransform, leading_block
 
 KEY = "secagg"  # the embedded changes on an update's ``wire`` (what its masked vector carries)
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -56,7 +56,9 @@ class SecureSummand(UploadTransform):
             if f.B.numel():
                 changes[f"B.{k}"] = ((f.B - ref.B) * f.scale).float()
         for k, t in update.dense.items():
-            changes[f"dense.{k}"] = (t - _downloaded(start.dense, k, t)).float()
+            ref = start.dense.get(k)
+            ref = torch.zeros_like(t) if ref is None else leading_block(ref, t).to(t.dtype)
+            changes[f"dense.{k}"] = (t - ref).float()
         if self.clip_norm > 0:
             clip_(list(changes.values()), self.clip_norm)
         update.wire = {**update.wire, KEY: changes}
