@@ -77,8 +77,9 @@ class RoundLoop(abc.ABC):
         self.exchange = assembly.train_exchange(cfg)
         if self.exchange is not None and not self.runs_exchanges:
             raise ConfigError(
-                f"{self.exchange.option} runs on the Flower deployment only (fedllm flower, or flwr run .); "
-                f"{type(self).__name__} gathers each update as it is"
+                f"{self.exchange.option} runs on Flower only (scripts/run_flower_local.sh, "
+                f"scripts/run_flower_simulation.sh, or flwr run .); {type(self).__name__} gathers each "
+                "update as it is"
             )
         # the launch decides the device, the process group, DeepSpeed and mixed precision
         self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))

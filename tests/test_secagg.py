@@ -601,7 +601,7 @@ def test_the_in_process_simulation_refuses_secure_aggregation(tmp_path):
             tmp_path, "federation.num_clients=4", "flower.secure_aggregation=true", "secagg.clip_norm=1"
         ),
     )
-    with pytest.raises(ConfigError, match="Flower deployment only"):
+    with pytest.raises(ConfigError, match="runs on Flower only"):
         Simulation(cfg, tmp_path)
 
 
