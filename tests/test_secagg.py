@@ -193,41 +193,23 @@ def test_distributed_dp_noise_is_each_sites_share_on_every_coordinate(tmp_path):
 
 
 @pytest.mark.parametrize("total", ["one", "a third"])
-def test_a_site_that_misstates_its_weight_has_the_round_refused(secure_cfg, total):
+def test_a_site_that_misstates_its_weight_has_the_round_refused(secure_cfg, total, monkeypatch):
     """A hostile site masks a weight of its choosing (Flower takes it from the site's own reply): here one
     that drives the protocol's total weight near 1, which multiplies the mean ~2^28-fold. The mean then
     leaves the protocol's range, which no weighted mean of in-range values can, and the server refuses the
     round."""
-    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
-
     from fedllm.secagg.bounds import clipping_range, quantization_bits
     from fedllm.secagg.flower import in_range
 
     vectors = clipped_vectors(5, 300, seed=6)
     field, q = 2**secure_cfg.secagg.modulus_bits, 2 ** quantization_bits(secure_cfg)
-    original = VectorGrid.send_and_receive
-
-    def lying(self, messages, timeout=None):
-        replies = original(self, messages, timeout)
-        for reply in replies:
-            config = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
-            if reply.metadata.src_node_id == 101 and Key.MASKED_PARAMETERS in config:
-                arrays = [bytes_to_ndarray(b) for b in config[Key.MASKED_PARAMETERS]]
-                arrays[0] = (arrays[0] + target - 5 * q) % field  # the weight: total 5q -> target
-                config[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(a) for a in arrays]
-        return replies
-
     honest_mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
     target = 1 if total == "one" else 5 * q // 3  # the mean x 2^29 / 5, or x 3 (every value still in range)
     bound, step = clipping_range(secure_cfg), 2 * clipping_range(secure_cfg) / q
     norm_bound = 1.0 + math.sqrt(300) * step  # the clip, plus the quantization's error over the values
     assert np.array_equal(in_range(honest_mean, bound, step, norm_bound), honest_mean)
-    VectorGrid.send_and_receive = lying
-    try:
-        mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
-    finally:
-        VectorGrid.send_and_receive = original
+    masking_lies(monkeypatch, 101, lambda a: [(a[0] + target - 5 * q) % field, *a[1:]])  # total 5q -> target
+    mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
     if total == "one":
         assert np.abs(mean).max() > 1e3 * bound
     else:  # in range: only the norm shows it
@@ -344,6 +326,26 @@ def bare_contexts(nodes) -> dict:
     from flwr.app import Context, RecordDict
 
     return {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={}) for n in nodes}
+
+
+def masking_lies(monkeypatch, node: int, edit) -> None:
+    """From now on ``node`` edits the arrays it masks (``edit(arrays) -> arrays``: the weight first, then
+    the values, as integers of the field) after Flower's mod made them: a hostile site."""
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    original = VectorGrid.send_and_receive
+
+    def lying(self, messages, timeout=None):
+        replies = original(self, messages, timeout)
+        for reply in replies:
+            config = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            if reply.metadata.src_node_id == node and Key.MASKED_PARAMETERS in config:
+                arrays = edit([bytes_to_ndarray(b) for b in config[Key.MASKED_PARAMETERS]])
+                config[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(a) for a in arrays]
+        return replies
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", lying)
 
 
 def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
@@ -490,9 +492,6 @@ def test_a_hostile_site_moves_the_mean_by_at_most_what_the_field_lets_it(secure_
     range, or half the field (the largest move modulo the field). The mean stays finite and moves by at most
     2 range x 2^modulus / 2^bits / sites per value; a mean the server accepts (in the range) has moved by at
     most 2 range, and the half-field shift is refused (docs/trust.md)."""
-    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
-
     from fedllm.secagg.bounds import clipping_range, quantization_bits
     from fedllm.secagg.flower import in_range
 
@@ -500,19 +499,7 @@ def test_a_hostile_site_moves_the_mean_by_at_most_what_the_field_lets_it(secure_
     honest_mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
     field, q = 2**secure_cfg.secagg.modulus_bits, 2 ** quantization_bits(secure_cfg)
     added = q // 4 if shift == "quarter-range" else field // 2
-    original = VectorGrid.send_and_receive
-
-    def tampering(self, messages, timeout=None):
-        replies = original(self, messages, timeout)
-        for reply in replies:
-            config = {} if reply.has_error() else reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
-            if reply.metadata.src_node_id == 101 and Key.MASKED_PARAMETERS in config:
-                arrays = [bytes_to_ndarray(b) for b in config[Key.MASKED_PARAMETERS]]
-                arrays[1:] = [(a + added) % field for a in arrays[1:]]  # the values (not the weight)
-                config[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(a) for a in arrays]
-        return replies
-
-    monkeypatch.setattr(VectorGrid, "send_and_receive", tampering)
+    masking_lies(monkeypatch, 101, lambda a: [a[0], *((x + added) % field for x in a[1:])])  # the values
     mean, nodes, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors})
     assert nodes == sorted(vectors) and np.isfinite(mean).all()
     r = clipping_range(secure_cfg)
