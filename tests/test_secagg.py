@@ -686,6 +686,7 @@ def test_a_secure_fedit_run_is_the_plain_run_within_the_quantization_bound(tmp_p
     rows = [json.loads(x) for x in (tmp_path / "secure" / "metrics.jsonl").read_text().splitlines()]
     assert [r["n_updates"] for r in rows[1:]] == [4, 4]
     assert rows[1]["up_bytes"] == 4 * 8 * (driver.exchange.last["mean"].size + 1)
+    assert "flower_up_bytes" not in rows[1]  # the protocol's own messages are not measured (never a false 0)
 
 
 @pytest.mark.slow

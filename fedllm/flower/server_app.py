@@ -303,7 +303,8 @@ class FlowerDriver(RoundLoop):
         metadata and the config a message carries."""
         self.wire_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}
         done = super().run_round(round_idx)
-        done.row.update(self.wire_bytes)
+        if self.exchange is None:  # a feature's exchange (SecAgg+) sends its own messages: not measured
+            done.row.update(self.wire_bytes)
         return done
 
     def train_clients(self, plan) -> dict[int, Any] | SummedUpdates:
