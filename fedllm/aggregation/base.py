@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedllm.factors import Adapter, LoraFactors, fit_rank, weighted_mean
+from fedllm.factors import Adapter, LoraFactors, fit_rank, pad_rank, weighted_mean
 from fedllm.protocol import ClientHook, ClientUpdate
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -425,6 +425,15 @@ def leading_factors(state: GlobalState, rank: int, scale: float) -> Adapter | No
     if not state.factors:
         return None
     return {k: fit_rank(f, rank).with_scale(scale) for k, f in state.factors.items()}
+
+
+def base_point(state: GlobalState, context: RoundContext) -> Adapter:
+    """What the round's clients started from, at the largest rank, scale folded: the global factors, or the
+    round's shared fresh initialization when there are none yet. The point a round's changes are measured
+    from and added to (central DP's noisy sum, a server optimizer's step, secure aggregation's sum)."""
+    if state.factors:
+        return {k: pad_rank(f.folded(), context.max_rank) for k, f in state.factors.items()}
+    return {k: f.folded() for k, f in context.fresh().items()}
 
 
 def strategy_from_config(agg) -> Strategy:

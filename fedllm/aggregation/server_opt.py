@@ -63,6 +63,7 @@ from fedllm.aggregation.base import (
     RoundResult,
     Strategy,
     StrategyWrapper,
+    base_point,
 )
 from fedllm.factors import LoraFactors, pad_rank
 from fedllm.options import opt
@@ -144,7 +145,7 @@ class ServerOptimizer(StrategyWrapper, register=False):
     ) -> RoundResult:
         if context is None:
             raise ValueError(f"aggregation.server_opt={self.method} needs the round's context")
-        start = self._start(state, context)
+        start = base_point(state, context)
         result = self.inner.aggregate(updates, state, weights, context)
         new = result.state
         uploads = self.inner.client_hook().for_round(context.round).uploads
@@ -175,13 +176,6 @@ class ServerOptimizer(StrategyWrapper, register=False):
         extras.update(moments)
         result.state = GlobalState(factors, new.residual, dense, extras)
         return result
-
-    def _start(self, state: GlobalState, context: RoundContext) -> dict[str, LoraFactors]:
-        """What the round's clients started from, at the largest rank, scale folded: the global factors, or
-        the round's shared fresh initialization when there are none yet."""
-        if state.factors:
-            return {k: pad_rank(f.folded(), context.max_rank) for k, f in state.factors.items()}
-        return {k: f.folded() for k, f in context.fresh().items()}
 
     def _step(self, name: str, x: Tensor, target: Tensor, moments: dict[str, Any], t: int) -> Tensor:
         """``x`` stepped with the pseudo-gradient ``target - x``; the moments of ``name`` updated in place."""

@@ -32,9 +32,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, StrategyWrapper
+from fedllm.aggregation.base import (
+    ClientUpdate,
+    GlobalState,
+    RoundContext,
+    RoundResult,
+    StrategyWrapper,
+    base_point,
+)
 from fedllm.checks import clip_
-from fedllm.factors import LoraFactors, pad_rank
+from fedllm.factors import LoraFactors
 from fedllm.protocol import seeded_generator as generator
 
 
@@ -75,7 +82,7 @@ class DPStrategy(StrategyWrapper):
         if context is None:
             raise ValueError("central DP needs the round's context (references, sample size)")
         m = max(context.sampled, len(updates))
-        base = self._base(state, context)
+        base = base_point(state, context)
         clipped, norms = [], []
         for u, ref in zip(updates, context.references, strict=True):
             moved, norm = self._clipped(u, ref, base, state, self.inner.client_extras(state, u.client_id))
@@ -109,7 +116,7 @@ class DPStrategy(StrategyWrapper):
             raise ValueError("distributed DP aggregates secure aggregation's one sum of the round's uploads")
         n = context.contributors
         m = max(context.sampled, n)
-        rest = ClientUpdate(-1, 0, self._base(state, context), dict(state.dense))
+        rest = ClientUpdate(-1, 0, base_point(state, context), dict(state.dense))
         result = self.inner.combine([updates[0], rest], state, [1.0 / m, (m - 1.0) / m], context)
         share = (m - n) / m
         if share > 0:
@@ -117,13 +124,6 @@ class DPStrategy(StrategyWrapper):
         result.state = self.inner.release(result.state)
         result.info["dp_server_noise_share"] = share
         return result
-
-    def _base(self, state: GlobalState, context: RoundContext):
-        """The point the round's changes are added to, at the largest rank: the global factors, or the
-        round's shared initialization that every client started from when there are none yet."""
-        if state.factors:
-            return {k: pad_rank(f.folded(), context.max_rank) for k, f in state.factors.items()}
-        return {k: f.folded() for k, f in context.fresh().items()}
 
     def _clipped(
         self, u: ClientUpdate, ref, base, state: GlobalState, download: dict[str, Tensor]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedllm.aggregation.base import base_point
 from fedllm.checks import clip_
 from fedllm.factors import Adapter, LoraFactors, pad_rank
 from fedllm.protocol import ClientUpdate, SummedUpdates, UploadContext, UploadTransform, leading_block
@@ -147,10 +148,7 @@ def summed_update(
     changes (see module docstring); ``distributed``: DP's sum of noised changes on the base point instead."""
     tensors = from_vector(mean, lay)
     n = len(clients)
-    if server.state.factors:  # the point the round's changes are added to, as DP's wrapper takes it
-        base = {k: pad_rank(f.folded(), server.max_rank) for k, f in server.state.factors.items()}
-    else:
-        base = {k: f.folded() for k, f in server.context(plan, []).fresh().items()}
+    base = base_point(server.state, server.context(plan, []))  # where the round's changes are added
     uploads = server.hook.for_round(plan.round).uploads
     if distributed:  # base + sum_k c_k (uniform: mean x n)
         start = {k: dict(A=f.A.clone(), B=f.B.clone()) for k, f in base.items()}
