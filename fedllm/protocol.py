@@ -465,6 +465,31 @@ class UploadContext:
     shared_extras: tuple[str, ...] = ()
 
 
+def extra_reference(extras: dict[str, Tensor], name: str, sent: Tensor) -> Tensor:
+    """What an uploaded extra's change is measured from: the download of the same name (zero if none), or its
+    leading block when the client trains only that (Fed-SB: a rank-r_k client's r_k x r_k block of R)."""
+    got = extras.get(name)
+    return torch.zeros_like(sent) if got is None else leading_block(got, sent).to(sent.dtype)
+
+
+def upload_changes(update: ClientUpdate, ctx: UploadContext) -> dict[str, Tensor]:
+    """The change of everything an upload carries, in the aggregation space, by name: ``A.<module>``,
+    ``B.<module>`` (its scale folded in), ``dense.<name>`` (from the download), ``extras.<name>``
+    (:func:`extra_reference`), in that order (every A, every B, the dense modules, the extras: the fixed order
+    noise is drawn in). What DP's clip bounds and what secure aggregation's vector carries."""
+    start, started = ctx.start, ctx.started
+    out: dict[str, Tensor] = {}
+    for k, f in update.factors.items():
+        if f.A.numel():
+            out[f"A.{k}"] = f.A - started[k].A
+    for k, f in update.factors.items():
+        if f.B.numel():
+            out[f"B.{k}"] = (f.B - started[k].with_scale(f.scale).B) * f.scale
+    out.update({f"dense.{k}": t - start.dense[k] for k, t in update.dense.items()})
+    out.update({f"extras.{k}": t - extra_reference(start.extras, k, t) for k, t in update.extras.items()})
+    return out
+
+
 class UploadTransform:
     """One change of what a client uploads, declared by a feature and applied in order by the client runtime
     after training; the client algorithm never knows of it."""

@@ -11,11 +11,17 @@ it (that client's failure for the round), whatever the config rules let through.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from fedllm.checks import clip_
 from fedllm.factors import LoraFactors
-from fedllm.protocol import ClientUpdate, UploadContext, UploadTransform, leading_block, seeded_generator
+from fedllm.protocol import (
+    ClientUpdate,
+    UploadContext,
+    UploadTransform,
+    extra_reference,
+    seeded_generator,
+    upload_changes,
+)
 
 
 class ClipAndNoise(UploadTransform):
@@ -36,35 +42,21 @@ class ClipAndNoise(UploadTransform):
                 f"privacy: extra {unknown[0]!r} would leave the site without noise; it is not a parameter "
                 "that the clip covers"
             )
-        dA = {k: f.A - started[k].A for k, f in update.factors.items() if f.A.numel()}
-        dB = {
-            k: (f.B - started[k].with_scale(f.scale).B) * f.scale
-            for k, f in update.factors.items()
-            if f.B.numel()
-        }
-        dD = {k: t - start.dense[k] for k, t in update.dense.items()}
-        base = {k: _downloaded(start.extras, k, t) for k, t in update.extras.items()}
-        dE = {k: t - base[k] for k, t in update.extras.items()}
-        changes = [*dA.values(), *dB.values(), *dD.values(), *dE.values()]
-        clip_(changes, self.clip_norm)
+        changes = upload_changes(update, ctx)
+        clip_(list(changes.values()), self.clip_norm)
         if self.noise_std > 0:
             gen = seeded_generator(self.noise_seed, start.round, update.client_id, 1)
-            for c in changes:
+            for c in changes.values():
                 c.add_(torch.randn(c.shape, generator=gen) * self.noise_std)
         factors = {}
         for k, f in update.factors.items():
             ref = started[k].with_scale(f.scale)
-            A = ref.A + dA[k] if k in dA else f.A
-            B = ref.B + dB[k] / f.scale if k in dB else f.B
+            A = ref.A + changes[f"A.{k}"] if f"A.{k}" in changes else f.A
+            B = ref.B + changes[f"B.{k}"] / f.scale if f"B.{k}" in changes else f.B
             factors[k] = LoraFactors(A, B, f.scale)
         update.factors = factors
-        update.dense = {k: start.dense[k] + d for k, d in dD.items()}
-        update.extras = {k: base[k] + d for k, d in dE.items()}
+        update.dense = {k: start.dense[k] + changes[f"dense.{k}"] for k in update.dense}
+        update.extras = {
+            k: extra_reference(start.extras, k, t) + changes[f"extras.{k}"] for k, t in update.extras.items()
+        }
         return update
-
-
-def _downloaded(extras: dict[str, Tensor], name: str, sent: Tensor) -> Tensor:
-    """What an uploaded extra's change is measured from: the download of the same name (zero if none), or its
-    leading block when the client trains only that (Fed-SB: a rank-r_k client's r_k x r_k block of R)."""
-    got = extras.get(name)
-    return torch.zeros_like(sent) if got is None else leading_block(got, sent).to(sent.dtype)

@@ -29,7 +29,7 @@ from torch import Tensor
 from fedllm.aggregation.base import base_point
 from fedllm.checks import clip_
 from fedllm.factors import Adapter, LoraFactors, pad_rank
-from fedllm.protocol import ClientUpdate, SummedUpdates, UploadContext, UploadTransform, leading_block
+from fedllm.protocol import ClientUpdate, SummedUpdates, UploadContext, UploadTransform, upload_changes
 
 KEY = "secagg"  # the embedded changes on an update's ``wire`` (what its masked vector carries)
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -44,22 +44,11 @@ class SecureSummand(UploadTransform):
         self.clip_norm = clip_norm
 
     def apply(self, update: ClientUpdate, ctx: UploadContext) -> ClientUpdate:
-        start, started = ctx.start, ctx.started
         if update.extras:
             raise RuntimeError(
                 f"secure aggregation: extra {next(iter(update.extras))!r} has no place in the secure sum"
             )
-        changes: dict[str, Tensor] = {}
-        for k, f in update.factors.items():
-            ref = started[k].with_scale(f.scale)
-            if f.A.numel():
-                changes[f"A.{k}"] = (f.A - ref.A).float()
-            if f.B.numel():
-                changes[f"B.{k}"] = ((f.B - ref.B) * f.scale).float()
-        for k, t in update.dense.items():
-            ref = start.dense.get(k)
-            ref = torch.zeros_like(t) if ref is None else leading_block(ref, t).to(t.dtype)
-            changes[f"dense.{k}"] = (t - ref).float()
+        changes = {name: c.float() for name, c in upload_changes(update, ctx).items()}
         if self.clip_norm > 0:
             clip_(list(changes.values()), self.clip_norm)
         update.wire = {**update.wire, KEY: changes}
