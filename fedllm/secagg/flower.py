@@ -37,6 +37,7 @@ from fedllm.secagg.summand import (
     Layout,
     layout,
     layout_size,
+    protocol_weights,
     site_vector,
     summed_update,
     survivors_weights,
@@ -111,11 +112,7 @@ class SecureExchange:
         """How far an honest round's mean can be from the range and from the clip: (per value: the
         quantization's error for these sites' weights; L2: the clip, plus that error over every value, plus
         the sites' noise at 7 standard deviations of its norm)."""
-        if server.rules.weighting == "uniform":
-            ratios = [1.0] * len(clients)
-        else:
-            q = self.quantization
-            ratios = [round(server.clients[k].num_examples / max_weight * q) / q for k in clients]
+        ratios = protocol_weights(server, clients, max_weight, self.quantization)
         per_value = quantization_error(self.cfg, ratios)
         d = self.size
         noise = noise_std(self.cfg) / math.sqrt(len(clients)) * (math.sqrt(d) + 7.0)

@@ -118,16 +118,21 @@ def from_vector(vec: np.ndarray, lay: Layout) -> dict[str, Tensor]:
     return out
 
 
-def survivors_weights(server, clients: list[int], max_weight: float, quantization: int) -> list[float]:
-    """Each finishing site's share of the protocol's mean, as Flower's SecAgg+ computes it: the site's own
-    example count (1 each under uniform weighting) over ``max_weight``, quantized to ``quantization`` levels,
-    normalized over the sites that finished."""
+def protocol_weights(server, clients: list[int], max_weight: float, quantization: int) -> list[float]:
+    """Each finishing site's weight as Flower's SecAgg+ applies it: the site's own example count (1 each
+    under uniform weighting) over ``max_weight``, quantized to ``quantization`` levels (at most 1)."""
     if server.rules.weighting == "uniform":
-        q = [1.0 for _ in clients]
-    else:
-        q = [float(round(server.clients[k].num_examples / max_weight * quantization)) for k in clients]
-    total = sum(q)
-    return [x / total for x in q]
+        return [1.0 for _ in clients]
+    q = quantization
+    return [round(server.clients[k].num_examples / max_weight * q) / q for k in clients]
+
+
+def survivors_weights(server, clients: list[int], max_weight: float, quantization: int) -> list[float]:
+    """Each finishing site's share of the protocol's mean: its :func:`protocol_weights`, normalized over the
+    sites that finished."""
+    w = protocol_weights(server, clients, max_weight, quantization)
+    total = sum(w)
+    return [x / total for x in w]
 
 
 def summed_update(
