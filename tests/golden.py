@@ -7,7 +7,8 @@ modules). ``tests/data/golden_adapters.safetensors`` holds what the code gave wh
 made; ``tests/test_golden.py`` checks that the code still gives it, within float tolerance, so that a
 refactoring cannot change what a run computes without a test noticing.
 
-    python -m tests.golden      # rewrite the fixture (only when a change of numbers is intended)
+    python -m tests.golden          # rewrite the fixture (only when a change of numbers is intended)
+    python -m tests.golden CASE ... # add or rewrite those cases only
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ CASES: dict[str, list[str]] = {
         "privacy.noise_multiplier=0.3",
         "privacy.noise_seed=7",
     ],
+    # what travels encoded (comm.*): the same cases also run on the Flower driver, where the encodings
+    # themselves travel (tests/test_golden.py)
+    "fedit_int8": ["aggregation.name=fedit", "comm.upload=int8", "comm.download=int8"],
+    "flexlora_int4": ["aggregation.name=flexlora", "comm.upload=int4", "comm.download=int8"],
+    "fedsb_int8": ["aggregation.name=fedsb", "comm.upload=int8"],
     "dp_local_flexlora": [
         "aggregation.name=flexlora",
         "privacy.mode=local",
@@ -138,23 +144,54 @@ def run_case(name: str, base: Path, run_dir: Path) -> dict[str, torch.Tensor]:
     return {f"{name}/{k}": v.contiguous() for k, v in adapter_updates(run_dir).items()}
 
 
-def main(out: Path = FIXTURE) -> int:
+# the cases the Flower driver runs too (tests/test_golden.py): its encodings travel as bytes
+ON_FLOWER = ("fedit", "fedit_int8", "flexlora_int4", "fedsb_int8")
+
+
+def run_case_on_flower(name: str, base: Path, run_dir: Path, monkeypatch) -> dict[str, torch.Tensor]:
+    """One case through the Flower ServerApp and ClientApp (real records, real parsing, this process's
+    sites: ``tests/flower_grid.py``), its exported global update keyed as :func:`run_case`'s."""
+    from fedllm.config import load_config
+    from fedllm.flower import client_app, server_app
+    from tests.conftest import adapter_updates
+    from tests.flower_grid import Sent, SiteGrid
+
+    monkeypatch.setattr(server_app, "Message", Sent)
+    monkeypatch.setattr(client_app, "Message", lambda content, reply_to: content)
+    overrides = [f"model.name={base}", *COMMON, *CASES[name], f"output.dir={run_dir}"]
+    cfg = load_config(None, overrides)
+    grid = SiteGrid(run_dir.parent / f"{name}-sites", cfg.federation.num_clients)
+    driver = server_app.FlowerDriver(cfg, run_dir, grid, startup_timeout_s=5)
+    driver.setup()
+    driver.run()
+    return {f"{name}/{k}": v.contiguous() for k, v in adapter_updates(run_dir).items()}
+
+
+def main(out: Path = FIXTURE, only: list[str] | None = None) -> int:
+    """Write the fixture: every case, or only the cases named (the others' tensors kept as they are)."""
     import tempfile
 
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
+    unknown = sorted(set(only or []) - set(CASES))
+    if unknown:
+        print(f"unknown cases {unknown}; the cases are {sorted(CASES)}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
+    names = only or list(CASES)
+    tensors: dict[str, torch.Tensor] = {}
+    if only and out.exists():
+        tensors = {k: v for k, v in load_file(str(out)).items() if k.split("/", 1)[0] not in names}
     with tempfile.TemporaryDirectory() as tmp:
         base = random_base(Path(tmp) / "base")
-        tensors: dict[str, torch.Tensor] = {}
-        for name in CASES:
+        for name in names:
             tensors.update(run_case(name, base, Path(tmp) / name))
             print(f"{name}: done", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out))
-    print(f"wrote {len(tensors)} tensors of {len(CASES)} cases to {out}")
+    print(f"wrote {len(tensors)} tensors of {len({k.split('/', 1)[0] for k in tensors})} cases to {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(only=sys.argv[1:] or None))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from tests.golden import CASES, FIXTURE, random_base, run_case
+from tests.golden import CASES, FIXTURE, ON_FLOWER, random_base, run_case, run_case_on_flower
 
 # float rounding differs between CPUs, thread counts and summation orders; 2 rounds of 3 steps on a small
 # random base keep that far below this
@@ -23,14 +23,26 @@ def base(tmp_path_factory):
     return random_base(tmp_path_factory.mktemp("golden-base"))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_the_global_adapter_is_the_golden_one(case, golden, base, tmp_path):
-    got = run_case(case, base, tmp_path / case)
+def assert_golden(case: str, got: dict, golden: dict) -> None:
     want = {k: v for k, v in golden.items() if k.startswith(f"{case}/")}
+    assert want, f"no golden tensors for {case}: python -m tests.golden {case}"
     assert sorted(got) == sorted(want)
     for key, w in want.items():
         distance = float((got[key] - w).norm())
         assert distance <= RTOL * max(float(w.norm()), 1e-12), (key, distance, float(w.norm()))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_global_adapter_is_the_golden_one(case, golden, base, tmp_path):
+    assert_golden(case, run_case(case, base, tmp_path / case), golden)
+
+
+@pytest.mark.parametrize("case", ON_FLOWER)
+def test_the_flower_driver_gives_the_golden_adapter(case, golden, base, tmp_path, monkeypatch):
+    """The same cases through the ServerApp and ClientApp: the encodings travel as bytes in Flower records,
+    are parsed by the server's reply checks and rebuilt against its own reference, and the run still
+    gives the golden adapter."""
+    assert_golden(case, run_case_on_flower(case, base, tmp_path / case, monkeypatch), golden)
 
 
 def test_the_golden_cases_cover_every_strategy_and_algorithm():
