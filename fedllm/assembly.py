@@ -39,7 +39,7 @@ from fedllm.features import FEATURES
 from fedllm.model.evaluation import Generation
 from fedllm.model.modeling import context_length, is_quantized, load_base
 from fedllm.model.parallel import Layout, uses_deepspeed, zero_stage
-from fedllm.protocol import ClientInfo, TrainExchange, derive_seed
+from fedllm.protocol import ClientInfo, Codec, TrainExchange, derive_seed
 from fedllm.server import Rules, Sampling, Server
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,13 @@ def train_exchange(cfg: Config) -> TrainExchange | None:
         if exchange is not None:
             return exchange
     return None
+
+
+def codecs(cfg: Config) -> list[Codec]:
+    """How the run's features change what travels on a real wire, in the order they encode (a driver
+    that serializes decodes in reverse; see ``Feature.codec``)."""
+    out = [feature.codec(getattr(cfg, feature.section), cfg) for feature in FEATURES]
+    return [c for c in out if c is not None]
 
 
 def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runtime: ClientRuntime) -> Server:

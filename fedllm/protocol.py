@@ -86,8 +86,9 @@ class ClientStart:
     algo: dict[str, Tensor] = field(default_factory=dict)
     accepted: int = 0
     plan: str = ""  # the plan this start belongs to: the update answering it names it
-    # how its tensors travel when a transport encodes them (comm.download): the encodings by message name
-    wire: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # what a feature attaches for its own codec (``Feature.codec``), by the codec's key: e.g. a transport's
+    # encodings of these tensors. Never part of the protocol's encoding, compared or stored.
+    attachments: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def numel(self) -> int:
         """Parameters this download carries (the communication ledger counts these)."""
@@ -120,9 +121,9 @@ class ClientUpdate:
     metrics: dict[str, float] = field(default_factory=dict)
     round: int | None = None  # the round and plan it answers (the server refuses another round's)
     plan: str = ""
-    # how the tensors travel when a transport encodes them (fedllm/transport/wire.py): the encoded changes
-    # by tensor name; empty when they travel as they are. Not part of what the server compares or stores.
-    wire: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # what a feature attaches for its own codec or exchange, by its key (a transport's encoded changes,
+    # secure aggregation's summand); not part of what the server compares or stores
+    attachments: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def numel(self) -> int:
         return adapter_numel(self.factors) + _numel(self.dense) + _numel(self.extras)
@@ -501,6 +502,54 @@ class UploadTransform:
 # ---- a cross-cutting feature (fedllm/features.py lists them) ----------------------------------------------
 
 
+class Codec:
+    """How a feature changes what a start and an update carry on a real wire (the Flower apps).
+
+    A feature owns its wire format (``Feature.codec``): the drivers that serialize call the run's codecs in
+    order, encoding after the protocol's own ``encode_start`` / ``encode_update`` and decoding in reverse,
+    without asking which features are on; in process nothing is serialized and no codec runs. A codec
+    writes the metadata field ``key`` and adds tensors named ``key + "."``, which keep their dtype (one of
+    ``dtypes``; every other tensor travels as float32). The server side is in two steps: ``decode_update``
+    while parsing a reply (it knows nothing of the round), ``received`` once the driver has the site's
+    start and the server's reference for it.
+    """
+
+    key: ClassVar[str] = ""
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+
+    def owns(self, name: str) -> bool:
+        """Whether message tensor ``name`` is one this codec added."""
+        return bool(self.key) and name.startswith(self.key + ".")
+
+    def encode_start(
+        self, start: ClientStart, tensors: dict[str, Tensor], meta: dict
+    ) -> tuple[dict[str, Tensor], dict]:
+        """The start's message (server side) as this feature sends it (default: as it is)."""
+        return tensors, meta
+
+    def decode_start(self, tensors: dict[str, Tensor], meta: dict) -> tuple[dict[str, Tensor], dict]:
+        """The protocol's message again from what arrived (site side); ValueError with the reason."""
+        return tensors, meta
+
+    def encode_update(
+        self, update: ClientUpdate, tensors: dict[str, Tensor], meta: dict
+    ) -> tuple[dict[str, Tensor], dict]:
+        """The update's message (site side) as this feature sends it (default: as it is)."""
+        return tensors, meta
+
+    def decode_update(
+        self, tensors: dict[str, Tensor], meta: dict, max_numel: int
+    ) -> tuple[dict[str, Tensor], dict, Any]:
+        """The protocol's message again from a reply (server side), and what :meth:`received` needs of it
+        (kept in the update's ``attachments[key]``); ValueError with the reason, the site's failure."""
+        return tensors, meta, None
+
+    def received(self, update: ClientUpdate, start: ClientStart, started: Adapter) -> ClientUpdate:
+        """The update as the server uses it, given what the site started from (``start``) and the server's own
+        derivation of its factors (``started``); ValueError: the site's failure."""
+        return update
+
+
 class Feature:
     """A feature that touches every round (differential privacy, compressed transport), in a room of its own.
 
@@ -549,6 +598,10 @@ class Feature:
         """Another way a driver gathers a round's uploads (secure aggregation: their sum only, as
         :class:`SummedUpdates`), an object with ``train(driver, plan)``; None: each update as it is. A driver
         that cannot run it refuses the config (``RoundLoop``)."""
+        return None
+
+    def codec(self, options, cfg) -> Codec | None:
+        """How this feature changes what travels on a real wire (the Flower apps); None: it does not."""
         return None
 
     def client_mods(self, sites: Any) -> list:

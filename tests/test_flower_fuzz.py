@@ -287,7 +287,7 @@ def test_malformed_train_replies_never_raise_and_each_is_that_sites_failure(
     plan = driver.server.plan_round(3 + count)
     report = driver.server.finish_round(plan, driver.train_clients(plan))
     assert report.row["failed"]["1"] == "site error: ClientApp raised" and report.row["n_updates"] == 2
-    assert driver.wire_bytes["flower_up_bytes"] > 0  # the two honest replies, counted; the error, not
+    assert driver.message_bytes["flower_up_bytes"] > 0  # the two honest replies, counted; the error, not
 
 
 def _bad_handshake(rng: random.Random, genuine: dict) -> tuple[str, object]:

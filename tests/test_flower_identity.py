@@ -74,7 +74,7 @@ def as_is(k, content, reply_to):
 @pytest.fixture
 def driver_for(tmp_path, monkeypatch):
     monkeypatch.setattr(server_app, "Message", Sent)
-    monkeypatch.setattr(server_app, "start_record", lambda start, text, k: {"client": k})
+    monkeypatch.setattr(server_app, "start_record", lambda start, text, k, codecs: {"client": k})
 
     def make(*overrides: str):
         cfg = load_config(None, ["federation.num_clients=2", *overrides])

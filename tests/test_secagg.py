@@ -45,7 +45,7 @@ def site_vector(server, plan, k: int, u: ClientUpdate, lay, clip: float = 0.0) -
     sent.factors = server.hook.for_round(plan.round).outgoing(sent.factors)
     start = plan.starts[k]
     ctx = UploadContext(start, server.reference(plan.round, k, start), {}, ())
-    return to_vector(SecureSummand(clip).apply(sent, ctx).wire["secagg"], lay)
+    return to_vector(SecureSummand(clip).apply(sent, ctx).attachments["secagg"], lay)
 
 
 def secure_round(server, plan, updates: dict[int, ClientUpdate], distributed=False, clip=0.0, sampled=None):

@@ -247,7 +247,7 @@ def test_quantized_download_round_trip_and_bytes(gen):
     for a, b in ((got.factors["m"].A, start.factors["m"].A), (got.dense["d"], start.dense["d"])):
         step = b.abs().max() / 127
         assert float((a - b).abs().max()) <= float(step) / 2 + 1e-6
-    assert got.factors["m"].scale == 0.5 and set(got.wire) == {
+    assert got.factors["m"].scale == 0.5 and set(got.attachments["wire"]) == {
         "factors.m.A",
         "factors.m.B",
         "dense.d",

@@ -26,6 +26,7 @@ from fedllm.flower.records import (
     read_info,
     read_start,
     signed,
+    start_config,
     update_record,
 )
 from fedllm.flower.site import Site, node_setting, signing_key, site_for
@@ -72,22 +73,23 @@ def train(message: Message, context: Context) -> Message:
             "this site requires secure aggregation (node-config secure-aggregation=required): it refuses a "
             "plain train message"
         )
-    start, config_text, client_id = read_start(message.content)
+    config_text, client_id = start_config(message.content)
     site = _site(context, config_text)
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
-    update = site.train(start)
+    update = site.train(read_start(message.content, site.codecs))
     _keep_state(context, site)
-    reply = signed(update_record(update), signing_key(context.node_config), message.metadata.message_id)
+    reply = update_record(update, site.codecs)
+    reply = signed(reply, signing_key(context.node_config), message.metadata.message_id)
     return Message(reply, reply_to=message)
 
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     """The site's personalized evaluation of the global model it is sent (its own test data)."""
-    start, config_text, _ = read_start(message.content)
+    config_text, _ = start_config(message.content)
     site = _site(context, config_text)
-    row = site.personalized(start)
+    row = site.personalized(read_start(message.content, site.codecs))
     _keep_state(context, site)
     metrics = {k: float(v) for k, v in row.items() if v is not None}
     reply = signed(evaluation_record(metrics), signing_key(context.node_config), message.metadata.message_id)

@@ -1,9 +1,10 @@
 """fedllm's messages as Flower records: tensors in an ArrayRecord, metadata as JSON in a ConfigRecord.
 
-Every tensor travels as float32 (an ArrayRecord cannot hold bfloat16), except a quantized upload's
-encoded changes, which travel as their payload bytes and scales (``fedllm/transport/wire.py``); and
-each message also carries the run's resolved config, so every site trains
-with the server's settings.
+Every tensor travels as float32 (an ArrayRecord cannot hold bfloat16), except the tensors a feature's
+codec adds (``Feature.codec``: e.g. a quantized transport's payload bytes and scales), which keep their
+dtype. A start and an update go through the protocol's encoding, then each of the run's codecs in order;
+they are read back in reverse. Each train message also carries the run's resolved config, so every site
+trains with the server's settings.
 """
 
 from __future__ import annotations
@@ -15,20 +16,22 @@ import torch
 from fedllm.protocol import (
     ClientStart,
     ClientUpdate,
+    Codec,
     decode_start,
     encode_start,
     encode_update,
 )
 
 
-def _record(tensors: dict[str, torch.Tensor], meta: dict, **config):
+def _record(tensors: dict[str, torch.Tensor], meta: dict, codecs: list[Codec] = (), **config):
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-    from fedllm.transport.wire import WIRE
+    def kept(name: str) -> bool:  # a codec's own tensors (encoded payloads) keep their dtype
+        return any(c.owns(name) for c in codecs)
 
-    arrays = ArrayRecord(  # encoded payloads (fedllm/transport/wire.py) keep their bytes
+    arrays = ArrayRecord(
         torch_state_dict={
-            k: v.detach().to("cpu") if k.startswith(WIRE) else v.detach().to("cpu", torch.float32)
+            k: v.detach().to("cpu") if kept(k) else v.detach().to("cpu", torch.float32)
             for k, v in tensors.items()
         }
     )
@@ -41,36 +44,37 @@ def _parts(content) -> tuple[dict[str, torch.Tensor], dict, dict]:
     return tensors, json.loads(config.pop("json")), config
 
 
-def start_record(start: ClientStart, config_text: str, client_id: int):
-    """What the server sends a site: its start (encoded where ``comm.download`` encodes it), the run's config
-    and its client id."""
+def start_record(start: ClientStart, config_text: str, client_id: int, codecs: list[Codec] = ()):
+    """What the server sends a site: its start as the run's codecs send it, the run's config and its
+    client id."""
     tensors, meta = encode_start(start)
-    if start.wire:
-        from fedllm.transport.wire import to_wire
-
-        tensors, meta = to_wire(tensors, meta, start.wire)
-    return _record(tensors, meta, config=config_text, **{"client-id": client_id})
+    for codec in codecs:
+        tensors, meta = codec.encode_start(start, tensors, meta)
+    return _record(tensors, meta, codecs, config=config_text, **{"client-id": client_id})
 
 
-def read_start(content) -> tuple[ClientStart, str, int]:
-    tensors, meta, config = _parts(content)
-    wire = meta.pop("wire", None)
-    if wire is not None:  # an encoded download: its values decoded (the server took the same as the start)
-        from fedllm.transport.wire import from_wire
-
-        tensors, _ = from_wire(tensors, wire, 1 << 40)
-    return decode_start(tensors, meta), config["config"], int(config["client-id"])
+def start_config(content) -> tuple[str, int]:
+    """The run's config and the client id a start message carries (what a site needs to know its codecs
+    before it reads the start itself)."""
+    config = dict(content["meta"])
+    return str(config["config"]), int(config["client-id"])
 
 
-def update_record(update: ClientUpdate):
-    """A site's train reply: its update's tensors, each one its transport encodes as the encoded change
-    (payload and scales, ``comm.upload``), the rest as float32."""
+def read_start(content, codecs: list[Codec] = ()) -> ClientStart:
+    """A start message as the server built it, each codec's encoding read back in reverse order."""
+    tensors, meta, _ = _parts(content)
+    for codec in reversed(codecs):
+        tensors, meta = codec.decode_start(tensors, meta)
+    return decode_start(tensors, meta)
+
+
+def update_record(update: ClientUpdate, codecs: list[Codec] = ()):
+    """A site's train reply: its update's tensors as the run's codecs send them (e.g. a quantized change's
+    payload and scales), the rest as float32."""
     tensors, meta = encode_update(update)
-    if update.wire:
-        from fedllm.transport.wire import to_wire
-
-        tensors, meta = to_wire(tensors, meta, update.wire)
-    return _record(tensors, meta)
+    for codec in codecs:
+        tensors, meta = codec.encode_update(update, tensors, meta)
+    return _record(tensors, meta, codecs)
 
 
 def evaluation_record(metrics: dict[str, float]):

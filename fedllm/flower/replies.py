@@ -18,13 +18,12 @@ import torch
 
 from fedllm.checks import one_line
 from fedllm.flower.signing import verify
-from fedllm.protocol import ClientUpdate, decode_update
-from fedllm.transport.wire import WIRE, from_wire
+from fedllm.protocol import ClientUpdate, Codec, decode_update
 
 MAX_META_CHARS = 1 << 16  # a reply's JSON metadata: ids, counts, scales and a few metrics
 EVALUATION_KEYS = ("global_loss", "global_acc", "personal_loss", "personal_acc")
 INFO_KEYS = {"client-id", "num-examples", "num-test", "categories"}
-UPDATE_KEYS = {"client_id", "num_examples", "scales", "metrics", "round", "plan", "wire"}
+UPDATE_KEYS = {"client_id", "num_examples", "scales", "metrics", "round", "plan"}
 
 
 class BadReply(ValueError):
@@ -101,16 +100,21 @@ def parse_info(content: Any) -> dict:
     return info
 
 
-def parse_update(content: Any, max_bytes: int, key: bytes | None = None, reply_to: str = "") -> ClientUpdate:
+def parse_update(
+    content: Any, max_bytes: int, key: bytes | None = None, reply_to: str = "", codecs: list[Codec] = ()
+) -> ClientUpdate:
     """A train reply as a ClientUpdate (its claims are then checked by the server's ``accept``): exactly a
-    ``tensors`` ArrayRecord of at most ``max_bytes`` and a ``meta`` of the protocol's fields and types."""
+    ``tensors`` ArrayRecord of at most ``max_bytes`` and a ``meta`` of the protocol's fields and types, plus
+    the fields of the run's codecs, each decoded by its codec (what a codec needs once the driver knows the
+    site's start is kept in the update's ``attachments``, for ``Codec.received``)."""
     records = _records(content, {"tensors", "meta"})
     arrays = _kind(records["tensors"], "ArrayRecord", "tensors")
     meta, rest = _meta(records)
     if set(rest) - {"signature"}:
         raise BadReply(f"its metadata holds fields {sorted(rest)[:8]} beyond the protocol's")
-    if set(meta) - UPDATE_KEYS or not {"client_id", "num_examples", "scales", "metrics"} <= set(meta):
-        raise BadReply(f"its metadata holds {sorted(meta)[:8]}, expected {sorted(UPDATE_KEYS)}")
+    keys = UPDATE_KEYS | {c.key for c in codecs}
+    if set(meta) - keys or not {"client_id", "num_examples", "scales", "metrics"} <= set(meta):
+        raise BadReply(f"its metadata holds {sorted(meta)[:8]}, expected {sorted(keys)}")
     _int(meta["client_id"], "client_id")
     _int(meta["num_examples"], "num_examples")
     scales, metrics = meta["scales"], meta["metrics"]
@@ -137,24 +141,22 @@ def parse_update(content: Any, max_bytes: int, key: bytes | None = None, reply_t
             raise BadReply(f"its tensors exceed {max_bytes:,} bytes, the most its expected update can take")
     check_signature(records, key, reply_to)
     tensors = dict(arrays.to_torch_state_dict())
-    for name, t in tensors.items():  # the protocol's dtypes (records.py): float32, encoded payloads' bytes
-        allowed = (torch.uint8, torch.float32) if name.startswith(WIRE) else (torch.float32,)
+    for name, t in tensors.items():  # the protocol's dtypes (records.py): float32, or a codec's own
+        owner = next((c for c in codecs if c.owns(name)), None)
+        allowed = owner.dtypes if owner is not None else (torch.float32,)
         if t.dtype not in allowed:
             raise BadReply(f"tensor {name[:80]!r} is {t.dtype}, not {' or '.join(map(str, allowed))}")
-    changed: list[str] = []
-    wire = meta.pop("wire", None)
-    if (
-        wire is not None
-    ):  # encoded changes (comm.upload): decoded here, added to their references by the driver
+    notes = {}
+    for codec in reversed(codecs):
         try:
-            tensors, changed = from_wire(tensors, wire, max_bytes)
+            tensors, meta, notes[codec.key] = codec.decode_update(tensors, meta, max_bytes)
         except ValueError as e:
             raise BadReply(one_line(str(e))) from None
     try:
         update = decode_update(tensors, meta)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise BadReply(one_line(f"its tensors do not match its metadata ({type(e).__name__}: {e})")) from None
-    update.wire = {"changed": changed, "fmt": wire["fmt"]} if changed else {}
+    update.attachments = {k: v for k, v in notes.items() if v is not None}
     return update
 
 

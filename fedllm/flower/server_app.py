@@ -72,7 +72,8 @@ class FlowerDriver(RoundLoop):
         # answers it in seconds)
         self.timeout = cfg.federation.client_timeout_s or cfg.flower.round_timeout_s
         self.handshake_timeout = cfg.flower.handshake_timeout_s
-        self.wire_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}  # this round's, serialized
+        self.message_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}  # this round's, serialized
+        self.codecs = assembly.codecs(cfg)  # how the run's features change what travels (Feature.codec)
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -197,16 +198,16 @@ class FlowerDriver(RoundLoop):
                 failures[k] = "site not connected"
                 continue
             messages[k] = Message(
-                start_record(start, self.site_config, k),
+                start_record(start, self.site_config, k, self.codecs),
                 dst_node_id=self.nodes[k],
                 message_type=message_type,
                 group_id=str(round_idx),
             )
         got = self.grid.send_and_receive(list(messages.values()), timeout=self.timeout) if messages else []
         if message_type == MessageType.TRAIN:  # what the ledger's down_bytes / up_bytes are the tensors of
-            self.wire_bytes["flower_down_bytes"] += sum(record_bytes(m.content) for m in messages.values())
+            self.message_bytes["flower_down_bytes"] += sum(record_bytes(m.content) for m in messages.values())
             # an error reply has no content (Flower raises on reading it): it carried none
-            self.wire_bytes["flower_up_bytes"] += sum(
+            self.message_bytes["flower_up_bytes"] += sum(
                 record_bytes(r.content) for r in got if not r.has_error()
             )
         # the grid gave each message its id; an error reply for a node that is gone comes from the SuperLink
@@ -276,35 +277,28 @@ class FlowerDriver(RoundLoop):
         return 3 * 4 * numel + 4 * self.server.strategy.extras_numel(exp) + (1 << 20)
 
     def received(self, plan, k: int, update):
-        """A parsed update as the server uses it: encoded changes (``comm.upload``) added to what the server
-        knows client ``k`` started from (``fedllm/transport/wire.py``); an upload not encoded as the run's
-        transport says is that site's failure."""
-        fmt = self.cfg.comm.upload
-        changed = update.wire.get("changed", [])
-        if fmt == "float32" and changed:
-            raise BadReply("its upload is encoded, but comm.upload = float32")
-        if fmt != "float32" and (not changed or update.wire.get("fmt") != fmt):
-            raise BadReply(f"its upload is not encoded as comm.upload = {fmt} says")
-        if changed:
-            from fedllm.transport.wire import rebuild
-
-            start = plan.starts[k]
+        """A parsed update as the server uses it: each of the run's codecs (``Feature.codec``, in reverse
+        order) given what client ``k`` started from and the server's own derivation of its factors; what a
+        codec refuses is that site's failure."""
+        start = plan.starts[k]
+        if not self.codecs:
+            return update
+        started = self.server.reference(plan.round, k, start)
+        for codec in reversed(self.codecs):
             try:
-                update = rebuild(update, changed, start, self.server.reference(plan.round, k, start))
+                update = codec.received(update, start, started)
             except (KeyError, ValueError) as e:
-                raise BadReply(
-                    one_line(f"its encoded changes do not fit what it started from ({e})")
-                ) from None
+                raise BadReply(one_line(str(e))) from None
         return update
 
     def run_round(self, round_idx: int):
         """The round loop's round, its row with the bytes the train messages took serialized on Flower
         (``flower_down_bytes``, ``flower_up_bytes``): the ledger's tensors plus each array's header, the
         metadata and the config a message carries."""
-        self.wire_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}
+        self.message_bytes = {"flower_down_bytes": 0, "flower_up_bytes": 0}
         done = super().run_round(round_idx)
         if self.exchange is None:  # a feature's exchange (SecAgg+) sends its own messages: not measured
-            done.row.update(self.wire_bytes)
+            done.row.update(self.message_bytes)
         return done
 
     def train_clients(self, plan) -> dict[int, Any] | SummedUpdates:
@@ -314,7 +308,7 @@ class FlowerDriver(RoundLoop):
             return self.exchange.train(self, plan)
 
         def parse(k, content, reply_to):
-            update = parse_update(content, self.max_reply_bytes(k), self.key_of(k), reply_to)
+            update = parse_update(content, self.max_reply_bytes(k), self.key_of(k), reply_to, self.codecs)
             return self.received(plan, k, update)
 
         replies, failures = self._exchange(plan.starts, MessageType.TRAIN, plan.round, parse)

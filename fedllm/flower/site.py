@@ -108,7 +108,7 @@ class Site:
     ) -> None:
         from accelerate import Accelerator
 
-        from fedllm.assembly import assemble_site
+        from fedllm.assembly import assemble_site, codecs
         from fedllm.data import load_partitions
 
         t0 = time.perf_counter()
@@ -117,6 +117,7 @@ class Site:
                 f"client-id {client_id}: the run has clients 0..{cfg.federation.num_clients - 1}"
             )
         self.cfg, self.client_id, self.state_dir = cfg, client_id, Path(state_dir)
+        self.codecs = codecs(cfg)  # how the run's features change what travels (Feature.codec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if data_path:
             examples = _site_examples(data_path, cfg)

@@ -151,7 +151,7 @@ class SecureExchange:
                 failures[k] = "site not connected"
                 continue
             config = {
-                START: _to_bytes(start_record(start, driver.site_config, k)),
+                START: _to_bytes(start_record(start, driver.site_config, k, driver.codecs)),
                 LAYOUT: json.dumps([[name, list(shape)] for name, shape in lay]),
             }
             proxy = GridClientProxy(driver.nodes[k], driver.grid, run_id)
@@ -252,19 +252,21 @@ def _secure_train(msg, context, sites):
     weighting; no metrics leave the site)."""
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-    from fedllm.flower.records import read_start
+    from fedllm.flower.records import read_start, start_config
 
     config = msg.content.config_records["fitins.config"]
-    start, config_text, client_id = read_start(_from_bytes(bytes(config[START])))
+    content = _from_bytes(bytes(config[START]))
+    config_text, client_id = start_config(content)
     lay = [(name, tuple(shape)) for name, shape in json.loads(str(config[LAYOUT]))]
     site = sites.site(context, config_text)
     if not site.cfg.flower.secure_aggregation or clip_of(site.cfg) <= 0:
         raise RuntimeError("a secure aggregation message under a config without it (or without a clip)")
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
+    start = read_start(content, site.codecs)
     update = site.train(start)
     sites.keep(context, site)
-    changes = update.wire.get(KEY)
+    changes = update.attachments.get(KEY)
     if changes is None:
         raise RuntimeError("secure aggregation: the site's runtime made no secure summand")
     gen = seeded_generator(noise_seed(site.cfg), start.round, client_id, 3)

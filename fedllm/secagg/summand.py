@@ -36,9 +36,9 @@ Layout = list[tuple[str, tuple[int, ...]]]
 
 
 class SecureSummand(UploadTransform):
-    """The site's change, clipped to ``clip_norm`` (0: as it is, DP's transform clipped and noised it), kept
-    on ``update.wire['secagg']`` by name (``A.<module>``, ``B.<module>`` folded, ``dense.<name>``): what the
-    site's masked vector will carry once the round's layout pads it."""
+    """The site's change, clipped to ``clip_norm`` (0: as it is, DP's transform clipped and noised it),
+    attached to the update (``attachments['secagg']``) by name (``A.<module>``, ``B.<module>`` folded,
+    ``dense.<name>``): what the site's masked vector will carry once the round's layout pads it."""
 
     def __init__(self, clip_norm: float) -> None:
         self.clip_norm = clip_norm
@@ -51,7 +51,7 @@ class SecureSummand(UploadTransform):
         changes = {name: c.float() for name, c in upload_changes(update, ctx).items()}
         if self.clip_norm > 0:
             clip_(list(changes.values()), self.clip_norm)
-        update.wire = {**update.wire, KEY: changes}
+        update.attachments = {**update.attachments, KEY: changes}
         return update
 
 

@@ -14,7 +14,8 @@ The feature hooks the core from outside only: an upload transform on the clients
 clip and noise, if any: what is quantized is what would travel) and the server's rule for counting
 upload bytes. ``comm.download`` says how each download travels (float32 by default; encoded from the
 server's exact state every round, so no error accumulates; ``aggregation.download_budget_mb`` can bound its
-size). In the Flower apps the encodings themselves travel (``wire.py``).
+size). In the Flower apps the encodings themselves travel: the feature's codec (``wire.py``) is what the
+Flower driver and sites call, as every driver calls the run's codecs, without asking which are on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fedllm.factors import LoraFactors
 from fedllm.options import one_of, opt, positive
 from fedllm.protocol import ClientStart, ClientUpdate, Feature, UploadContext, UploadTransform
 from fedllm.transport.codec import FORMATS, Encoded, EncodingError, decode, encode, wire_bytes
-from fedllm.transport.wire import reference, update_tensors
+from fedllm.transport.wire import KEY, TransportCodec, reference, update_tensors
 
 EF = "comm.ef."  # the client-state prefix of the error-feedback residuals
 
@@ -60,8 +61,8 @@ def _tensors(update: ClientUpdate) -> list[Tensor]:
 
 
 class QuantizedUpload(UploadTransform):
-    """Each uploaded change encoded and decoded as it travels (see module docstring); the encodings stay on
-    the update (``update.wire``) for a transport that sends them (the Flower apps, ``wire.py``)."""
+    """Each uploaded change encoded and decoded as it travels (see module docstring); the encodings are
+    attached to the update for the transport's codec to send (the Flower apps, ``wire.py``)."""
 
     def __init__(self, fmt: str, error_feedback: bool = True, block: int = 64) -> None:
         self.fmt, self.error_feedback, self.block = fmt, error_feedback, block
@@ -99,7 +100,7 @@ class QuantizedUpload(UploadTransform):
         update.factors = factors
         update.dense = {k: values[f"dense.{k}"] for k in update.dense}
         update.extras = {k: values[f"extras.{k}"] for k in update.extras}
-        update.wire = wire
+        update.attachments = {**update.attachments, KEY: wire}
         return update
 
 
@@ -157,7 +158,7 @@ class QuantizedDownload:
             dense=part("dense.", start.dense),
             extras=part("extras.", start.extras),
             algo=part("algo.", start.algo),
-            wire=wire,
+            attachments={**start.attachments, KEY: wire},
         )
 
     def nbytes(self, start: ClientStart) -> int:
@@ -187,6 +188,10 @@ class TransportFeature(Feature):
 
     def upload_transforms(self, o: TransportOptions, cfg) -> list:
         return [] if o.upload == "float32" else [QuantizedUpload(o.upload, o.error_feedback, o.block_size)]
+
+    def codec(self, o: TransportOptions, cfg) -> TransportCodec | None:
+        on = o.upload != "float32" or o.download != "float32"
+        return TransportCodec(o.upload) if on else None
 
     def server_rules(self, rules, o: TransportOptions, cfg):
         if o.download != "float32":

@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from fedllm.factors import Adapter, LoraFactors
-from fedllm.protocol import ClientStart, ClientUpdate, leading_block
+from fedllm.protocol import ClientStart, ClientUpdate, Codec, leading_block
 from fedllm.transport.codec import FLOATS, FORMATS, Encoded, EncodingError, decode
 
-WIRE = "wire."  # message tensors of encoded payloads: wire.<name>.payload / wire.<name>.scales
+KEY = "wire"  # the metadata field, the attachments' key, and the prefix of the payload tensors
+WIRE = KEY + "."  # message tensors of encoded payloads: wire.<name>.payload / wire.<name>.scales
 
 
 def reference(update: ClientUpdate, start: ClientStart, started: Adapter, name: str) -> Tensor | None:
@@ -149,4 +150,55 @@ def rebuild(update: ClientUpdate, changed: list[str], start: ClientStart, starte
     return update
 
 
-__all__ = ["from_wire", "rebuild", "reference", "to_wire", "update_tensors"]
+class TransportCodec(Codec):
+    """The transport's wire format (``Feature.codec``): the encodings a download or an upload carries
+    (attached by :class:`~fedllm.transport.QuantizedDownload` / :class:`~fedllm.transport.QuantizedUpload`)
+    travel as payload bytes and scales; the server decodes an upload's changes and adds each to its own
+    reference. An upload not encoded as ``comm.upload`` says is refused (the site's failure)."""
+
+    key = KEY
+    dtypes = (torch.uint8, torch.float32)
+
+    def __init__(self, upload: str) -> None:
+        self.upload = upload
+
+    def encode_start(self, start: ClientStart, tensors: dict, meta: dict) -> tuple[dict, dict]:
+        wire = start.attachments.get(KEY)
+        return to_wire(tensors, meta, wire) if wire else (tensors, meta)
+
+    def decode_start(self, tensors: dict, meta: dict) -> tuple[dict, dict]:
+        meta = dict(meta)
+        wire = meta.pop(KEY, None)
+        if wire is None:
+            return tensors, meta
+        tensors, _ = from_wire(tensors, wire, 1 << 40)  # the server took the same values as the start
+        return tensors, meta
+
+    def encode_update(self, update: ClientUpdate, tensors: dict, meta: dict) -> tuple[dict, dict]:
+        wire = update.attachments.get(KEY)
+        return to_wire(tensors, meta, wire) if wire else (tensors, meta)
+
+    def decode_update(self, tensors: dict, meta: dict, max_numel: int) -> tuple[dict, dict, Any]:
+        meta = dict(meta)
+        wire = meta.pop(KEY, None)
+        if wire is None:
+            return tensors, meta, None
+        tensors, changed = from_wire(tensors, wire, max_numel)
+        return tensors, meta, {"changed": changed, "fmt": wire["fmt"]}
+
+    def received(self, update: ClientUpdate, start: ClientStart, started: Adapter) -> ClientUpdate:
+        note = update.attachments.pop(KEY, None) or {}
+        changed = note.get("changed", [])
+        if self.upload == "float32" and changed:
+            raise ValueError("its upload is encoded, but comm.upload = float32")
+        if self.upload != "float32" and (not changed or note.get("fmt") != self.upload):
+            raise ValueError(f"its upload is not encoded as comm.upload = {self.upload} says")
+        if not changed:
+            return update
+        try:
+            return rebuild(update, changed, start, started)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"its encoded changes do not fit what it started from ({e})") from None
+
+
+__all__ = ["KEY", "TransportCodec", "from_wire", "rebuild", "reference", "to_wire", "update_tensors"]
