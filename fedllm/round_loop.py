@@ -8,7 +8,8 @@ checkpoint. Flower's ``Strategy.start`` is the model: the loop is written once
 here and a driver fills in where clients train (:meth:`train_clients`), how
 their personalized models are scored (:meth:`personalized`) and what it must
 build first (:meth:`setup`). Tests and benchmarks run this same loop
-(:meth:`run_round`, a subclass's ``train_clients``) instead of copying it.
+(:meth:`run_round`, a subclass's ``train_clients``) instead of copying it, and ``fedllm reproduce``'s
+small-model federations run :func:`one_round`, the round this loop runs.
 """
 
 from __future__ import annotations
@@ -48,6 +49,36 @@ class Round:
     row: dict[str, Any]
     report: RoundReport
     plan: RoundPlan
+
+
+def one_round(
+    server: Server,
+    round_idx: int,
+    train_clients: Callable[[RoundPlan], dict[int, Any] | SummedUpdates],
+    merge: Callable[[int, Any], None] | None = None,
+) -> Round:
+    """One round up to the merged base (no evaluation), each phase timed in the row: the server's plan, the
+    clients' training (``train_clients``: a driver's, or a reproduction's module runtime), the server's
+    acceptance and aggregation, and ``merge(round, update)`` of what the strategy merges into the base.
+    The one place a round is run: :meth:`RoundLoop.run_round` and ``fedllm reproduce`` call it."""
+    t0 = time.perf_counter()
+    plan = server.plan_round(round_idx)
+    t1 = time.perf_counter()
+    results = train_clients(plan)
+    t2 = time.perf_counter()
+    report = server.finish_round(plan, results)
+    t3 = time.perf_counter()
+    if report.merged:
+        if merge is None:
+            raise RuntimeError(f"round {round_idx}: the strategy merges into the base, and nothing keeps one")
+        merge(round_idx, report.merged)
+    times = {
+        "time_plan_s": t1 - t0,
+        "time_train_s": t2 - t1,
+        "time_server_s": t3 - t2,  # acceptance, clipping and aggregation (time_aggregate_s: the last)
+        "time_merge_s": time.perf_counter() - t3,
+    }
+    return Round({**report.row, **times}, report, plan)
 
 
 class RoundLoop(abc.ABC):
@@ -163,23 +194,8 @@ class RoundLoop(abc.ABC):
         return self.wall_before + time.perf_counter() - self.t_start
 
     def run_round(self, round_idx: int) -> Round:
-        """One round up to the merged base (no evaluation), each phase timed in the row."""
-        t0 = time.perf_counter()
-        plan = self.server.plan_round(round_idx)
-        t1 = time.perf_counter()
-        results = self.train_clients(plan)
-        t2 = time.perf_counter()
-        report = self.server.finish_round(plan, results)
-        t3 = time.perf_counter()
-        if report.merged:
-            self.runtime.merge(round_idx, report.merged)
-        times = {
-            "time_plan_s": t1 - t0,
-            "time_train_s": t2 - t1,
-            "time_server_s": t3 - t2,  # acceptance, clipping and aggregation (time_aggregate_s: the last)
-            "time_merge_s": time.perf_counter() - t3,
-        }
-        return Round({**report.row, **times}, report, plan)
+        """One round up to the merged base (no evaluation), each phase timed (:func:`one_round`)."""
+        return one_round(self.server, round_idx, self.train_clients, self.runtime.merge)
 
     def evaluate(self, round_idx: int) -> dict[str, Any]:
         """The global model's evaluation after ``round_idx`` (0: the base); the Rouge-L evaluation's answers

@@ -56,6 +56,8 @@ def test_import_rules():
     # atomic writes live below the clients' store and the config (fedllm/files/): neither imports fedllm.run
     assert offenders("fedllm/client", ("fedllm.run",)) == {}
     assert offenders("fedllm/config", ("fedllm.run",)) == {}
+    # batching is the runtime's own way of training, one direction: the runtime calls the batched trainer
+    assert "fedllm.client.runtime" not in imports_of(ROOT / "fedllm" / "client" / "batched.py")
     assert offenders("eval", ("fedllm",)) == {}
     assert offenders("data_prep", ("fedllm",)) == {}
     server = imports_of(ROOT / "fedllm" / "server" / "server.py")
@@ -351,6 +353,64 @@ def test_only_the_privacy_room_speaks_of_privacy():
         if bad:
             found[str(rel)] = bad
     assert found == {}
+
+
+TRANSPORT_WORDS = re.compile(
+    r"^comm$|comm\.|transport|(^|_)wire($|_|\.)|(^|_)int[48]($|_)|error_feedback|Quantized(Up|Down)load|"
+    r"to_wire|from_wire",
+    re.IGNORECASE,
+)
+# where a feature's branch must never be: the drivers, the server, the client runtime, the round loop (each
+# feature hooks them from outside: Feature.codec, upload_transforms, server_rules, wrap_strategy, ...)
+CORE = ("fedllm/flower", "fedllm/server", "fedllm/client/runtime.py", "fedllm/round_loop.py")
+
+
+def core_files() -> list[Path]:
+    return [p for c in CORE for p in ([ROOT / c] if c.endswith(".py") else sorted((ROOT / c).rglob("*.py")))]
+
+
+def test_the_core_never_speaks_of_transport_or_privacy():
+    """A feature owns its wire format (``Feature.codec``): the Flower apps, the server, the client runtime and
+    the round loop call the run's composed hooks and never read ``comm.*``, name an encoding or import the
+    transport or privacy room."""
+    found = {}
+    for path in core_files():
+        words = code_words(path)
+        bad = sorted(w for w in words if TRANSPORT_WORDS.search(w) or PRIVACY_WORDS.search(w))
+        bad += sorted(m for m in imports_of(path) if m.startswith(("fedllm.transport", "fedllm.privacy")))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    assert found == {}
+
+
+def test_the_transport_word_finder_finds_a_branch(tmp_path):
+    """The finder above sees the branch the Flower driver had before the codec hook."""
+    path = tmp_path / "driver.py"
+    path.write_text(
+        "from fedllm.transport.wire import rebuild\n"
+        "def received(self, update):\n"
+        "    fmt = self.cfg.comm.upload\n"
+        "    return update.wire\n"
+    )
+    words = {w for w in code_words(path) if TRANSPORT_WORDS.search(w)}
+    assert words == {"comm", "fedllm.transport.wire", "wire"}
+
+
+def test_one_round_loop():
+    """A round is run in one place (``round_loop.one_round``): every driver and ``fedllm reproduce`` call it;
+    no other module of the package plans or finishes a round itself."""
+    callers = {}
+    for path in sorted((ROOT / "fedllm").rglob("*.py")):
+        calls = {
+            node.func.attr
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("plan_round", "finish_round")
+        }
+        if calls:
+            callers[str(path.relative_to(ROOT))] = sorted(calls)
+    assert callers == {"fedllm/round_loop.py": ["finish_round", "plan_round"]}
 
 
 def test_no_module_compares_a_method_name_outside_its_own_file():

@@ -260,7 +260,7 @@ def test_a_failing_batch_falls_back_to_each_client_alone(builtin_base, monkeypat
     from accelerate import Accelerator
 
     from fedllm import assembly
-    from fedllm.client import batched
+    from fedllm.client import runtime
 
     cfg = load_config(None, _overrides("fedit", "sft", 3, "adamw"))
     fed = assembly.assemble(cfg, Accelerator(cpu=True))
@@ -270,7 +270,7 @@ def test_a_failing_batch_falls_back_to_each_client_alone(builtin_base, monkeypat
     def broken(*a, **k):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(batched, "train_together", broken)
+    monkeypatch.setattr(runtime, "train_together", broken)
     with caplog.at_level("WARNING"):
         got = fed.runtime.train_many(clients, [plan.starts[c.client_id] for c in clients])
     assert len(got) == 3 and not any(isinstance(u, Exception) for u in got)

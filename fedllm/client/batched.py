@@ -334,14 +334,16 @@ def client_losses(logits: Tensor, batches: list[dict[str, Tensor]]) -> list[Tens
     return out
 
 
-def train_together(runtime, jobs: list, algos: list, accelerator) -> list[tuple[LocalResult, float]]:
-    """Train ``jobs`` (switched in, each in its own slot) side by side; each one's result and seconds.
+def train_together(
+    model, pad_id: int, jobs: list, algos: list, accelerator
+) -> list[tuple[LocalResult, float]]:
+    """Train ``jobs`` (switched in by the runtime, each in its own slot of ``model``) side by side; each one's
+    result and seconds. The runtime calls this and never the reverse: each job carries the per-client
+    session state (its parameters, plan, algorithm state, batches), and nothing here reads the runtime.
 
     Clients with fewer local steps leave the batch when theirs are done; gradient accumulation takes
     ``client.grad_accum`` stacked micro-batches per step.
     """
-    model = runtime.model
-    pad_id = runtime.tokenizer.pad_token_id
     runs = [
         LocalRun(a, j.params, j.plan, j.algo_state, j.start.algo) for a, j in zip(algos, jobs, strict=True)
     ]

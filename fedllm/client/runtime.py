@@ -40,6 +40,7 @@ from torch import Tensor
 
 from data_prep.prompts import TokenizedExample
 from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_stream
+from fedllm.client.batched import ensure_slot, slot_name, train_together, why_not_batched
 from fedllm.factors import (
     Adapter,
     add_to_residual,
@@ -340,8 +341,6 @@ class ClientRuntime:
         failing one has already written its own, and training it again on top of that would count its
         round twice.
         """
-        from fedllm.client.batched import ensure_slot, slot_name, train_together, why_not_batched
-
         reason = why_not_batched(self) if len(clients) > 1 else "one client"
         if reason is not None:
             if len(clients) > 1 and not getattr(self, "_said_unbatched", False):
@@ -360,7 +359,7 @@ class ClientRuntime:
                     for p in job.params.values():
                         p.requires_grad_(True)
                 algos = [copy.copy(self.algorithm) for _ in jobs]  # each client's own anchors and variates
-                results = train_together(self, jobs, algos, self.acc)
+                results = train_together(self.model, self.tokenizer.pad_token_id, jobs, algos, self.acc)
                 for job, (result, _) in zip(jobs, results, strict=True):
                     self.end_session(job, result)
             return [self.finish_training(j, r, s) for j, (r, s) in zip(jobs, results, strict=True)]

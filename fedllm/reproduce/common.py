@@ -22,7 +22,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fedllm.client.module_runtime import ModuleClient, ModuleRuntime
-from fedllm.server import Server
+from fedllm.round_loop import one_round
+from fedllm.server import RoundPlan, Server
 
 
 def add_common_arguments(p: argparse.ArgumentParser, default_output: str) -> None:
@@ -46,17 +47,20 @@ def federate(
     after_round: Callable[[int], None] | None = None,
     progress: str | None = None,
 ) -> list[dict]:
-    """``rounds`` rounds of the server's plan, each sampled client's local work on ``runtime``, the
-    server's acceptance and aggregation; ``after_round(r)`` sees the server after each. Returns the rows."""
+    """``rounds`` rounds of the round every driver runs (:func:`fedllm.round_loop.one_round`: the server's
+    plan, each sampled client's local work on ``runtime``, the server's acceptance and aggregation);
+    ``after_round(r)`` sees the server after each. Returns the rows."""
+
+    def train(plan: RoundPlan) -> dict[int, Any]:
+        return {k: runtime.train(clients[k], plan.starts[k]) for k in plan.active}
+
     rows = []
     bar = tqdm(range(1, rounds + 1), desc=progress, leave=False, disable=None if progress else True)
     for r in bar:
-        plan = server.plan_round(r)
-        results = {k: runtime.train(clients[k], plan.starts[k]) for k in plan.active}
-        report = server.finish_round(plan, results)
-        if report.row["n_failed"]:
-            raise RuntimeError(f"round {r}: the server left clients out: {report.row['failed']}")
-        rows.append(report.row)
+        done = one_round(server, r, train)  # the round every driver runs (fedllm/round_loop.py)
+        if done.row["n_failed"]:
+            raise RuntimeError(f"round {r}: the server left clients out: {done.row['failed']}")
+        rows.append(done.row)
         if after_round is not None:
             after_round(r)
     return rows
