@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -101,8 +102,9 @@ def module_key(peft_name: str) -> str:
     return peft_name[len(PEFT_PREFIX) :] if peft_name.startswith(PEFT_PREFIX) else peft_name
 
 
-def lora_modules(model, adapter: str) -> dict[str, torch.nn.Module]:
-    """``{base module name: peft LoRA layer}`` for the layers that hold ``adapter``."""
+def lora_modules(model: Any, adapter: str) -> dict[str, Any]:
+    """``{base module name: peft LoRA layer}`` for the layers that hold ``adapter`` (typed ``Any``: a
+    layer's ``lora_A`` / ``lora_B`` ModuleDicts are attributes a type checker cannot follow)."""
     out = {}
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and adapter in getattr(module, "lora_A", {}):

@@ -176,7 +176,7 @@ class AlgorithmServer:
     """
 
     @classmethod
-    def from_config(cls, client_cfg) -> AlgorithmServer:
+    def from_config(cls, client_cfg: Any) -> AlgorithmServer:
         return cls()
 
     def bind(self, param_shapes: dict[str, torch.Size]) -> None:
@@ -186,7 +186,7 @@ class AlgorithmServer:
         """What client ``client_id``, whose adapter has rank ``rank``, downloads for this algorithm."""
         return {}
 
-    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+    def accept_extras(self, extras: dict[str, Tensor], exp: Any) -> dict[str, Tensor]:
         """The extras this algorithm expects in an update, checked against ``exp``
         (``fedllm.checks.Expected``) and cast; raises ``ClientFailure``.
         Extras nobody claims are refused by the server."""
@@ -287,7 +287,7 @@ class HookSession:
         """What the client keeps for its next round (only what :meth:`ClientHook.session` reads back)."""
         return {}
 
-    def local_plan(self, plan):
+    def local_plan(self, plan: Any) -> Any:
         """The client's local plan for this session (``fedllm.client.base.LocalPlan``): as it is, unless
         the strategy's round trains differently (Fed-SB's initialization round: one Adam step)."""
         return plan
@@ -375,7 +375,7 @@ class ClientHook:
         }
 
     def session(
-        self, model, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
     ) -> HookSession | None:
         """Hooks on ``model``'s adapter for ``view``: 'train', 'global' (the global model as this client gets
         it) or 'own' (its personalized model); ``state``: what a previous session kept; ``extras``: the
@@ -387,7 +387,7 @@ class ClientHook:
 # --------
 
 
-def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
+def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors, scales = adapter_tensors(start.factors or {}, "factors.")
     if start.catchup is not None:
         t, s = adapter_tensors(start.catchup.update, "catchup.")
@@ -406,12 +406,22 @@ def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict]:
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
 
-def decode_start(tensors: dict[str, Tensor], meta: dict) -> ClientStart:
+def _catchup(rounds: Any, tensors: dict[str, Tensor], scales: dict[str, float]) -> Catchup | None:
+    if not rounds:
+        return None
+    return Catchup(int(rounds[0]), int(rounds[1]), adapter_from_tensors(tensors, scales, "catchup."))
+
+
+def decode_start(tensors: dict[str, Tensor], meta: dict[str, Any]) -> ClientStart:
     scales = meta["scales"]
     return ClientStart(
         round=meta["round"],
         factors=adapter_from_tensors(tensors, scales, "factors.") if meta["has_factors"] else None,
-        catchup=Catchup(*meta["catchup"], adapter_from_tensors(tensors, scales, "catchup."))
+        catchup=Catchup(
+            int(meta["catchup"][0]),
+            int(meta["catchup"][1]),
+            adapter_from_tensors(tensors, scales, "catchup."),
+        )
         if meta.get("catchup")
         else None,
         dense=unprefixed(tensors, "dense."),
@@ -422,7 +432,7 @@ def decode_start(tensors: dict[str, Tensor], meta: dict) -> ClientStart:
     )
 
 
-def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict]:
+def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors, scales = adapter_tensors(update.factors, "factors.")
     tensors.update(prefixed(update.dense, "dense."))
     tensors.update(prefixed(update.extras, "extras."))
@@ -437,7 +447,7 @@ def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict]:
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
 
-def decode_update(tensors: dict[str, Tensor], meta: dict) -> ClientUpdate:
+def decode_update(tensors: dict[str, Tensor], meta: dict[str, Any]) -> ClientUpdate:
     scales = meta["scales"]
     return ClientUpdate(
         client_id=meta["client_id"],
@@ -522,24 +532,26 @@ class Codec:
         return bool(self.key) and name.startswith(self.key + ".")
 
     def encode_start(
-        self, start: ClientStart, tensors: dict[str, Tensor], meta: dict
-    ) -> tuple[dict[str, Tensor], dict]:
+        self, start: ClientStart, tensors: dict[str, Tensor], meta: dict[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The start's message (server side) as this feature sends it (default: as it is)."""
         return tensors, meta
 
-    def decode_start(self, tensors: dict[str, Tensor], meta: dict) -> tuple[dict[str, Tensor], dict]:
+    def decode_start(
+        self, tensors: dict[str, Tensor], meta: dict[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The protocol's message again from what arrived (site side); ValueError with the reason."""
         return tensors, meta
 
     def encode_update(
-        self, update: ClientUpdate, tensors: dict[str, Tensor], meta: dict
-    ) -> tuple[dict[str, Tensor], dict]:
+        self, update: ClientUpdate, tensors: dict[str, Tensor], meta: dict[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The update's message (site side) as this feature sends it (default: as it is)."""
         return tensors, meta
 
     def decode_update(
-        self, tensors: dict[str, Tensor], meta: dict, max_numel: int
-    ) -> tuple[dict[str, Tensor], dict, Any]:
+        self, tensors: dict[str, Tensor], meta: dict[str, Any], max_numel: int
+    ) -> tuple[dict[str, Tensor], dict[str, Any], Any]:
         """The protocol's message again from a reply (server side), and what :meth:`received` needs of it
         (kept in the update's ``attachments[key]``); ValueError with the reason, the site's failure."""
         return tensors, meta, None
@@ -563,54 +575,54 @@ class Feature:
     section: ClassVar[str] = ""
     options: ClassVar[type | None] = None
 
-    def rules(self) -> list:
+    def rules(self) -> list[Any]:
         """Refused combinations (``fedllm.options.Rule``), checked with the config layer's own."""
         return []
 
-    def check_config(self, options, cfg) -> None:
+    def check_config(self, options: Any, cfg: Any) -> None:
         """What this feature alone requires of a config (ValueError naming the key)."""
 
-    def wrap_strategy(self, strategy, options, cfg):
+    def wrap_strategy(self, strategy: Any, options: Any, cfg: Any) -> Any:
         """The server's strategy with this feature around it (default: as it is)."""
         return strategy
 
-    def server_rules(self, rules, options, cfg):
+    def server_rules(self, rules: Any, options: Any, cfg: Any) -> Any:
         """The server's rules (``fedllm.server.Rules``) this feature needs (default: as they are)."""
         return rules
 
-    def sampling(self, sampling, options, cfg):
+    def sampling(self, sampling: Any, options: Any, cfg: Any) -> Any:
         """How the server draws each round's clients under this feature (default: as it does)."""
         return sampling
 
-    def upload_transforms(self, options, cfg) -> list[UploadTransform]:
+    def upload_transforms(self, options: Any, cfg: Any) -> list[UploadTransform]:
         """What this feature does to every upload, on the client (default: nothing)."""
         return []
 
-    def add_commands(self, subparsers) -> None:
+    def add_commands(self, subparsers: Any) -> None:
         """Subcommands of ``fedllm`` this feature brings."""
 
-    def client_state(self, options, cfg) -> str:
+    def client_state(self, options: Any, cfg: Any) -> str:
         """The settings of this feature that make each client keep state between rounds (an error-feedback
         residual), as a user would write them; empty when none do."""
         return ""
 
-    def train_exchange(self, options, cfg) -> TrainExchange | None:
+    def train_exchange(self, options: Any, cfg: Any) -> TrainExchange | None:
         """Another way a driver gathers a round's uploads (secure aggregation: their sum only, as
         :class:`SummedUpdates`), an object with ``train(driver, plan)``; None: each update as it is. A driver
         that cannot run it refuses the config (``RoundLoop``)."""
         return None
 
-    def codec(self, options, cfg) -> Codec | None:
+    def codec(self, options: Any, cfg: Any) -> Codec | None:
         """How this feature changes what travels on a real wire (the Flower apps); None: it does not."""
         return None
 
-    def client_mods(self, sites: Any) -> list:
+    def client_mods(self, sites: Any) -> list[Any]:
         """Flower ClientApp mods this feature adds to every site's ``train`` (each passes messages that are
         not its own through); ``sites``: how the ClientApp gives a message's site (``site(context,
         config_text)``) and keeps its state (``keep(context, site)``), so that a mod needs no import of it."""
         return []
 
-    def hidden_sample(self, options, cfg) -> str:
+    def hidden_sample(self, options: Any, cfg: Any) -> str:
         """Why this feature needs each round's sample kept secret and how a user lifts that, as one clause
         (e.g. an accountant's amplification by sampling); empty when it needs no such thing."""
         return ""

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from fedllm.checks import Expected
 from fedllm.factors import Adapter, LoraFactors, fit_rank, pad_rank, weighted_mean
 from fedllm.protocol import ClientHook, ClientUpdate
 
@@ -124,16 +125,16 @@ class Strategy(abc.ABC):
         STRATEGIES[cls.name] = cls
 
     @classmethod
-    def from_options(cls, options) -> Strategy:
+    def from_options(cls, options: Any) -> Strategy:
         """The strategy with its own options (an instance of :attr:`options`, or None when it has none)."""
         return cls()
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_config(cls, cfg: Any) -> None:
         """Refuse configs this strategy cannot run, before any work starts."""
 
     @classmethod
-    def sums_uploads(cls, cfg) -> bool:
+    def sums_uploads(cls, cfg: Any) -> bool:
         """Whether, under ``cfg``, the server needs only the weighted sum of the factors and dense modules the
         clients upload (what secure aggregation gives it): the ``linear`` strategies, unless their sum is of
         something else (Fed-SB's R, an extra)."""
@@ -207,13 +208,13 @@ class Strategy(abc.ABC):
         k = int(self.trim_fraction * len(tensors))
         return stacked.sort(dim=0).values[k : len(tensors) - k].mean(dim=0)
 
-    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+    def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         """The extras this strategy expects in an update, checked against ``exp``
         (``fedllm.checks.Expected``) and cast; raises ``ClientFailure``.
         Extras nobody claims are refused by the server."""
         return {}
 
-    def extras_numel(self, exp) -> int:
+    def extras_numel(self, exp: Expected) -> int:
         """The most numbers this strategy's extras in one update may hold (``exp``: the
         ``fedllm.checks.Expected`` of the update), beyond the adapter's size (a driver's cap on a reply's
         bytes counts them). Default: none beyond it."""
@@ -335,10 +336,10 @@ class StrategyWrapper(Strategy, register=False):
         return self.inner.budget_mb
 
     # calls
-    def check_config(self, cfg) -> None:  # type: ignore[override]
+    def check_config(self, cfg: Any) -> None:  # type: ignore[override]
         self.inner.check_config(cfg)
 
-    def sums_uploads(self, cfg) -> bool:  # type: ignore[override]
+    def sums_uploads(self, cfg: Any) -> bool:  # type: ignore[override]
         return self.inner.sums_uploads(cfg)
 
     def initial_factors(self, modules: dict[str, tuple[int, int]], rank: int, seed: int) -> Adapter:
@@ -371,13 +372,13 @@ class StrategyWrapper(Strategy, register=False):
     def average(self, tensors: list[Tensor], weights: list[float]) -> Tensor:
         return self.inner.average(tensors, weights)
 
-    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+    def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         return self.inner.accept_extras(extras, exp)
 
     def shared_extras(self, update: ClientUpdate) -> dict[str, Tensor]:
         return self.inner.shared_extras(update)
 
-    def extras_numel(self, exp) -> int:
+    def extras_numel(self, exp: Expected) -> int:
         return self.inner.extras_numel(exp)
 
     def aggregate_factors(
@@ -436,7 +437,7 @@ def base_point(state: GlobalState, context: RoundContext) -> Adapter:
     return {k: f.folded() for k, f in context.fresh().items()}
 
 
-def strategy_from_config(agg) -> Strategy:
+def strategy_from_config(agg: Any) -> Strategy:
     """The strategy ``aggregation.name`` names, built from its own options (``aggregation.<name>.*``)."""
     strategy = STRATEGIES[agg.name].from_options(getattr(agg, agg.name, None))
     strategy.robust, strategy.trim_fraction = agg.robust, agg.trim_fraction

@@ -25,7 +25,6 @@ stays in the global model it is evaluated on, not in its own start).
 from __future__ import annotations
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -33,6 +32,7 @@ from fedllm.aggregation.base import (
     leading_factors,
 )
 from fedllm.factors import Adapter, LoraFactors, add_to_residual, concat, pad_rank, smallest_exact, stack
+from fedllm.protocol import ClientUpdate
 
 
 class FedExLoRA(Strategy):
@@ -64,7 +64,8 @@ class FedExLoRA(Strategy):
             factors[key] = LoraFactors(a_bar, b_bar, 1.0)
             exact = stack(folded, weights)  # sum_k p_k B_k A_k
             remainder = concat({key: exact}, {key: LoraFactors(a_bar, -b_bar, 1.0)})[key]
-            merged[key] = smallest_exact(remainder)
+            # a DenseDelta where that is smaller: a merged residual may hold one (factors.Adapter)
+            merged[key] = smallest_exact(remainder)  # type: ignore[assignment]
         return RoundResult(
             GlobalState(factors, add_to_residual(state.residual, merged), extras=dict(state.extras)), merged
         )

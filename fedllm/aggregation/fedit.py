@@ -10,7 +10,6 @@ error is part of the method). With heterogeneous ranks every client's
 from __future__ import annotations
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -19,6 +18,7 @@ from fedllm.aggregation.base import (
     module_io,
 )
 from fedllm.factors import Adapter, LoraFactors, pad_rank
+from fedllm.protocol import ClientUpdate
 
 
 class FedIT(Strategy):

@@ -28,11 +28,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
-from fedllm.checks import ClientFailure, as_float32
+from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.checks import ClientFailure, Expected, as_float32
 from fedllm.factors import Adapter, LoraFactors, lora_modules, unprefixed
 from fedllm.options import opt
-from fedllm.protocol import ClientHook, HookSession
+from fedllm.protocol import ClientHook, ClientUpdate, HookSession
 
 B_OWN = "B."  # a client's own B per module, in its state
 B_MEAN = "B_mean."  # the mean of the shared B's, downloaded (strategy extras)
@@ -56,7 +56,9 @@ class FedSASession(HookSession):
     mean (the global model as this client gets it); reads its B back for its state and, on sharing rounds,
     the upload."""
 
-    def __init__(self, model, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str):
+    def __init__(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> None:
         self.modules = lora_modules(model, adapter)
         self.adapter = adapter
         self.share = bool(extras.get(SHARE, torch.tensor(0)).item())
@@ -105,7 +107,9 @@ class FedSAClient(ClientHook):
             return fresh
         return {k: LoraFactors(f.A, fresh[k].B, f.scale) for k, f in download.items()}
 
-    def session(self, model, adapter, state, extras, view) -> FedSASession:
+    def session(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> FedSASession:
         return FedSASession(model, adapter, state, extras, view)
 
 
@@ -123,10 +127,10 @@ class FedSALoRA(Strategy):
     options = FedSAOptions
 
     @classmethod
-    def sums_uploads(cls, cfg) -> bool:
+    def sums_uploads(cls, cfg: Any) -> bool:
         """Without B sharing the round is the weighted sum of the uploaded A's (secure aggregation can run
         it); with it, the shared B is averaged over that round's sharers only."""
-        return cfg.aggregation.fedsa.share_b_every == 0
+        return bool(cfg.aggregation.fedsa.share_b_every == 0)
 
     def __init__(self, share_b_every: int = 0) -> None:
         if share_b_every < 0:
@@ -142,7 +146,7 @@ class FedSALoRA(Strategy):
         done = int(state.extras.get("rounds", 0))
         return bool(self.share_b_every) and (done + 1) % self.share_b_every == 0
 
-    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+    def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         shared = unprefixed(extras, B_SHARED)
         if not shared:
             return {}

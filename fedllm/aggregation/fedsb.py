@@ -36,17 +36,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.aggregation.ffa import Frozen
-from fedllm.checks import ClientFailure, as_float32
+from fedllm.checks import ClientFailure, Expected, as_float32
 from fedllm.factors import Adapter, LoraFactors, unprefixed
 from fedllm.options import opt
-from fedllm.protocol import ClientHook, HookSession
+from fedllm.protocol import ClientHook, ClientUpdate, HookSession
 
 STEP = "fedsb_step."  # a client's first Adam step on a module's dense weight (the initialization round)
 CORE = "fedsb_R."  # the r x r matrix of a module: downloaded (the global one), trained, uploaded
@@ -75,7 +76,7 @@ class FedSBInit(Frozen):
     """The initialization round: one Adam step on a zero dense delta ``D`` of each module's weight,
     ``y = W0 x + B A x + D x`` (``B = 0``: the base), taken over ``init_examples`` examples; uploads ``D``."""
 
-    def __init__(self, model, adapter: str, init_examples: int, init_lr: float) -> None:
+    def __init__(self, model: Any, adapter: str, init_examples: int, init_lr: float) -> None:
         super().__init__(model, adapter, "AB")
         self.init_examples, self.init_lr = init_examples, init_lr
         self.deltas: dict[str, torch.nn.Parameter] = {}
@@ -104,7 +105,7 @@ class FedSBInit(Frozen):
     def shared_params(self) -> dict[str, torch.nn.Parameter]:
         return {f"{STEP}{k}": d for k, d in self.deltas.items()}
 
-    def local_plan(self, plan):
+    def local_plan(self, plan: Any) -> Any:
         """One Adam step over ``init_examples`` examples at ``init_lr``, unclipped and undecayed: the step
         is ``-init_lr g / (|g| + eps)``, LoRA-SB's ``-lr sign(g)``."""
         accum = max(1, math.ceil(self.init_examples / plan.batch_size))
@@ -127,7 +128,7 @@ class FedSBCore(Frozen):
     """``y = W0 x + s B (R / s) A x``: the downloaded ``R``'s leading ``r_k x r_k`` block, trained
     (scale-free: the hook divides out the layer's LoRA scale, so R is in the server's units)."""
 
-    def __init__(self, model, adapter: str, cores: dict[str, Tensor]) -> None:
+    def __init__(self, model: Any, adapter: str, cores: dict[str, Tensor]) -> None:
         super().__init__(model, adapter, "AB")
         self.cores: dict[str, torch.nn.Parameter] = {}
         for key, m in self.modules.items():
@@ -161,11 +162,14 @@ class FedSBClient(ClientHook):
     """Trains nothing of the LoRA factors (they travel empty both ways but the bases' download): the
     initialization round's dense step, then R."""
 
-    uploads: tuple[str, ...] = ()
+    uploads: ClassVar[tuple[str, ...]] = ()
     sets_local_plan = True  # the initialization round's one Adam step
     params_outside_model = True  # R (and the initialization's dense step) live in the hook's sessions
-    frozen: tuple[str, ...] = ("A", "B")  # the server's view of both is the bases it sent
-    shared_extras: tuple[str, ...] = (STEP, CORE)  # trained like the adapter: clipped and noised with it
+    frozen: ClassVar[tuple[str, ...]] = ("A", "B")  # the server's view of both is the bases it sent
+    shared_extras: ClassVar[tuple[str, ...]] = (
+        STEP,
+        CORE,
+    )  # trained like the adapter: clipped and noised with it
     init_examples = 32
     init_lr = 1e-4
 
@@ -174,7 +178,9 @@ class FedSBClient(ClientHook):
         product), or ``fresh`` (the initialization round: its ``B = 0`` makes the model the base)."""
         return dict(download) if download else fresh
 
-    def session(self, model, adapter, state, extras, view) -> HookSession | None:
+    def session(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> HookSession | None:
         cores = unprefixed(extras, CORE)
         if cores:
             return FedSBCore(model, adapter, cores)
@@ -193,7 +199,7 @@ class FedSB(Strategy):
     options = FedSBOptions
 
     @classmethod
-    def sums_uploads(cls, cfg) -> bool:
+    def sums_uploads(cls, cfg: Any) -> bool:
         """Its sum is of R and the initialization's steps, which travel as extras: not the secure layout's
         factors and dense modules (not built)."""
         return False
@@ -202,7 +208,7 @@ class FedSB(Strategy):
         self.init_examples, self.init_lr = init_examples, init_lr
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_config(cls, cfg: Any) -> None:
         if cfg.client.optimizer != "adamw":
             raise ValueError(
                 f"aggregation.name = fedsb initializes with one Adam step (LoRA-SB's -lr sign(g)): set "
@@ -223,7 +229,7 @@ class FedSB(Strategy):
         hook.init_examples, hook.init_lr = self.init_examples, self.init_lr
         return hook
 
-    def accept_extras(self, extras: dict[str, Tensor], exp) -> dict[str, Tensor]:
+    def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         """The initialization round: a dense step per module (``out x in``). After it: the client's
         ``r_k x r_k`` block of each R, put into the R it downloaded (``exp.asked``)."""
         asked = unprefixed(exp.asked, CORE)
@@ -247,10 +253,10 @@ class FedSB(Strategy):
             out[name] = full
         return out
 
-    def extras_numel(self, exp) -> int:
+    def extras_numel(self, exp: Expected) -> int:
         """The initialization round's dense steps (``out x in`` per module), or the client's R blocks."""
         if unprefixed(exp.asked, CORE):
-            return len(exp.modules) * exp.rank * exp.rank
+            return int(len(exp.modules) * exp.rank * exp.rank)
         return sum(out_f * in_f for out_f, in_f in exp.modules.values())
 
     def aggregate_factors(

@@ -22,10 +22,11 @@ keeps state per parameter is refused (``global_state = "refactored"``).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from torch import Tensor
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -34,7 +35,7 @@ from fedllm.aggregation.base import (
 )
 from fedllm.aggregation.ffa import Frozen, frozen_factor
 from fedllm.factors import Adapter, LoraFactors, init_factors, low_rank_svd, pad_rank, svd_factors
-from fedllm.protocol import ClientHook
+from fedllm.protocol import ClientHook, ClientUpdate
 
 ROUNDS = "fedsvd_rounds"  # rounds re-factored so far (0: A is still the seed's, never sent)
 
@@ -56,7 +57,9 @@ class FedSVDClient(ClientHook):
             out[k] = LoraFactors(A, f.B, f.scale)
         return super().start_factors(out, fresh)
 
-    def session(self, model, adapter, state, extras, view) -> Frozen | None:
+    def session(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> Frozen | None:
         return Frozen(model, adapter) if view == "train" else None
 
 

@@ -21,12 +21,11 @@ The paper's choice of a larger alpha for the frozen A is left to
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -34,7 +33,7 @@ from fedllm.aggregation.base import (
     leading_factors,
 )
 from fedllm.factors import Adapter, LoraFactors, init_factors, lora_modules, pad_rank
-from fedllm.protocol import ClientHook, HookSession
+from fedllm.protocol import ClientHook, ClientUpdate, HookSession
 
 
 class Frozen(HookSession):
@@ -42,7 +41,7 @@ class Frozen(HookSession):
     B in RoLoRA's A rounds (``factors`` "A" or "B"), both in Fed-SB ("AB"), whose sessions also keep the
     forward hooks they add in :attr:`handles` (removed on close)."""
 
-    def __init__(self, model, adapter: str, factors: str = "A") -> None:
+    def __init__(self, model: Any, adapter: str, factors: str = "A") -> None:
         self.modules = lora_modules(model, adapter)
         self.weights = [
             getattr(m, f"lora_{f}")[adapter].weight for m in self.modules.values() for f in factors
@@ -50,7 +49,7 @@ class Frozen(HookSession):
         self.trainable = [w.requires_grad for w in self.weights]
         for w in self.weights:
             w.requires_grad_(False)
-        self.handles: list = []
+        self.handles: list[Any] = []
 
     def close(self) -> None:
         for h in self.handles:
@@ -89,7 +88,9 @@ class FFAClient(ClientHook):
             return fresh
         return {k: LoraFactors(fresh[k].A, f.B, f.scale) for k, f in download.items()}
 
-    def session(self, model, adapter, state, extras, view) -> Frozen | None:
+    def session(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> Frozen | None:
         return Frozen(model, adapter) if view == "train" else None
 
 

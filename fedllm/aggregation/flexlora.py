@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -30,6 +29,7 @@ from fedllm.factors import (
     truncate_rank,
 )
 from fedllm.options import one_of, opt
+from fedllm.protocol import ClientUpdate
 
 
 @dataclass

@@ -10,8 +10,9 @@ the sum of the round's ranks.
 
 from __future__ import annotations
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.factors import add_to_residual, stack
+from fedllm.protocol import ClientUpdate
 
 
 class FLoRA(Strategy):

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.aggregation.floral_mixture import MixtureOptions, MixtureSession
 from fedllm.checks import ClientFailure, Expected, as_float32
 from fedllm.factors import Adapter, LoraFactors, unprefixed, weighted_mean
 from fedllm.options import nonneg, one_of, opt, positive
-from fedllm.protocol import ClientHook
+from fedllm.protocol import ClientHook, ClientUpdate
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +95,15 @@ class FloralClient(ClientHook):
     keeps_state = True  # its router
     shared_extras = ("bias.",)  # its bias adaptors: averaged like the adaptors
 
-    def __init__(self, options: MixtureOptions) -> None:
-        self.options = options
+    def __init__(self, router: MixtureOptions) -> None:
+        self.router = router
 
-    def session(self, model, adapter, state, extras, view) -> MixtureSession:
-        own = view == "own" or (view == "train" and self.options.stateful)
+    def session(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> MixtureSession:
+        own = view == "own" or (view == "train" and self.router.stateful)
         return MixtureSession(
-            model, adapter, self.options, state if own and state else None, unprefixed(extras, BIAS)
+            model, adapter, self.router, state if own and state else None, unprefixed(extras, BIAS)
         )
 
 
@@ -125,7 +127,7 @@ class FLoRAL(Strategy):
         ``num_adaptors``)."""
         if num_adaptors < 1:
             raise ValueError(f"num_adaptors = {num_adaptors} is invalid: expected an integer >= 1")
-        self.options = MixtureOptions(num_adaptors=num_adaptors, **router)
+        self.router = MixtureOptions(num_adaptors=num_adaptors, **router)  # the clients' routers
         self.num_adaptors = num_adaptors
 
     @classmethod
@@ -144,7 +146,7 @@ class FLoRAL(Strategy):
         )
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_config(cls, cfg: Any) -> None:
         ranks = sorted(set(cfg.lora.ranks) | set(cfg.lora.rank_distribution))
         if len(ranks) != 1:
             raise ValueError(
@@ -154,7 +156,7 @@ class FLoRAL(Strategy):
             )
 
     def client_hook(self) -> FloralClient:
-        return FloralClient(self.options)
+        return FloralClient(self.router)
 
     def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         """Per module: the router probabilities (C values on the simplex, renormalized exactly) and, with bias
@@ -165,7 +167,7 @@ class FLoRAL(Strategy):
             if (probs < 0).any() or abs(float(probs.sum()) - 1) > 1e-3:
                 raise ClientFailure(f"{PROBS}{key} = {probs.tolist()} is not a probability vector")
             out[PROBS + key] = probs / probs.sum()
-            if self.options.bias:
+            if self.router.bias:
                 out[BIAS + key] = as_float32(BIAS + key, extras.get(BIAS + key), (c, out_f))
         return out
 

@@ -25,7 +25,9 @@ Options of the reference implementation (zeligism/FLoRAL):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,7 +76,7 @@ class MixtureSession(HookSession):
 
     def __init__(
         self,
-        model,
+        model: Any,
         adapter: str,
         spec: MixtureOptions,
         router: dict[str, Tensor] | None,
@@ -119,27 +121,27 @@ class MixtureSession(HookSession):
                 self._handles += self._precondition(module)
 
     def weights(self, group: str, training: bool) -> Tensor:
-        logits = self.logits[group]
+        logits: Tensor = self.logits[group]
         if training and self.spec.noise > 0:
             draw = torch.rand_like if self.spec.noise_dist == "uniform" else torch.randn_like
             logits = logits + self.spec.noise * draw(logits)
         return router_probs(logits, self.spec.temperature)
 
-    def _scale_hook(self, group: str):
-        def hook(module, inputs, output):
+    def _scale_hook(self, group: str) -> Callable[..., Tensor]:
+        def hook(module: Any, inputs: Any, output: Tensor) -> Tensor:
             pi = self.weights(group, module.training).to(output.dtype)
             return output * pi.repeat_interleave(self.rank)
 
         return hook
 
-    def _bias_hook(self, group: str, key: str):
-        def hook(module, inputs, output):
+    def _bias_hook(self, group: str, key: str) -> Callable[..., Tensor]:
+        def hook(module: Any, inputs: Any, output: Tensor) -> Tensor:
             pi = self.weights(group, module.training).to(output.dtype)
             return output + pi @ self.biases[key].to(output.dtype)
 
         return hook
 
-    def _precondition(self, module) -> list:
+    def _precondition(self, module: Any) -> list[Any]:
         eps, r, c = self.spec.precondition_eps, self.rank, self.spec.num_adaptors
         wa, wb = module.lora_A[self.adapter].weight, module.lora_B[self.adapter].weight
 

@@ -12,10 +12,11 @@ base, so the download grows with ``p`` instead of the sum of ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.factors import (
     Adapter,
     add_to_residual,
@@ -26,6 +27,7 @@ from fedllm.factors import (
     svd_factors,
 )
 from fedllm.options import fraction, nonneg, opt
+from fedllm.protocol import ClientUpdate
 
 
 @dataclass
@@ -61,7 +63,7 @@ class FLoRIST(Strategy):
         self.tau, self.fixed_rank, self.budget_mb = tau, fixed_rank, download_budget_mb
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_config(cls, cfg: Any) -> None:
         if cfg.aggregation.florist.fixed_rank and cfg.aggregation.download_budget_mb:
             raise ValueError(
                 "aggregation.florist.fixed_rank and aggregation.download_budget_mb both choose the rank: set "
@@ -90,7 +92,7 @@ class FLoRIST(Strategy):
         svds = {
             key: low_rank_svd(stack([u.factors[key] for u in updates], weights)) for key in updates[0].factors
         }
-        info: dict = {}
+        info: dict[str, Any] = {}
         if self.budget_mb:
             chosen, share = self.budget_ranks(
                 {k: (s, u.shape[0] + vh.shape[1]) for k, (u, s, vh) in svds.items()}

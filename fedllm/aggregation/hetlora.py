@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -52,7 +51,7 @@ from fedllm.aggregation.base import (
 from fedllm.checks import cap_weights
 from fedllm.factors import Adapter, LoraFactors, lora_modules, low_rank_svd, pad_rank
 from fedllm.options import nonneg, opt
-from fedllm.protocol import ClientHook, HookSession
+from fedllm.protocol import ClientHook, ClientUpdate, HookSession
 
 
 @dataclass
@@ -97,7 +96,9 @@ class PruningSession(HookSession):
     """One client's self-pruning while it trains: components beyond its rank ``r'`` masked out of the
     forward pass (zero in what it sends), the tail regularizer's gradient added to its factors'."""
 
-    def __init__(self, model, adapter: str, state: dict[str, Tensor], gamma: float, lam: float, train: bool):
+    def __init__(
+        self, model: Any, adapter: str, state: dict[str, Tensor], gamma: float, lam: float, train: bool
+    ) -> None:
         self.modules = lora_modules(model, adapter)
         self.adapter = adapter
         self.gamma, self.lam = gamma, lam
@@ -129,7 +130,7 @@ class PruningSession(HookSession):
                 m.lora_A[self.adapter].weight[self.rank :].zero_()
                 m.lora_B[self.adapter].weight[:, self.rank :].zero_()
 
-    def _grad(self, a, b, s: float, factor: str) -> Tensor:
+    def _grad(self, a: Any, b: Any, s: float, factor: str) -> Tensor:
         """d/dA (``factor`` "A") or d/dB of ``lambda * ||s B_t A_t||_F`` (zero where the tail is zero: a
         subgradient). Each parameter's hook computes its own factor's gradient only."""
         lo, hi = tail_start(self.rank, self.gamma), self.rank
@@ -179,7 +180,9 @@ class HetLoRAClient(ClientHook):
     def __init__(self, gamma: float, lam: float) -> None:
         self.gamma, self.lam = gamma, lam
 
-    def session(self, model, adapter, state, extras, view) -> PruningSession | None:
+    def session(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> PruningSession | None:
         if view != "train" and RANK not in state:
             return None  # never pruned: its model is its plain adapter
         return PruningSession(model, adapter, state, self.gamma, self.lam, train=view == "train")

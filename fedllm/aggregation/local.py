@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from fedllm.aggregation.base import ClientUpdate, GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.aggregation.fedit import FedIT
 from fedllm.factors import Adapter, LoraFactors
+from fedllm.protocol import ClientUpdate
 
 
 class LocalOnly(Strategy):

@@ -19,10 +19,11 @@ round's trained factor (``linear``).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from torch import Tensor
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -31,7 +32,7 @@ from fedllm.aggregation.base import (
 )
 from fedllm.aggregation.ffa import Frozen, frozen_factor
 from fedllm.factors import Adapter, LoraFactors, init_factors, pad_rank
-from fedllm.protocol import ClientHook
+from fedllm.protocol import ClientHook, ClientUpdate
 
 ROUNDS = "rolora_rounds"  # rounds aggregated so far (the phase when no context says the round)
 
@@ -43,6 +44,8 @@ def trains(round_idx: int) -> str:
 
 class RoLoRAPhase(ClientHook):
     """RoLoRA's client in one round: trains ``uploads`` (one factor) with the other frozen."""
+
+    init_round: ClassVar[int | None] = 1  # RoLoRA's: the shared A of round 1
 
     def __init__(self, factor: str) -> None:
         self.factor = factor
@@ -56,7 +59,9 @@ class RoLoRAPhase(ClientHook):
     def frozen(self) -> tuple[str, ...]:  # type: ignore[override]
         return (self.other,)
 
-    def session(self, model, adapter, state, extras, view) -> Frozen | None:
+    def session(
+        self, model: Any, adapter: str, state: dict[str, Tensor], extras: dict[str, Tensor], view: str
+    ) -> Frozen | None:
         return Frozen(model, adapter, self.other) if view == "train" else None
 
 
@@ -69,9 +74,7 @@ class RoLoRAClient(ClientHook):
     def for_round(self, round_idx: int | None) -> ClientHook:
         if round_idx is None:
             return self
-        phase = RoLoRAPhase(trains(round_idx))
-        phase.init_round = self.init_round
-        return phase
+        return RoLoRAPhase(trains(round_idx))  # its init_round is RoLoRA's, a class variable
 
 
 class RoLoRA(Strategy):

@@ -57,7 +57,6 @@ import torch
 from torch import Tensor
 
 from fedllm.aggregation.base import (
-    ClientUpdate,
     GlobalState,
     RoundContext,
     RoundResult,
@@ -67,6 +66,7 @@ from fedllm.aggregation.base import (
 )
 from fedllm.factors import LoraFactors, pad_rank
 from fedllm.options import opt
+from fedllm.protocol import ClientUpdate
 
 PREFIX = "server_opt."  # the optimizer's moments in the state's extras
 
@@ -124,7 +124,7 @@ class ServerOptimizer(StrategyWrapper, register=False):
     """The inner strategy with a server optimizer on its global parameters (module docstring)."""
 
     method: ClassVar[str] = ""  # its aggregation.server_opt value
-    options: ClassVar[type]  # type: ignore[misc]
+    options: ClassVar[type]
     moments: ClassVar[tuple[str, ...]] = ()  # the per-tensor state it keeps: "m", "v"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -212,7 +212,9 @@ class FedAvgM(ServerOptimizer):
     options = FedAvgMOptions
     moments = ("m",)
 
-    def update(self, x, delta, state, t):
+    def update(
+        self, x: Tensor, delta: Tensor, state: dict[str, Tensor | None], t: int
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         g = -delta
         mom = g if state["m"] is None else self.opts.momentum * state["m"] + g
         if self.opts.momentum == 0:  # Flower keeps no momentum vector then
@@ -230,9 +232,11 @@ class _Adaptive(ServerOptimizer):
         """The second moment after one step, from the last one and the squared change."""
 
     def lr(self, t: int) -> float:
-        return self.opts.eta
+        return float(self.opts.eta)
 
-    def update(self, x, delta, state, t):
+    def update(
+        self, x: Tensor, delta: Tensor, state: dict[str, Tensor | None], t: int
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         b1 = getattr(self.opts, "beta_1", 0.0)
         m = torch.zeros_like(delta) if state["m"] is None else state["m"]
         m = b1 * m + (1 - b1) * delta
@@ -245,7 +249,7 @@ class FedAdagrad(_Adaptive):
     method = "fedadagrad"
     options = FedAdagradOptions
 
-    def second(self, v, d2):
+    def second(self, v: Tensor, d2: Tensor) -> Tensor:
         return v + d2
 
 
@@ -253,25 +257,27 @@ class FedYogi(_Adaptive):
     method = "fedyogi"
     options = FedYogiOptions
 
-    def second(self, v, d2):
-        return v - (1 - self.opts.beta_2) * d2 * torch.sign(v - d2)
+    def second(self, v: Tensor, d2: Tensor) -> Tensor:
+        beta_2 = float(self.opts.beta_2)
+        return v - (1 - beta_2) * d2 * torch.sign(v - d2)
 
 
 class FedAdam(_Adaptive):
     method = "fedadam"
     options = FedAdamOptions
 
-    def second(self, v, d2):
-        return self.opts.beta_2 * v + (1 - self.opts.beta_2) * d2
+    def second(self, v: Tensor, d2: Tensor) -> Tensor:
+        beta_2 = float(self.opts.beta_2)
+        return beta_2 * v + (1 - beta_2) * d2
 
     def lr(self, t: int) -> float:
         if not self.opts.bias_correction:
-            return self.opts.eta
-        o = self.opts
-        return o.eta * math.sqrt(1 - o.beta_2 ** (t + 1.0)) / (1 - o.beta_1 ** (t + 1.0))
+            return float(self.opts.eta)
+        eta, beta_1, beta_2 = float(self.opts.eta), float(self.opts.beta_1), float(self.opts.beta_2)
+        return float(eta * math.sqrt(1 - beta_2 ** (t + 1.0)) / (1 - beta_1 ** (t + 1.0)))
 
 
-def with_server_opt(strategy: Strategy, agg) -> Strategy:
+def with_server_opt(strategy: Strategy, agg: Any) -> Strategy:
     """``strategy`` inside the server optimizer ``aggregation.server_opt`` names (as it is for none)."""
     if agg.server_opt == "none":
         return strategy

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 MIB = 2**20  # FlowerTune's strategy counts its "MB" as bytes / 1024**2
 FLOWERTUNE_BUDGET_MIB = 200_000  # the leaderboard's communication limit, in those units
@@ -64,7 +65,7 @@ class Ledger:
         self.up_bytes += nbytes
         self.round_up_bytes += nbytes
 
-    def round_summary(self) -> dict:
+    def round_summary(self) -> dict[str, Any]:
         return {
             "up_params": self.round_up,
             "down_params": self.round_down,
@@ -76,7 +77,7 @@ class Ledger:
             "down_catchup_bytes": self.round_catchup_bytes,  # those earlier merges, over the round's clients
         }
 
-    def totals(self) -> dict:
+    def totals(self) -> dict[str, Any]:
         up, down = sum(self.up_params.values()), sum(self.down_params.values())
         return {
             "total_up_params": up,
@@ -99,7 +100,7 @@ class Ledger:
             ),
         }
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         return {
             "up": dict(self.up_params),
             "down": dict(self.down_params),
@@ -111,7 +112,7 @@ class Ledger:
         }
 
     @classmethod
-    def from_state(cls, state: dict) -> Ledger:
+    def from_state(cls, state: dict[str, Any]) -> Ledger:
         led = cls(bytes_per_param=state.get("bytes_per_param", 4), by_client=state.get("by_client", True))
         led.up_params.update({int(k): v for k, v in state["up"].items()})
         led.down_params.update({int(k): v for k, v in state["down"].items()})

@@ -222,15 +222,21 @@ class Server:
         failed (an exception on the client, a lost message).
         """
         t0 = time.perf_counter()
-        summed = isinstance(results, SummedUpdates)
-        if summed:  # secure aggregation: the sum of the uploads, never one of them
+        summed: SummedUpdates | None = None
+        if isinstance(
+            results, SummedUpdates
+        ):  # secure aggregation: the sum of the uploads, never one of them
+            summed = results
             updates, failures, replied = self._accept_sum(plan, results)
+            answered = set(results.clients)
             info: dict[str, Any] = {}
+            valid = results.contributors if updates else 0
         else:
             updates, failures = self._accept(plan, results)
             replied = [u.client_id for u in updates]
+            answered = {k for k in plan.active if not isinstance(results.get(k, "no reply"), str)}
             info = self._clip(plan, updates)
-        valid = results.contributors if summed and updates else len(updates)
+            valid = len(updates)
         skipped = valid < self.rules.min_clients
         merged: Adapter = {}
         if skipped:
@@ -241,13 +247,10 @@ class Server:
                 self.rules.min_clients,
             )
         else:
-            merged, skipped = self._aggregate(
-                plan, updates, info, replied, contributors=valid, summed=results if summed else None
-            )
+            merged, skipped = self._aggregate(plan, updates, info, replied, contributors=valid, summed=summed)
         self.merges.add(plan.round, merged)
         for k in plan.active:  # a client that replied applied its catch-up first
-            got = k in results.clients if summed else not isinstance(results.get(k, "no reply"), str)
-            if got:
+            if k in answered:
                 self.merges.replied(k, plan.starts[k].catchup)
             else:
                 self.merges.failed(k)
@@ -339,7 +342,7 @@ class Server:
 
     def _accept_sum(
         self, plan: RoundPlan, summed: SummedUpdates
-    ) -> tuple[list[ClientUpdate], dict, list[int]]:
+    ) -> tuple[list[ClientUpdate], dict[str, str], list[int]]:
         """A secure round's one update (the sum) if it is finite, the failures, and the clients it holds.
         Each contributor's masked vector counts as its upload; nothing else of one site can be checked here
         (docs/trust.md: what the server trusts under secure aggregation)."""
@@ -482,7 +485,7 @@ class Server:
         self,
         plan: RoundPlan,
         updates: list[ClientUpdate],
-        info: dict,
+        info: dict[str, Any],
         replied: list[int],
         contributors: int,
         summed: SummedUpdates | None = None,

@@ -82,7 +82,9 @@ def accept_factors(factors: Any, exp: Expected, parts: tuple[str, ...] = ("A", "
             )
         A = as_float32(f"{key}.A", f.A, (exp.rank, in_f)) if "A" in parts else None
         B = as_float32(f"{key}.B", f.B, (out_f, exp.rank)) if "B" in parts else torch.zeros(out_f, 0)
-        out[key] = LoraFactors(A, B, exp.scale)
+        # a factor the strategy's clients do not upload (FFA-LoRA's A) stays None: the strategy reads its own
+        # reference for it, never a client's
+        out[key] = LoraFactors(A, B, exp.scale)  # type: ignore[arg-type]
     return out
 
 
