@@ -90,6 +90,7 @@ CASES: dict[str, list[str]] = {
     "fedit_int8": ["aggregation.name=fedit", "comm.upload=int8", "comm.download=int8"],
     "flexlora_int4": ["aggregation.name=flexlora", "comm.upload=int4", "comm.download=int8"],
     "fedsb_int8": ["aggregation.name=fedsb", "comm.upload=int8"],
+    "fedit_down_int8": ["aggregation.name=fedit", "comm.download=int8"],  # added after the codec move
     "dp_local_flexlora": [
         "aggregation.name=flexlora",
         "privacy.mode=local",
@@ -145,12 +146,15 @@ def run_case(name: str, base: Path, run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 # the cases the Flower driver runs too (tests/test_golden.py): its encodings travel as bytes
-ON_FLOWER = ("fedit", "fedit_int8", "flexlora_int4", "fedsb_int8")
+ON_FLOWER = ("fedit", "fedit_int8", "flexlora_int4", "fedsb_int8", "fedit_down_int8")
 
 
-def run_case_on_flower(name: str, base: Path, run_dir: Path, monkeypatch) -> dict[str, torch.Tensor]:
+def run_case_on_flower(
+    name: str, base: Path, run_dir: Path, monkeypatch, traffic: list | None = None
+) -> dict[str, torch.Tensor]:
     """One case through the Flower ServerApp and ClientApp (real records, real parsing, this process's
-    sites: ``tests/flower_grid.py``), its exported global update keyed as :func:`run_case`'s."""
+    sites: ``tests/flower_grid.py``), its exported global update keyed as :func:`run_case`'s; ``traffic``
+    gets each train message's (start, reply) contents as they travelled."""
     from fedllm.config import load_config
     from fedllm.flower import client_app, server_app
     from tests.conftest import adapter_updates
@@ -161,6 +165,13 @@ def run_case_on_flower(name: str, base: Path, run_dir: Path, monkeypatch) -> dic
     overrides = [f"model.name={base}", *COMMON, *CASES[name], f"output.dir={run_dir}"]
     cfg = load_config(None, overrides)
     grid = SiteGrid(run_dir.parent / f"{name}-sites", cfg.federation.num_clients)
+
+    def keep(node, kind, message, content):
+        if kind == "train" and traffic is not None:
+            traffic.append((message.content, content))
+        return content
+
+    grid.tamper = keep
     driver = server_app.FlowerDriver(cfg, run_dir, grid, startup_timeout_s=5)
     driver.setup()
     driver.run()

@@ -57,7 +57,14 @@ def test_import_rules():
     assert offenders("fedllm/client", ("fedllm.run",)) == {}
     assert offenders("fedllm/config", ("fedllm.run",)) == {}
     # batching is the runtime's own way of training, one direction: the runtime calls the batched trainer
-    assert "fedllm.client.runtime" not in imports_of(ROOT / "fedllm" / "client" / "batched.py")
+    batched = ROOT / "fedllm" / "client" / "batched.py"
+    assert "fedllm.client.runtime" not in imports_of(batched)
+    takes_runtime = [
+        node.name
+        for node in ast.walk(ast.parse(batched.read_text()))
+        if isinstance(node, ast.FunctionDef) and any(a.arg == "runtime" for a in node.args.args)
+    ]
+    assert takes_runtime == []  # it is handed the model and the jobs, never the runtime to read
     assert offenders("eval", ("fedllm",)) == {}
     assert offenders("data_prep", ("fedllm",)) == {}
     server = imports_of(ROOT / "fedllm" / "server" / "server.py")
@@ -411,6 +418,17 @@ def test_one_round_loop():
         if calls:
             callers[str(path.relative_to(ROOT))] = sorted(calls)
     assert callers == {"fedllm/round_loop.py": ["finish_round", "plan_round"]}
+
+    def calls_one_round(path: Path, function: str) -> bool:
+        tree = ast.parse(path.read_text())
+        body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+        return any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "one_round"
+            for n in ast.walk(body)
+        )
+
+    assert calls_one_round(ROOT / "fedllm" / "round_loop.py", "run_round")
+    assert calls_one_round(ROOT / "fedllm" / "reproduce" / "common.py", "federate")
 
 
 def test_no_module_compares_a_method_name_outside_its_own_file():

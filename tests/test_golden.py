@@ -3,7 +3,10 @@ global adapter of the golden fixture (``tests/golden.py``) within float toleranc
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.golden import CASES, FIXTURE, ON_FLOWER, random_base, run_case, run_case_on_flower
@@ -42,14 +45,24 @@ def test_the_flower_driver_gives_the_golden_adapter(case, golden, base, tmp_path
     """The same cases through the ServerApp and ClientApp: the encodings travel as bytes in Flower records,
     are parsed by the server's reply checks and rebuilt against its own reference, and the run still
     gives the golden adapter."""
-    assert_golden(case, run_case_on_flower(case, base, tmp_path / case, monkeypatch), golden)
-
-
-def test_the_golden_cases_cover_every_strategy_and_algorithm():
-    from fedllm.aggregation import STRATEGIES
-    from fedllm.client import ALGORITHMS
-
-    names = " ".join(" ".join(v) for v in CASES.values())
-    assert all(f"aggregation.name={s}" in names for s in STRATEGIES)
-    assert all(f"client.algorithm={a}" in names for a in ALGORITHMS if a != "sft")
-    assert "privacy.mode=central" in names and "privacy.mode=local" in names
+    traffic: list = []
+    assert_golden(case, run_case_on_flower(case, base, tmp_path / case, monkeypatch, traffic), golden)
+    up = next((o.split("=")[1] for o in CASES[case] if o.startswith("comm.upload=")), "float32")
+    down = next((o.split("=")[1] for o in CASES[case] if o.startswith("comm.download=")), "float32")
+    assert traffic
+    encoded = {"down": 0, "up": 0}
+    for start, reply in traffic:  # what travelled is the encodings, not float32 copies of their values
+        for content, fmt, way in ((start, down, "down"), (reply, up, "up")):
+            tensors = dict(content["tensors"].to_torch_state_dict())
+            meta = json.loads(dict(content["meta"])["json"])
+            payloads = [k for k, v in tensors.items() if k.startswith("wire.") and v.dtype == torch.uint8]
+            plain = [k for k, v in tensors.items() if not k.startswith("wire.") and v.numel()]
+            if fmt == "float32":
+                assert not payloads and "wire" not in meta
+            else:
+                encoded[way] += bool(payloads)
+                assert not payloads or meta["wire"]["fmt"] == fmt
+                assert not [k for k in plain if k.startswith(("factors.", "extras."))], plain
+    # every upload is encoded; a download only once there are global factors to send (round 2)
+    assert encoded["up"] == (len(traffic) if up != "float32" else 0)
+    assert (encoded["down"] > 0) == (down != "float32")

@@ -49,27 +49,18 @@ def slot_name(index: int, rank: int) -> str:
     return f"b{index}r{rank}"
 
 
-def why_not_batched(runtime) -> str | None:
-    """None when this runtime's clients can train together, else why not (one line)."""
-    if not runtime.algorithm.batchable:
-        return f"client.algorithm={runtime.algorithm.name} takes several forwards per local step"
-    if runtime.hook.local_params:
-        return "the strategy's clients train parameters of their own (FLoRAL's routers)"
-    if runtime.dense_names:
-        return "lora.trainable_modules are trained by every client (one shared copy)"
-    if RESIDUAL in runtime.model.peft_config:
+def why_not_batched_model(model) -> str | None:
+    """None when ``model``'s LoRA layers can be routed per client (the runtime asks this after its own
+    reasons, ``ClientRuntime.why_not_batched``), else why not (one line)."""
+    if RESIDUAL in model.peft_config:
         return "merges on this base are kept as a residual adapter"
-    if runtime.layout.data_parallel or runtime.layout.deepspeed:
-        return "the data layout splits each client's batches over processes (or DeepSpeed wraps the model)"
-    if runtime.client_timeout_s:
-        return "federation.client_timeout_s stops clients one by one"
     from peft.tuners.lora.layer import Linear
 
-    cfg = next(iter(runtime.model.peft_config.values()))
+    cfg = next(iter(model.peft_config.values()))
     if getattr(cfg, "use_dora", False):
         return "DoRA layers"
-    first = next(iter(runtime.model.peft_config))
-    if any(type(m) is not Linear for m in lora_modules(runtime.model, first).values()):
+    first = next(iter(model.peft_config))
+    if any(type(m) is not Linear for m in lora_modules(model, first).values()):
         return "LoRA layers other than peft's plain Linear (a quantized base)"
     return None
 

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from data_prep.prompts import TokenizedExample
 from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_stream
-from fedllm.client.batched import ensure_slot, slot_name, train_together, why_not_batched
+from fedllm.client.batched import ensure_slot, slot_name, train_together, why_not_batched_model
 from fedllm.factors import (
     Adapter,
     add_to_residual,
@@ -341,7 +341,7 @@ class ClientRuntime:
         failing one has already written its own, and training it again on top of that would count its
         round twice.
         """
-        reason = why_not_batched(self) if len(clients) > 1 else "one client"
+        reason = self.why_not_batched() if len(clients) > 1 else "one client"
         if reason is not None:
             if len(clients) > 1 and not getattr(self, "_said_unbatched", False):
                 log.info("federation.client_batch: clients train one at a time: %s", reason)
@@ -372,6 +372,23 @@ class ClientRuntime:
             for client, state in zip(clients, before, strict=True):
                 client.state = state
             return [self._train_or_error(c, s) for c, s in zip(clients, starts, strict=True)]
+
+    def why_not_batched(self) -> str | None:
+        """None when this runtime's clients can train together (``federation.client_batch``), else why not
+        (one line)."""
+        if not self.algorithm.batchable:
+            return f"client.algorithm={self.algorithm.name} takes several forwards per local step"
+        if self.hook.local_params:
+            return "the strategy's clients train parameters of their own (FLoRAL's routers)"
+        if self.dense_names:
+            return "lora.trainable_modules are trained by every client (one shared copy)"
+        if self.layout.data_parallel or self.layout.deepspeed:
+            return (
+                "the data layout splits each client's batches over processes (or DeepSpeed wraps the model)"
+            )
+        if self.client_timeout_s:
+            return "federation.client_timeout_s stops clients one by one"
+        return why_not_batched_model(self.model)
 
     def _train_or_error(self, client: ClientData, start: ClientStart) -> ClientUpdate | Exception:
         try:

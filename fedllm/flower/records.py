@@ -3,8 +3,9 @@
 Every tensor travels as float32 (an ArrayRecord cannot hold bfloat16), except the tensors a feature's
 codec adds (``Feature.codec``: e.g. a quantized transport's payload bytes and scales), which keep their
 dtype. A start and an update go through the protocol's encoding, then each of the run's codecs in order;
-they are read back in reverse. Each train message also carries the run's resolved config, so every site
-trains with the server's settings.
+they are read back in reverse (the codecs are a required argument: a forgotten one would send plain
+float32 unnoticed). Each start message (train and evaluate) also carries the run's resolved config, so
+every site works with the server's settings.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fedllm.protocol import (
 )
 
 
-def _record(tensors: dict[str, torch.Tensor], meta: dict, codecs: list[Codec] = (), **config):
+def _record(tensors: dict[str, torch.Tensor], meta: dict, codecs: list[Codec], **config):
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
     def kept(name: str) -> bool:  # a codec's own tensors (encoded payloads) keep their dtype
@@ -44,7 +45,7 @@ def _parts(content) -> tuple[dict[str, torch.Tensor], dict, dict]:
     return tensors, json.loads(config.pop("json")), config
 
 
-def start_record(start: ClientStart, config_text: str, client_id: int, codecs: list[Codec] = ()):
+def start_record(start: ClientStart, config_text: str, client_id: int, codecs: list[Codec]):
     """What the server sends a site: its start as the run's codecs send it, the run's config and its
     client id."""
     tensors, meta = encode_start(start)
@@ -60,7 +61,7 @@ def start_config(content) -> tuple[str, int]:
     return str(config["config"]), int(config["client-id"])
 
 
-def read_start(content, codecs: list[Codec] = ()) -> ClientStart:
+def read_start(content, codecs: list[Codec]) -> ClientStart:
     """A start message as the server built it, each codec's encoding read back in reverse order."""
     tensors, meta, _ = _parts(content)
     for codec in reversed(codecs):
@@ -68,7 +69,7 @@ def read_start(content, codecs: list[Codec] = ()) -> ClientStart:
     return decode_start(tensors, meta)
 
 
-def update_record(update: ClientUpdate, codecs: list[Codec] = ()):
+def update_record(update: ClientUpdate, codecs: list[Codec]):
     """A site's train reply: its update's tensors as the run's codecs send them (e.g. a quantized change's
     payload and scales), the rest as float32."""
     tensors, meta = encode_update(update)

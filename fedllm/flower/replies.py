@@ -101,7 +101,7 @@ def parse_info(content: Any) -> dict:
 
 
 def parse_update(
-    content: Any, max_bytes: int, key: bytes | None = None, reply_to: str = "", codecs: list[Codec] = ()
+    content: Any, max_bytes: int, key: bytes | None, reply_to: str, codecs: list[Codec]
 ) -> ClientUpdate:
     """A train reply as a ClientUpdate (its claims are then checked by the server's ``accept``): exactly a
     ``tensors`` ArrayRecord of at most ``max_bytes`` and a ``meta`` of the protocol's fields and types, plus

@@ -31,7 +31,7 @@ from fedllm.checks import clip_
 from fedllm.factors import Adapter, LoraFactors, pad_rank
 from fedllm.protocol import ClientUpdate, SummedUpdates, UploadContext, UploadTransform, upload_changes
 
-KEY = "secagg"  # the embedded changes on an update's ``wire`` (what its masked vector carries)
+KEY = "secagg"  # the embedded changes in an update's ``attachments`` (what its masked vector carries)
 Layout = list[tuple[str, tuple[int, ...]]]
 
 
