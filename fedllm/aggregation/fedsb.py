@@ -166,10 +166,8 @@ class FedSBClient(ClientHook):
     sets_local_plan = True  # the initialization round's one Adam step
     params_outside_model = True  # R (and the initialization's dense step) live in the hook's sessions
     frozen: ClassVar[tuple[str, ...]] = ("A", "B")  # the server's view of both is the bases it sent
-    shared_extras: ClassVar[tuple[str, ...]] = (
-        STEP,
-        CORE,
-    )  # trained like the adapter: clipped and noised with it
+    # trained like the adapter: clipped and noised with it
+    shared_extras: ClassVar[tuple[str, ...]] = (STEP, CORE)
     init_examples = 32
     init_lr = 1e-4
 
