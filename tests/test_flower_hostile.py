@@ -346,3 +346,54 @@ def test_each_round_counts_the_bytes_its_train_messages_take_on_flower(grid_driv
     assert row["flower_up_bytes"] >= row["up_bytes"] + 64 * arrays  # a NumPy header per array, at least
     payload = sum(len(r["tensors"][k].data) for r in replies for k in r["tensors"])
     assert payload >= row["up_bytes"] and payload - row["up_bytes"] <= 256 * arrays
+
+
+def _encoded_instead(content):
+    """A float32 reply re-sent with each factor encoded as int8 (what a site whose run does not encode
+    uploads might send)."""
+    from fedllm.transport.codec import encode
+    from fedllm.transport.wire import to_wire
+
+    t, meta = _tensors(content), meta_of(content)
+    wire = {k: encode(v, "int8", 64) for k, v in t.items() if k.startswith("factors.") and v.numel()}
+    t, meta = to_wire({k: v for k, v in t.items() if k not in wire}, meta, wire)
+    return RecordDict(
+        {"tensors": ArrayRecord(torch_state_dict=t), "meta": ConfigRecord({"json": json.dumps(meta)})}
+    )
+
+
+@pytest.mark.parametrize(
+    ("download", "reason"),
+    [
+        ("float32", "its metadata holds"),  # no codec in the run: its field is not the protocol's
+        ("int8", "its upload is encoded, but comm.upload = float32"),  # the codec is on for downloads only
+    ],
+)
+def test_an_encoded_upload_where_the_run_sends_float32_is_refused(grid_driver, caplog, download, reason):
+    driver, grid = grid_driver(
+        3, 1, False, f"comm.download={download}", "eval.personalized=false", "eval.every=100"
+    )
+    grid.tamper = lambda node, kind, m, c: _encoded_instead(c) if node == 101 and kind == "train" else c
+    driver.setup()
+    driver.run()
+    row = json.loads((driver.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["n_updates"] == 2 and not row["skipped"]
+    assert reason in row["failed"]["1"] and "\n" not in row["failed"]["1"], row["failed"]
+    assert "Traceback" not in caplog.text
+
+
+def test_a_personalized_evaluation_under_encoded_downloads_scores_the_servers_model(grid_driver):
+    """comm.download=int8 encodes the train messages; the evaluate messages carry the global model as the
+    server holds it (float32, no codec field: the simulation scores that same model), and the sites, whose
+    codecs decode encoded starts, read it as it is."""
+    driver, grid = grid_driver(2, 1, False, "comm.download=int8", "eval.every=1")
+    sent = []
+    grid.tamper = lambda node, kind, m, c: (sent.append((kind, m.content)), c)[1]
+    driver.setup()
+    driver.run()
+    evaluations = [content for kind, content in sent if kind == "evaluate"]
+    assert evaluations and not any("wire" in meta_of(c) for c in evaluations)
+    assert all(v.dtype == torch.float32 for c in evaluations for v in _tensors(c).values())
+    row = json.loads((driver.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert set(row["personal"]) == {"0", "1"}
+    assert all(0 <= r["personal_acc"] <= 1 for r in row["personal"].values())
