@@ -80,6 +80,29 @@ def test_the_secure_sum_gives_each_linear_strategys_plain_round(strategy, drop):
     assert secure.accepted == plain.accepted  # the same clients' updates were used
 
 
+@pytest.mark.parametrize("strategy", ["fedit", "ffa"])
+def test_the_secure_sum_under_encoded_downloads_is_the_plain_round(strategy):
+    """comm.download=int8: each site starts from the decoded download and measures its change from it; the
+    secure sum adds back the same decoded starts (factors and dense modules), so it equals the plain round on
+    the same updates."""
+    from fedllm.transport import QuantizedDownload
+
+    down = QuantizedDownload("int8", 4)
+    plain = make_server(strategy, clip_norm_ratio=0, download_transform=down)
+    secure = make_server(strategy, clip_norm_ratio=0, download_transform=down)
+    for r in (1, 2, 3):
+        plan_p, plan_s = plain.plan_round(r), secure.plan_round(r)
+        updates = {k: honest(plain, plan_p, k, size=0.05, seed=r) for k in plan_p.active}
+        plain.finish_round(plan_p, updates)
+        if r > 1:  # the encoding is real: what the sites start from is not the server's dense state
+            name = "model.embed_tokens.weight"
+            assert not torch.equal(plan_s.starts[0].dense[name], secure.state.dense[name])
+        secure_round(secure, plan_s, updates)
+        want, have = products(plain), products(secure)
+        for key in want:
+            assert_close(have[key], want[key], rtol=1e-5, atol=1e-6)
+
+
 def rank_scaled_server(strategy: str, **rules) -> Server:
     """make_server's federation with each client's scale alpha / r_k (ranks 4, 4, 8, 8): the site's folding of
     its own scale into B must match the server's."""
@@ -687,6 +710,24 @@ def test_a_secure_fedit_run_is_the_plain_run_within_the_quantization_bound(tmp_p
     assert [r["n_updates"] for r in rows[1:]] == [4, 4]
     assert rows[1]["up_bytes"] == 4 * 8 * (driver.exchange.last["mean"].size + 1)
     assert "flower_up_bytes" not in rows[1]  # the protocol's own messages are not measured (never a false 0)
+
+
+@pytest.mark.slow
+def test_a_secure_run_with_encoded_downloads_is_the_plain_run_with_them(tmp_path):
+    """comm.download=int8 under secure aggregation, through fedllm's ServerApp and ClientApp: each site
+    decodes its start with the run's codecs inside the protocol's stage, and the server adds back the same
+    decoded starts; round 1 (whose dense modules travel encoded) equals the plain run with the same encoding
+    within the quantization bound, where a start the two sides saw differently would show the download's int8
+    error. (Round 2 is not compared: an encoding rounds, so round 1's 1e-8 difference can move a value of the
+    next download by a whole int8 step.)"""
+    flower_run(tmp_path, "plain", "comm.download=int8")
+    driver, _, _ = flower_run(
+        tmp_path, "secure", "comm.download=int8", "flower.secure_aggregation=true", "secagg.clip_norm=10"
+    )
+    counts = [c.num_examples for c in driver.server.clients.values()]
+    bound = quantization_error(driver.cfg, [c / max(counts) for c in counts])
+    r1 = max_diff(server_tensors(tmp_path / "plain", 1), server_tensors(tmp_path / "secure", 1))
+    assert r1 <= bound * (1 + 1e-3) + 1e-7, (r1, bound)
 
 
 @pytest.mark.slow

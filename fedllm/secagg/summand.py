@@ -168,6 +168,13 @@ def summed_update(
         # the quantization would leave ~1e-16 there, and a server optimizer would step it)
         top = max(server.strategy.adapter_rank(server.clients[k].rank) for k in clients)
         factors = {k: LoraFactors(f.A[:top], f.B[:, :top], 1.0) for k, f in factors.items()}
-    dense = {k: t + scale_sum * tensors[f"dense.{k}"] for k, t in server.state.dense.items()}
+    if distributed:  # DP's base point: the server's own dense modules
+        dense_start = dict(server.state.dense)
+    else:  # what each site measured its change from: its download (encoded: the decoded values)
+        dense_start = {
+            name: sum(w * plan.starts[k].dense[name] for k, w in zip(clients, weights, strict=True))
+            for name in server.state.dense
+        }
+    dense = {name: t + scale_sum * tensors[f"dense.{name}"] for name, t in dense_start.items()}
     update = ClientUpdate(-1, 0, factors, dense, round=plan.round, plan=plan.token)
     return SummedUpdates(clients=list(clients), update=update, contributors=n, reference=base)
