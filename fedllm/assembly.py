@@ -298,7 +298,6 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
         min_clients=fed.min_clients,
         clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
         client_timeout_s=fed.client_timeout_s,
-        catchup_window=fed.catchup_window,
         weighting=fed.weighting,
         max_client_weight=fed.max_client_weight,
     )

@@ -22,7 +22,8 @@ def opt(default: Any, help: str, check: typing.Callable[[Any], bool] | None = No
     """A config field with help text and an optional range check."""
     meta = {"help": help, "check": check, "expect": expect}
     if isinstance(default, list | dict):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        kind, items = type(default), default
+        return field(default_factory=lambda: kind(items), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -32,15 +33,30 @@ def one_of(*choices: str) -> tuple[typing.Callable[[Any], bool], str]:
 
 
 def positive(x: Any) -> bool:
-    return x > 0
+    return bool(x > 0)
 
 
 def fraction(x: Any) -> bool:
-    return 0 < x <= 1
+    return bool(0 < x <= 1)
 
 
 def nonneg(x: Any) -> bool:
-    return x >= 0
+    return bool(x >= 0)
+
+
+def chosen_option(cfg: Any, section: str, name: str, default: Any) -> Any:
+    """Option ``name`` of the method a config chooses in ``section`` (``aggregation``: ``aggregation.name``'s
+    strategy; ``client``: ``client.algorithm``'s), or ``default`` where that method has no such option: what
+    a rule or a check that spans methods reads (``aggregation.fedit.robust`` when the strategy is fedit)."""
+    sec = getattr(cfg, section)
+    method = sec.name if section == "aggregation" else sec.algorithm
+    return getattr(getattr(sec, method, None), name, default)
+
+
+def chosen_key(cfg: Any, section: str, name: str) -> str:
+    """The dotted key of :func:`chosen_option` (``aggregation.fedit.robust``), for messages."""
+    sec = getattr(cfg, section)
+    return f"{section}.{sec.name if section == 'aggregation' else sec.algorithm}.{name}"
 
 
 @dataclass(frozen=True)
@@ -53,5 +69,5 @@ class Rule:
     """
 
     name: str
-    applies: typing.Callable[[Any, type, type], bool]
-    why: typing.Callable[[Any, type, type], str]
+    applies: typing.Callable[[Any, Any, Any], bool]
+    why: typing.Callable[[Any, Any, Any], str]

@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check .
 ruff format --check .
-mypy  # strict on fedllm/aggregation, fedllm/server, fedllm/protocol.py ([tool.mypy] in pyproject.toml)
+mypy  # strict on fedllm/aggregation, server, config, protocol.py, options.py ([tool.mypy] in pyproject.toml)
 python -m pytest -q "$@"

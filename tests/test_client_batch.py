@@ -18,7 +18,7 @@ ALGORITHMS = ("sft", "fedprox", "scaffold")
 QUICK = {("fedit", "scaffold"), ("hetlora", "fedprox")}
 
 
-def _overrides(strategy: str, algorithm: str, k: int, optimizer: str) -> list[str]:
+def _overrides(strategy: str, algorithm: str, k: int) -> list[str]:
     return [
         f"model.builtin_pretrain_steps={TEST_PRETRAIN_STEPS}",
         "data.builtin_examples_per_skill=12",
@@ -31,7 +31,6 @@ def _overrides(strategy: str, algorithm: str, k: int, optimizer: str) -> list[st
         "lora.trainable_modules=[]",
         "client.local_steps_per_client=[3,5,2]",  # unequal local steps
         "client.batch_size=4",
-        f"client.optimizer={optimizer}",
         f"client.algorithm={algorithm}",
         f"aggregation.name={strategy}",
         *(
@@ -49,7 +48,6 @@ def _updates(
     strategy: str,
     algorithm: str,
     k: int,
-    optimizer: str = "adamw",
     extra: tuple = (),
     cpu: bool = True,
 ) -> dict:
@@ -63,7 +61,7 @@ def _updates(
 
     from fedllm import assembly
 
-    cfg = load_config(None, [*_overrides(strategy, algorithm, k, optimizer), *extra])
+    cfg = load_config(None, [*_overrides(strategy, algorithm, k), *extra])
     fed = assembly.assemble(cfg, Accelerator(cpu=cpu))
     fed.runtime.model.double()
     out = {}
@@ -109,7 +107,7 @@ def _no_fallback():
 def _valid(strategy: str, algorithm: str) -> bool:
     """The combinations the config accepts (SCAFFOLD needs a strategy that averages parameters)."""
     try:
-        load_config(None, _overrides(strategy, algorithm, 1, "adamw"))
+        load_config(None, _overrides(strategy, algorithm, 1))
     except ConfigError:
         return False
     return True
@@ -246,7 +244,7 @@ def test_batching_needs_adapters_only_and_says_why_others_train_alone(builtin_ba
 
     from fedllm import assembly
 
-    cfg = load_config(None, _overrides("fedit", "perfedavg", 2, "sgd"))
+    cfg = load_config(None, _overrides("fedit", "perfedavg", 2))
     fed = assembly.assemble(cfg, Accelerator(cpu=True))
     plan = fed.server.plan_round(1)
     clients = [fed.clients[c] for c in plan.active][:2]
@@ -262,7 +260,7 @@ def test_a_failing_batch_falls_back_to_each_client_alone(builtin_base, monkeypat
     from fedllm import assembly
     from fedllm.client import runtime
 
-    cfg = load_config(None, _overrides("fedit", "sft", 3, "adamw"))
+    cfg = load_config(None, _overrides("fedit", "sft", 3))
     fed = assembly.assemble(cfg, Accelerator(cpu=True))
     plan = fed.server.plan_round(1)
     clients = [fed.clients[c] for c in plan.active]
@@ -368,7 +366,7 @@ def _round_one(strategy: str, k: int, victim_at: int, monkeypatch) -> tuple[dict
 
     from fedllm import assembly, transport
 
-    cfg = load_config(None, [*_overrides(strategy, "sft", k, "adamw"), "comm.upload=int8"])
+    cfg = load_config(None, [*_overrides(strategy, "sft", k), "comm.upload=int8"])
     fed = assembly.assemble(cfg, Accelerator(cpu=True))
     fed.runtime.model.double()
     plan = fed.server.plan_round(1)

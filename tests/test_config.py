@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,184 @@ def test_each_strategy_and_algorithm_declares_its_options_in_its_own_file():
             assert inspect.getmodule(cls.options) is inspect.getmodule(cls), cls.name
     assert "aggregation.floral.num_adaptors" in valid_keys()
     assert not any(k.startswith(("aggregation.router", "client.perfedavg_")) for k in valid_keys())
+
+
+@pytest.mark.parametrize(
+    ("owner", "old", "value", "new"),
+    [
+        ("aggregation.name=fedit", "aggregation.robust", "median", "aggregation.fedit.robust"),
+        ("aggregation.name=fedit", "aggregation.trim_fraction", 0.2, "aggregation.fedit.trim_fraction"),
+        ("aggregation.name=flexlora", "aggregation.download_budget_mb", 0.5,
+         "aggregation.flexlora.download_budget_mb"),
+        ("aggregation.name=flora", "federation.catchup_window", 3, "aggregation.flora.catchup_window"),
+        ("aggregation.name=fedex", "federation.catchup_window", 3, "aggregation.fedex.catchup_window"),
+        ("client.algorithm=fedprox", "client.optimizer", "sgd", "client.fedprox.optimizer"),
+        ("client.algorithm=sft", "client.optimizer", "sgd", "client.sft.optimizer"),
+    ],
+)  # fmt: skip
+def test_a_key_that_moved_into_its_methods_options_loads_there_with_a_warning(owner, old, value, new):
+    """The options that were general keys (aggregation.robust, ...) belong to the methods that use them; a
+    config written before the move (a run folder's config.yaml) still loads, as the chosen method's option,
+    wherever the old key stands (before or after the key that chooses the method)."""
+    from fedllm.config import flat_config
+
+    base = ["lora.trainable_modules=[]"]
+    for overrides in ([owner, f"{old}={value}"], [f"{old}={value}", owner]):
+        with pytest.warns(FutureWarning, match=f"'{old}' is now '{new}'"):
+            cfg = load_config(None, base + overrides)
+        assert flat_config(cfg)[new] == value
+    assert flat_config(load_config(None, [*base, owner, f"{new}={value}"]))[new] == value
+
+
+def test_a_run_folder_written_before_the_move_loads_as_it_ran(tmp_path):
+    """A config.yaml of the old layout holds every moved key at its default, for every strategy and algorithm:
+    it loads without a warning, as the run it was written by."""
+    import warnings
+
+    import yaml
+
+    from fedllm.config import Config, config_to_text, flat_config
+
+    for name, algorithm in (
+        ("fedit", "scaffold"),
+        ("flora", "fedprox"),
+        ("florist", "sft"),
+        ("fedit", "perfedavg"),
+    ):
+        data = yaml.safe_load(config_to_text(Config()))
+        data["aggregation"].update(name=name, robust="none", trim_fraction=0.1, download_budget_mb=0.0)
+        data["federation"]["catchup_window"] = 8
+        data["client"].update(algorithm=algorithm, optimizer="adamw")
+        data["lora"]["trainable_modules"] = []
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cfg = load_config(path)
+        assert flat_config(cfg) == flat_config(load_config(None, [f"aggregation.name={name}",
+            f"client.algorithm={algorithm}", "lora.trainable_modules=[]"]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["aggregation.name=flora", "aggregation.robust=median"],
+         "'aggregation.robust' = 'median' is now aggregation.fedit.robust; aggregation.name = flora has no"),
+        (["aggregation.name=fedsa", "aggregation.download_budget_mb=1"],
+         "is now aggregation.fedit.download_budget_mb, aggregation.flexlora.download_budget_mb, "
+         "aggregation.florist.download_budget_mb; aggregation.name = fedsa has no such option"),
+        (["client.optimizer=sgd", "client.sft.optimizer=adamw"],
+         "'client.optimizer' = 'sgd' and 'client.sft.optimizer' = 'adamw': set only 'client.sft.optimizer'"),
+        (["aggregation.robust=sometimes"], "aggregation.fedit.robust = 'sometimes' is invalid"),
+    ],
+)  # fmt: skip
+def test_a_moved_key_a_method_cannot_take_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        load_config(None, overrides)
+
+
+def test_a_moved_key_that_did_nothing_for_the_chosen_method_is_ignored_with_a_warning():
+    """client.optimizer never applied to SCAFFOLD (client.scaffold.optimizer) or Per-FedAvg (always SGD), and
+    the catch-up window only to merging strategies: such a value is ignored, as before, and said."""
+    with pytest.warns(FutureWarning, match="did nothing for client.algorithm = scaffold and is ignored"):
+        cfg = load_config(
+            None, ["client.algorithm=scaffold", "client.scaffold.optimizer=adamw", "client.optimizer=sgd"]
+        )
+    assert cfg.client.scaffold.optimizer == "adamw"
+    with pytest.warns(FutureWarning, match="did nothing for aggregation.name = fedit"):
+        load_config(None, ["federation.catchup_window=2"])
+
+
+def test_an_old_key_counts_as_set_by_the_config_under_a_preset():
+    """client.preset=paper fills what the config does not set: an old key the config does set is its own."""
+    cfg = load_config(None, ["client.preset=paper", "client.optimizer=adamw"])  # the default: no warning
+    assert cfg.client.sft.optimizer == "adamw" and cfg.client.scheduler == "constant"
+    assert load_config(None, ["client.preset=paper"]).client.sft.optimizer == "sgd"
+    assert (
+        load_config(None, ["client.preset=paper", "client.algorithm=fedprox"]).client.fedprox.optimizer
+        == "sgd"
+    )
+
+
+def test_every_methods_options_are_a_typed_field_of_its_section():
+    """The sections are written out (a type checker reads cfg.aggregation.floral.router_lr); a method whose
+    options have no field fails at import with what to add, and a field of no method is refused."""
+    import dataclasses
+
+    from fedllm.aggregation import SERVER_OPTIMIZERS, STRATEGIES
+    from fedllm.aggregation.florist import FloristOptions
+    from fedllm.config import AggregationConfig, _check_owned
+
+    registry = {**STRATEGIES, **SERVER_OPTIMIZERS}
+    _check_owned(AggregationConfig, registry, "aggregation")  # as at import
+
+    class Newcomer:
+        options = FloristOptions
+
+    with pytest.raises(TypeError, match="newcomer's options FloristOptions have no field 'newcomer: Flori"):
+        _check_owned(AggregationConfig, {**registry, "newcomer": Newcomer}, "aggregation")
+    fewer = {k: v for k, v in registry.items() if k != "hetlora"}
+    with pytest.raises(TypeError, match=r"fields for no registered method: \['hetlora'\]"):
+        _check_owned(AggregationConfig, fewer, "aggregation")
+    assert {f.name for f in dataclasses.fields(AggregationConfig) if "method" in f.metadata} >= {
+        "fedit",
+        "flora",
+    }
+
+
+def test_a_strategy_gets_its_options_at_construction():
+    """strategy_from_config builds the strategy from its own options: nothing is assigned to it afterwards."""
+    import ast
+
+    from fedllm.aggregation import strategy_from_config
+
+    cfg = load_config(None, ["aggregation.fedit.robust=trimmed_mean", "aggregation.fedit.trim_fraction=0.25"])
+    s = strategy_from_config(cfg.aggregation)
+    assert (s.robust, s.trim_fraction, s.budget_mb) == ("trimmed_mean", 0.25, 0.0)
+    cfg = load_config(None, ["aggregation.name=florist", "aggregation.florist.catchup_window=3"])
+    assert strategy_from_config(cfg.aggregation).catchup_window == 3
+    root = Path(__file__).resolve().parent.parent / "fedllm"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in [e for x in targets for e in (x.elts if isinstance(x, ast.Tuple) else [x])]:
+                assert not (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "strategy"
+                ), f"{path}:{node.lineno} assigns to a built strategy"
+
+
+@pytest.mark.slow
+def test_a_type_checker_reads_every_section(tmp_path):
+    """mypy knows each section's and each method's option types from the config: a misspelt option and a
+    wrong type are errors, the right ones are not (~1 min: mypy reads the package)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if (
+        shutil.which("mypy") is None
+        and subprocess.run([sys.executable, "-m", "mypy", "--version"]).returncode
+    ):
+        pytest.skip("mypy is not installed (pip install -e .[dev])")
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(
+        "from fedllm.config import load_config\n\n"
+        "cfg = load_config()\n"
+        "lr: float = cfg.aggregation.floral.router_lr\n"
+        "robust: str = cfg.aggregation.fedit.robust\n"
+        "bits: str = cfg.comm.upload\n"
+        "bad = cfg.aggregation.floral.router_lrr\n"
+        "wrong: str = cfg.comm.error_feedback\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent",
+         "--ignore-missing-imports", str(snippet)],
+        cwd=root, capture_output=True, text=True,
+    )  # fmt: skip
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert [line.split(":")[1] for line in errors] == ["7", "8"], out.stdout
+    assert "router_lrr" in errors[0] and '"bool"' in errors[1]

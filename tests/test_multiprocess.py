@@ -108,7 +108,7 @@ def test_data_parallel_two_processes_equal_one(tmp_path):
         "federation.parallel=data",
         "eval.limit=2",
         "client.local_steps=3",
-        "client.optimizer=sgd",
+        "client.sft.optimizer=sgd",
         "eval.personalized=false",
     ]
     one, two = run_one_and_two(tmp_path, extra)

@@ -252,7 +252,7 @@ def test_ffa_run_sends_b_only_and_never_changes_a(tmp_path, builtin_base):
         ),
         (["client.algorithm=scaffold"], "scaffold uploads tensors beside the model update"),
         (["federation.dropout=0.1"], "federation.dropout > 0 changes the sampling"),
-        (["aggregation.robust=median"], "aggregation.robust is data-dependent"),
+        (["aggregation.fedit.robust=median"], "aggregation.fedit.robust is data-dependent"),
         (
             ["comm.upload=int8"],
             "comm.upload = int8 with comm.error_feedback = true: each client keeps state between rounds, .*"

@@ -57,10 +57,10 @@ def test_a_repeated_direction_is_refactorized_to_its_true_rank():
 
 def flora_server(window: int) -> Server:
     return Server(
-        strategy=STRATEGIES["flora"](),
+        strategy=STRATEGIES["flora"](catchup_window=window),
         clients=[ClientInfo(k, r, 2.0, 10 * (k + 1)) for k, r in enumerate((4, 8, 4, 8))],
         modules=SHAPES,
-        rules=Rules(clip_norm_ratio=0, catchup_window=window),
+        rules=Rules(clip_norm_ratio=0),
     )
 
 

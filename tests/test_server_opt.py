@@ -387,7 +387,7 @@ def test_a_download_budget_is_refused_with_a_server_optimizer():
             None,
             [
                 "aggregation.server_opt=fedadam",
-                "aggregation.download_budget_mb=1",
+                "aggregation.fedit.download_budget_mb=1",
                 "lora.trainable_modules=[]",
             ],
         )

@@ -148,7 +148,7 @@ def test_florist_never_downloads_more_than_its_budget(tmp_path, builtin_base):
         "aggregation.name=florist",
         "federation.rounds=3",
         "lora.trainable_modules=[]",
-        f"aggregation.download_budget_mb={budget_mb}",
+        f"aggregation.florist.download_budget_mb={budget_mb}",
     )
     assert all(r.get("down_bytes_max", 0) <= budget_mb * 1e6 for r in rows)
     assert any(r.get("down_bytes_max", 0) > 0 for r in rows[2:])  # still something to merge
@@ -175,7 +175,7 @@ def test_fedit_and_flexlora_never_download_more_than_the_budget(strategy, tmp_pa
     top = max(r.get("down_bytes_max", 0) for r in free)
     assert top > 0
     budget_mb = top / 2 / 1e6
-    rows = _run(tmp_path, "budget", *common, f"aggregation.download_budget_mb={budget_mb}")
+    rows = _run(tmp_path, "budget", *common, f"aggregation.{strategy}.download_budget_mb={budget_mb}")
     assert all(r.get("down_bytes_max", 0) <= budget_mb * 1e6 for r in rows)
     assert all(r["down_bytes_max"] > 0 for r in rows[2:])
     assert math.isfinite(rows[-1]["eval_loss"])
@@ -192,8 +192,7 @@ def test_flexlora_budget_takes_the_largest_energy_share_of_the_global_svd():
     s = torch.tensor([4.0, 2.0, 1.0, 0.5])
     state = GlobalState({"m": LoraFactors(q_a.T.contiguous(), q_b * s, 1.0)}, {})
     assert torch.allclose(singular_values(state.factors["m"]), s)
-    algo = FlexLoRA()
-    algo.budget_mb = 4 * 2 * (12 + 10) / 1e6  # two components of this module
+    algo = FlexLoRA(download_budget_mb=4 * 2 * (12 + 10) / 1e6)  # two components of this module
     got = algo.client_factors(state, rank=3, scale=0.5, client_id=0)["m"]
     assert got.rank == 2  # the two largest, not the client's three
     want = state.factors["m"].B[:, :2] @ state.factors["m"].A[:2]
@@ -203,10 +202,10 @@ def test_flexlora_budget_takes_the_largest_energy_share_of_the_global_svd():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["aggregation.name=flora", "aggregation.download_budget_mb=1"], "does not support; use it with"),
-        (["aggregation.name=fedit", "aggregation.download_budget_mb=1"], "lora.trainable_modules = "),
+        (["aggregation.name=flora", "aggregation.flora.download_budget_mb=1"], "unknown config key"),
+        (["aggregation.name=fedit", "aggregation.fedit.download_budget_mb=1"], "lora.trainable_modules = "),
         (
-            ["aggregation.name=florist", "aggregation.download_budget_mb=1",
+            ["aggregation.name=florist", "aggregation.florist.download_budget_mb=1",
              "aggregation.florist.fixed_rank=2", "lora.trainable_modules=[]"],
             "both choose the rank",
         ),
@@ -263,17 +262,19 @@ def test_an_encoded_download_is_refused_where_clients_merge_it_into_their_base()
         load_config(None, ["aggregation.name=florist", "comm.download=int8"])
 
 
-def test_a_run_written_before_the_budget_moved_still_loads(tmp_path):
-    """aggregation.florist.download_budget_mb became aggregation.download_budget_mb: a run folder's
-    config.yaml of the old name is read under the new one (export, resume, eval keep working)."""
+def test_a_run_written_in_either_earlier_layout_of_the_budget_still_loads(tmp_path):
+    """The budget was aggregation.florist.download_budget_mb, then aggregation.download_budget_mb for three
+    strategies, and is now each strategy's own again: a run folder's config.yaml of either layout is read
+    under the key of today (export, resume, eval keep working)."""
     from fedllm.config import load_config
 
-    old = tmp_path / "config.yaml"
-    old.write_text(
-        "aggregation:\n  name: florist\n  florist:\n    download_budget_mb: 0.25\n"
-        "lora:\n  trainable_modules: []\n"
-    )
-    assert load_config(old).aggregation.download_budget_mb == 0.25
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    tail = "lora:\n  trainable_modules: []\n"
+    first.write_text("aggregation:\n  name: florist\n  florist:\n    download_budget_mb: 0.25\n" + tail)
+    second.write_text("aggregation:\n  name: florist\n  download_budget_mb: 0.25\n" + tail)
+    assert load_config(first).aggregation.florist.download_budget_mb == 0.25
+    with pytest.warns(FutureWarning, match="is now 'aggregation.florist.download_budget_mb'"):
+        assert load_config(second).aggregation.florist.download_budget_mb == 0.25
 
 
 def test_under_partial_participation_the_budget_bounds_each_rounds_state_and_catchup_is_counted_apart(
@@ -292,7 +293,7 @@ def test_under_partial_participation_the_budget_bounds_each_rounds_state_and_cat
         "federation.client_fraction=0.34",
         "federation.rounds=6",
         "lora.trainable_modules=[]",
-        f"aggregation.download_budget_mb={budget_mb}",
+        f"aggregation.florist.download_budget_mb={budget_mb}",
     )[1:]
     assert all(r["down_bytes_max_round"] <= budget_mb * 1e6 for r in rows), [
         r["down_bytes_max_round"] for r in rows

@@ -232,8 +232,7 @@ def test_weights_examples_uniform_and_capped():
 
 @pytest.mark.parametrize(("rule", "want"), [("median", 2.0), ("trimmed_mean", 2.5)])
 def test_robust_aggregates_hand_computed(rule, want):
-    strategy = STRATEGIES["fedit"]()
-    strategy.robust, strategy.trim_fraction = rule, 0.25
+    strategy = STRATEGIES["fedit"](robust=rule, trim_fraction=0.25)
     values = [1.0, 2.0, 3.0, 1e6]  # one client sends an extreme value
     ups = [
         ClientUpdate(k, 10, {"m": LoraFactors(torch.full((1, 2), v), torch.full((2, 1), v), 1.0)})

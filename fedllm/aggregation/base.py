@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor
 
 from fedllm.checks import Expected
 from fedllm.factors import Adapter, LoraFactors, fit_rank, pad_rank, weighted_mean
+from fedllm.options import opt, positive
 from fedllm.protocol import ClientHook, ClientUpdate
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -73,6 +73,21 @@ class RoundContext:
     contributors: int | None = None
 
 
+@dataclass
+class MergingOptions:
+    """The option of every strategy that merges each round into the base (FedEx-LoRA, FLoRA, FLoRIST): how
+    many merges the server keeps so that a client that missed some downloads one exact catch-up
+    (``fedllm/server/catchup.py``)."""
+
+    catchup_window: int = opt(
+        8,
+        "merged updates the server keeps for clients that missed some: a client further behind downloads the "
+        "whole merged residual instead of one catch-up of what it missed",
+        positive,
+        "an integer >= 1",
+    )
+
+
 def example_weights(updates: list[ClientUpdate]) -> list[float]:
     """p_k = n_k / sum of n over the round's clients."""
     total = sum(u.num_examples for u in updates)
@@ -92,7 +107,6 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     merges_into_base: ClassVar[bool] = False
     averages_parameters: ClassVar[bool] = True
-    supports_robust: ClassVar[bool] = False  # a plain average, which aggregation.robust can replace
     same_weights: ClassVar[bool] = True  # every parameter of an update is averaged with the same p_k
     # its new global factors are a weighted sum of the uploaded ones (what central DP's noisy sum needs)
     linear: ClassVar[bool] = False
@@ -101,11 +115,8 @@ class Strategy(abc.ABC):
     # "merged" (each round merged into the base, clients restart fresh), "refactored" (new factors of the
     # global product every round) or "per_client" (every client's own adapter)
     global_state: ClassVar[str] = "parameters"
-    robust: str = "none"  # aggregation.robust: none, median or trimmed_mean (set by strategy_from_config)
-    trim_fraction: float = 0.1
-    # aggregation.download_budget_mb bounds what each client downloads of the adapter per round
-    supports_download_budget: ClassVar[bool] = False
-    budget_mb: float = 0.0
+    # merges kept for clients that missed some (a merging strategy's option, ``catchup_window``)
+    catchup_window: int = 0
     hook: ClassVar[type[ClientHook]] = ClientHook  # the client side (plain LoRA unless a strategy says else)
     # its own options (a dataclass of fedllm.options.opt fields), collected as aggregation.<name>.*
     options: ClassVar[type | None] = None
@@ -192,21 +203,8 @@ class Strategy(abc.ABC):
         return state
 
     def average(self, tensors: list[Tensor], weights: list[float]) -> Tensor:
-        """The weighted mean, or with ``aggregation.robust`` the coordinate-wise median or trimmed mean.
-
-        The robust rules ignore the weights (a client's share is then 1/K):
-        each coordinate takes the median, or the mean after dropping the
-        ``trim_fraction`` largest and smallest values, so a few clients
-        sending extreme values cannot move it. Cost: a sort over the K
-        clients per coordinate (memory K x the tensor).
-        """
-        if self.robust == "none":
-            return weighted_mean(tensors, weights)
-        stacked = torch.stack(tensors)
-        if self.robust == "median":
-            return stacked.median(dim=0).values
-        k = int(self.trim_fraction * len(tensors))
-        return stacked.sort(dim=0).values[k : len(tensors) - k].mean(dim=0)
+        """The weighted mean (FedIT's options can make it a robust one)."""
+        return weighted_mean(tensors, weights)
 
     def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         """The extras this strategy expects in an update, checked against ``exp``
@@ -296,10 +294,6 @@ class StrategyWrapper(Strategy, register=False):
         return self.inner.averages_parameters
 
     @property
-    def supports_robust(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_robust
-
-    @property
     def same_weights(self) -> bool:  # type: ignore[override]
         return self.inner.same_weights
 
@@ -312,10 +306,6 @@ class StrategyWrapper(Strategy, register=False):
         return self.inner.global_state
 
     @property
-    def supports_download_budget(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_download_budget
-
-    @property
     def hook(self) -> type[ClientHook]:  # type: ignore[override]
         return self.inner.hook
 
@@ -324,16 +314,8 @@ class StrategyWrapper(Strategy, register=False):
         return self.inner.options
 
     @property
-    def robust(self) -> str:  # type: ignore[override]
-        return self.inner.robust
-
-    @property
-    def trim_fraction(self) -> float:  # type: ignore[override]
-        return self.inner.trim_fraction
-
-    @property
-    def budget_mb(self) -> float:  # type: ignore[override]
-        return self.inner.budget_mb
+    def catchup_window(self) -> int:  # type: ignore[override]
+        return self.inner.catchup_window
 
     # calls
     def check_config(self, cfg: Any) -> None:  # type: ignore[override]
@@ -439,8 +421,4 @@ def base_point(state: GlobalState, context: RoundContext) -> Adapter:
 
 def strategy_from_config(agg: Any) -> Strategy:
     """The strategy ``aggregation.name`` names, built from its own options (``aggregation.<name>.*``)."""
-    strategy = STRATEGIES[agg.name].from_options(getattr(agg, agg.name, None))
-    strategy.robust, strategy.trim_fraction = agg.robust, agg.trim_fraction
-    if agg.download_budget_mb:
-        strategy.budget_mb = agg.download_budget_mb
-    return strategy
+    return STRATEGIES[agg.name].from_options(getattr(agg, agg.name, None))

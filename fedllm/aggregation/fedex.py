@@ -24,8 +24,11 @@ stays in the global model it is evaluated on, not in its own start).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fedllm.aggregation.base import (
     GlobalState,
+    MergingOptions,
     RoundContext,
     RoundResult,
     Strategy,
@@ -33,6 +36,11 @@ from fedllm.aggregation.base import (
 )
 from fedllm.factors import Adapter, LoraFactors, add_to_residual, concat, pad_rank, smallest_exact, stack
 from fedllm.protocol import ClientUpdate
+
+
+@dataclass
+class FedExOptions(MergingOptions):
+    """FedEx-LoRA's options: the merges kept for catch-ups."""
 
 
 class FedExLoRA(Strategy):
@@ -45,6 +53,14 @@ class FedExLoRA(Strategy):
     name = "fedex"
     merges_into_base = True  # the remainder: under a quantized base it stays a frozen residual adapter
     global_state = "merged"
+    options = FedExOptions
+
+    def __init__(self, catchup_window: int = 8) -> None:
+        self.catchup_window = catchup_window
+
+    @classmethod
+    def from_options(cls, options: FedExOptions) -> FedExLoRA:
+        return cls(options.catchup_window)
 
     def aggregate_factors(
         self,

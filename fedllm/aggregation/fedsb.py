@@ -46,7 +46,7 @@ from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Stra
 from fedllm.aggregation.ffa import Frozen
 from fedllm.checks import ClientFailure, Expected, as_float32
 from fedllm.factors import Adapter, LoraFactors, unprefixed
-from fedllm.options import opt
+from fedllm.options import chosen_key, chosen_option, opt
 from fedllm.protocol import ClientHook, ClientUpdate, HookSession
 
 STEP = "fedsb_step."  # a client's first Adam step on a module's dense weight (the initialization round)
@@ -207,10 +207,11 @@ class FedSB(Strategy):
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
-        if cfg.client.optimizer != "adamw":
+        optimizer = chosen_option(cfg, "client", "optimizer", "adamw")
+        if optimizer != "adamw":
             raise ValueError(
                 f"aggregation.name = fedsb initializes with one Adam step (LoRA-SB's -lr sign(g)): set "
-                f"client.optimizer=adamw (got {cfg.client.optimizer})"
+                f"{chosen_key(cfg, 'client', 'optimizer')}=adamw (got {optimizer})"
             )
         if cfg.comm.download != "float32":
             raise ValueError(

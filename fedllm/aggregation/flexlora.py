@@ -28,7 +28,7 @@ from fedllm.factors import (
     svd_factors,
     truncate_rank,
 )
-from fedllm.options import one_of, opt
+from fedllm.options import nonneg, one_of, opt
 from fedllm.protocol import ClientUpdate
 
 
@@ -39,6 +39,13 @@ class FlexLoRAOptions:
         "how a client's truncated SVD U S V^T is split into its factors: 'us' (B = U S, A = V^T, as the "
         "reference) or 'sqrt' (B = U sqrt(S), A = sqrt(S) V^T)",
         *one_of("us", "sqrt"),
+    )
+    download_budget_mb: float = opt(
+        0.0,
+        "megabytes (10^6 bytes, float32) of the adapter each client may download per round: the largest "
+        "share of the global SVD that fits, at most the client's rank (0: no budget)",
+        nonneg,
+        ">= 0",
     )
 
 
@@ -55,17 +62,16 @@ class FlexLoRA(Strategy):
     name = "flexlora"
     global_state = "refactored"  # the SVD of the averaged product, anew every round
     averages_parameters = False
-    supports_download_budget = True
     options = FlexLoRAOptions
 
-    def __init__(self, split: str = "us") -> None:
+    def __init__(self, split: str = "us", download_budget_mb: float = 0.0) -> None:
         if split not in ("us", "sqrt"):
             raise ValueError(f"split = {split!r}: expected 'us' or 'sqrt'")
-        self.split = split
+        self.split, self.budget_mb = split, download_budget_mb
 
     @classmethod
     def from_options(cls, options: FlexLoRAOptions) -> FlexLoRA:
-        return cls(split=options.split)
+        return cls(options.split, options.download_budget_mb)
 
     def aggregate_factors(
         self,

@@ -10,9 +10,16 @@ the sum of the round's ranks.
 
 from __future__ import annotations
 
-from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
+from dataclasses import dataclass
+
+from fedllm.aggregation.base import GlobalState, MergingOptions, RoundContext, RoundResult, Strategy
 from fedllm.factors import add_to_residual, stack
 from fedllm.protocol import ClientUpdate
+
+
+@dataclass
+class FloraOptions(MergingOptions):
+    """FLoRA's options: the merges kept for catch-ups."""
 
 
 class FLoRA(Strategy):
@@ -26,6 +33,14 @@ class FLoRA(Strategy):
     merges_into_base = True
     global_state = "merged"
     averages_parameters = False
+    options = FloraOptions
+
+    def __init__(self, catchup_window: int = 8) -> None:
+        self.catchup_window = catchup_window
+
+    @classmethod
+    def from_options(cls, options: FloraOptions) -> FLoRA:
+        return cls(options.catchup_window)
 
     def aggregate_factors(
         self,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, MergingOptions, RoundContext, RoundResult, Strategy
 from fedllm.factors import (
     Adapter,
     add_to_residual,
@@ -31,13 +31,21 @@ from fedllm.protocol import ClientUpdate
 
 
 @dataclass
-class FloristOptions:
+class FloristOptions(MergingOptions):
     tau: float = opt(0.9, "energy fraction of singular values kept", fraction, "in (0, 1]")
     fixed_rank: int = opt(
         0,
         "keep exactly this rank instead of using tau (0: use tau)",
         nonneg,
         "an integer >= 1, or 0 to use tau",
+    )
+    download_budget_mb: float = opt(
+        0.0,
+        "megabytes (10^6 bytes, float32) of the adapter each client may download per round: the largest "
+        "energy share up to tau whose broadcast fits (0: no budget). It bounds one round's merge: a client "
+        "that missed rounds also downloads their merges (its catch-up), counted apart as down_catchup_bytes",
+        nonneg,
+        ">= 0",
     )
 
 
@@ -51,31 +59,33 @@ class FLoRIST(Strategy):
     name = "florist"
     merges_into_base = True
     global_state = "merged"
-    supports_download_budget = True
     averages_parameters = False
     options = FloristOptions
 
-    def __init__(self, tau: float = 0.9, fixed_rank: int = 0, download_budget_mb: float = 0.0) -> None:
+    def __init__(
+        self, tau: float = 0.9, fixed_rank: int = 0, download_budget_mb: float = 0.0, catchup_window: int = 8
+    ) -> None:
         if not 0 < tau <= 1:
             raise ValueError(f"tau = {tau} is invalid: expected a value in (0, 1]")
         if fixed_rank < 0:
             raise ValueError(f"fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
         self.tau, self.fixed_rank, self.budget_mb = tau, fixed_rank, download_budget_mb
+        self.catchup_window = catchup_window
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
-        if cfg.aggregation.florist.fixed_rank and cfg.aggregation.download_budget_mb:
+        if cfg.aggregation.florist.fixed_rank and cfg.aggregation.florist.download_budget_mb:
             raise ValueError(
-                "aggregation.florist.fixed_rank and aggregation.download_budget_mb both choose the rank: set "
-                "one of them"
+                "aggregation.florist.fixed_rank and aggregation.florist.download_budget_mb both choose the "
+                "rank: set one of them"
             )
 
     @classmethod
     def from_options(cls, options: FloristOptions) -> FLoRIST:
-        return cls(tau=options.tau, fixed_rank=options.fixed_rank)
+        return cls(options.tau, options.fixed_rank, options.download_budget_mb, options.catchup_window)
 
     def budget_ranks(self, spectra: dict[str, tuple[torch.Tensor, int]]) -> tuple[dict[str, int], float]:
-        """Each module's rank under ``aggregation.download_budget_mb`` and the energy share chosen (one
+        """Each module's rank under ``download_budget_mb`` and the energy share chosen (one
         share for every module, the largest up to ``tau`` that fits: ``fedllm.factors.ranks_under_budget``);
         a budget below one component per module leaves the round's merge empty."""
         return ranks_under_budget(spectra, self.budget_mb * 1e6, self.tau)

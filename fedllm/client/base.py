@@ -10,6 +10,7 @@ upload besides the adapter; the loop around the steps is written once here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 from data_prep.prompts import TokenizedExample, collate
 from fedllm.logs import client_label
 from fedllm.model.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
+from fedllm.options import one_of, opt
 from fedllm.protocol import AlgorithmServer
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,18 @@ class ClientTimeout(RuntimeError):
 
 
 Params = dict[str, torch.nn.Parameter]
+
+
+@dataclass
+class OptimizerOptions:
+    """The local optimizer of an algorithm that takes the configured optimizer's steps (SFT, FedProx):
+    ``client.<algorithm>.optimizer``."""
+
+    optimizer: str = opt(
+        "adamw",
+        "local optimizer: adamw (at client.lr) or sgd (at client.sgd_lr)",
+        *one_of("adamw", "sgd"),
+    )
 
 
 @dataclass
@@ -156,8 +170,8 @@ class ClientAlgorithm:
     options: ClassVar[type | None] = None
     # the settings of its paper's experiments, which ``client.preset=paper`` applies (keys the config does
     # not set itself): the LLM defaults (AdamW, a cosine schedule, a gradient clip) are not its paper's
+    # (an algorithm whose options choose an optimizer also gets plain SGD: :meth:`paper_settings`)
     paper_preset: ClassVar[dict[str, object]] = {
-        "client.optimizer": "sgd",
         "client.scheduler": "constant",
         "client.warmup_ratio": 0.0,
         "client.max_grad_norm": 0.0,
@@ -173,14 +187,23 @@ class ClientAlgorithm:
 
     def __init__(self, optimizer: str = "adamw") -> None:
         if optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"client.optimizer = {optimizer!r}: expected adamw or sgd")
+            raise ValueError(f"client.{self.name}.optimizer = {optimizer!r}: expected adamw or sgd")
         self.optimizer = optimizer
 
     @classmethod
     def from_config(cls, client_cfg) -> ClientAlgorithm:
         """The algorithm from the client section: its general settings, and its own options under
-        ``client_cfg.<name>`` (an instance of :attr:`options`)."""
-        return cls(optimizer=client_cfg.optimizer)
+        ``client_cfg.<name>`` (an instance of :attr:`options`; its ``optimizer`` where it declares one)."""
+        own = cls.own_options(client_cfg)
+        return cls(optimizer=own.optimizer) if hasattr(own, "optimizer") else cls()
+
+    @classmethod
+    def paper_settings(cls) -> dict[str, object]:
+        """What ``client.preset=paper`` sets: plain SGD where the algorithm's options choose an optimizer,
+        then its :attr:`paper_preset` (schedule, clip)."""
+        fields = {f.name for f in dataclasses.fields(cls.options)} if cls.options is not None else set()
+        sgd = {f"client.{cls.name}.optimizer": "sgd"} if "optimizer" in fields else {}
+        return {**sgd, **cls.paper_preset}
 
     @classmethod
     def own_options(cls, client_cfg):

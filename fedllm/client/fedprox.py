@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from fedllm.client.base import ClientAlgorithm, Params
+from fedllm.client.base import ClientAlgorithm, OptimizerOptions, Params
 from fedllm.options import nonneg, opt
 
 
 @dataclass
-class FedProxOptions:
+class FedProxOptions(OptimizerOptions):
     mu: float = opt(0.01, "the proximal coefficient mu (0: plain SFT)", nonneg, ">= 0")
 
 
@@ -38,7 +38,8 @@ class FedProx(ClientAlgorithm):
 
     @classmethod
     def from_config(cls, client_cfg) -> FedProx:
-        return cls(mu=cls.own_options(client_cfg).mu, optimizer=client_cfg.optimizer)
+        o = cls.own_options(client_cfg)
+        return cls(mu=o.mu, optimizer=o.optimizer)
 
     def begin(self, params: Params, state: dict[str, Any], download: dict) -> None:
         self.anchor = {k: p.detach().clone() for k, p in params.items()}

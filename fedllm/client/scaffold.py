@@ -155,7 +155,6 @@ class Scaffold(ClientAlgorithm):
     server_half = ScaffoldServer
     options = ScaffoldOptions
     paper_preset = {
-        "client.scaffold.optimizer": "sgd",
         "client.scheduler": "constant",
         "client.warmup_ratio": 0.0,
         "client.max_grad_norm": 0.0,
@@ -170,10 +169,6 @@ class Scaffold(ClientAlgorithm):
         self._start: dict[str, Tensor] = {}
         self._c: dict[str, Tensor] = {}
         self._ck: dict[str, Tensor] = {}
-
-    @classmethod
-    def from_config(cls, client_cfg) -> Scaffold:
-        return cls(optimizer=cls.own_options(client_cfg).optimizer)
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -15,13 +15,29 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from fedllm.aggregation import SERVER_OPTIMIZERS, STRATEGIES
+from fedllm.aggregation.fedex import FedExOptions
+from fedllm.aggregation.fedit import FedITOptions
+from fedllm.aggregation.fedsa import FedSAOptions
+from fedllm.aggregation.fedsb import FedSBOptions
+from fedllm.aggregation.flexlora import FlexLoRAOptions
+from fedllm.aggregation.flora import FloraOptions
+from fedllm.aggregation.floral import FloralOptions
+from fedllm.aggregation.florist import FloristOptions
+from fedllm.aggregation.hetlora import HetLoRAOptions
+from fedllm.aggregation.server_opt import FedAdagradOptions, FedAdamOptions, FedAvgMOptions, FedYogiOptions
 from fedllm.client import ALGORITHMS
+from fedllm.client.fedprox import FedProxOptions
+from fedllm.client.perfedavg import PerFedAvgOptions
+from fedllm.client.scaffold import ScaffoldOptions
+from fedllm.client.sft import SFTOptions
 from fedllm.config.overrides import coerce, parse_override
 from fedllm.config.sections import (
     AggregationSection,
@@ -35,6 +51,9 @@ from fedllm.config.sections import (
     OutputConfig,
 )
 from fedllm.features import FEATURES
+from fedllm.privacy.options import PrivacyOptions
+from fedllm.secagg.options import SecAggOptions
+from fedllm.transport import TransportOptions
 
 __all__ = [
     "AggregationConfig",
@@ -66,60 +85,104 @@ class ConfigError(ValueError):
     """A config problem; the message names the field and what was expected."""
 
 
-def _with_methods(base: type, registry: dict[str, type], name: str) -> type:
-    """``base`` plus one sub-section per registered method that declares ``options``, named after it."""
-    extra = [
-        (method, cls.options, dataclasses.field(default_factory=cls.options, metadata={"method": method}))
-        for method, cls in sorted(registry.items())
-        if cls.options is not None
-    ]
-    cls = dataclasses.make_dataclass(name, extra, bases=(base,))
-    cls.__module__ = __name__  # picklable, and named where it is built
-    return cls
+def _own(options: type, method: str) -> Any:
+    """The field of a method's own options in its section (``aggregation.<method>``, ``client.<method>``)."""
+    return dataclasses.field(default_factory=options, metadata={"method": method})
 
 
-AggregationConfig = _with_methods(
-    AggregationSection, {**STRATEGIES, **SERVER_OPTIMIZERS}, "AggregationConfig"
-)
-ClientConfig = _with_methods(ClientSection, ALGORITHMS, "ClientConfig")
+@dataclass
+class AggregationConfig(AggregationSection):
+    """``aggregation.*``: the strategy, the server's defences, and each strategy's and server optimizer's own
+    options under its name. Written out so that a type checker reads ``cfg.aggregation.floral.router_lr``;
+    :func:`_check_owned` fails at import when a registered method's options have no field here."""
 
-_SECTIONS: list[tuple[str, type]] = [
-    ("model", ModelConfig),
-    ("lora", LoraConfig),
-    ("data", DataConfig),
-    ("federation", FederationConfig),
-    ("client", ClientConfig),
-    ("aggregation", AggregationConfig),
-    ("eval", EvalConfig),
-    ("output", OutputConfig),
-    ("flower", FlowerConfig),
-    *((f.section, f.options) for f in FEATURES),
-]
-
-
-def _to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    fedex: FedExOptions = _own(FedExOptions, "fedex")
+    fedit: FedITOptions = _own(FedITOptions, "fedit")
+    fedsa: FedSAOptions = _own(FedSAOptions, "fedsa")
+    fedsb: FedSBOptions = _own(FedSBOptions, "fedsb")
+    flexlora: FlexLoRAOptions = _own(FlexLoRAOptions, "flexlora")
+    flora: FloraOptions = _own(FloraOptions, "flora")
+    floral: FloralOptions = _own(FloralOptions, "floral")
+    florist: FloristOptions = _own(FloristOptions, "florist")
+    hetlora: HetLoRAOptions = _own(HetLoRAOptions, "hetlora")
+    fedadagrad: FedAdagradOptions = _own(FedAdagradOptions, "fedadagrad")
+    fedadam: FedAdamOptions = _own(FedAdamOptions, "fedadam")
+    fedavgm: FedAvgMOptions = _own(FedAvgMOptions, "fedavgm")
+    fedyogi: FedYogiOptions = _own(FedYogiOptions, "fedyogi")
 
 
-Config = dataclasses.make_dataclass(
-    "Config",
-    [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in _SECTIONS],
-    namespace={"to_dict": _to_dict, "__doc__": "A whole run's configuration: one dataclass per section."},
-)
-Config.__module__ = __name__
+@dataclass
+class ClientConfig(ClientSection):
+    """``client.*``: what every client algorithm uses, and each algorithm's own options under its name."""
+
+    fedprox: FedProxOptions = _own(FedProxOptions, "fedprox")
+    perfedavg: PerFedAvgOptions = _own(PerFedAvgOptions, "perfedavg")
+    scaffold: ScaffoldOptions = _own(ScaffoldOptions, "scaffold")
+    sft: SFTOptions = _own(SFTOptions, "sft")
+
+
+@dataclass
+class Config:
+    """A whole run's configuration: one dataclass per section (the features' sections last)."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    federation: FederationConfig = dataclasses.field(default_factory=FederationConfig)
+    client: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+    aggregation: AggregationConfig = dataclasses.field(default_factory=AggregationConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    flower: FlowerConfig = dataclasses.field(default_factory=FlowerConfig)
+    privacy: PrivacyOptions = dataclasses.field(default_factory=PrivacyOptions)
+    secagg: SecAggOptions = dataclasses.field(default_factory=SecAggOptions)
+    comm: TransportOptions = dataclasses.field(default_factory=TransportOptions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_owned(section: type, registry: dict[str, Any], where: str) -> None:
+    """Every registered method that declares options has its field in ``section``, of that type (and no field
+    names a method that is not registered): a new strategy, algorithm or feature fails here, at import, with
+    what to add, instead of its options silently missing from every config."""
+    hints = typing.get_type_hints(section)
+    own = {f.name for f in dataclasses.fields(section) if "method" in f.metadata}
+    for method, cls in registry.items():
+        options = getattr(cls, "options", None)
+        if options is not None and hints.get(method) is not options:
+            raise TypeError(
+                f"{where}: {method}'s options {options.__name__} have no field "
+                f"'{method}: {options.__name__}' in {section.__name__} (fedllm/config/__init__.py); add it"
+            )
+    stale = own - {m for m, c in registry.items() if getattr(c, "options", None) is not None}
+    if stale:
+        raise TypeError(f"{section.__name__} has fields for no registered method: {sorted(stale)}")
+
+
+_check_owned(AggregationConfig, {**STRATEGIES, **SERVER_OPTIMIZERS}, "aggregation")
+_check_owned(ClientConfig, ALGORITHMS, "client")
+for _feature in FEATURES:
+    if typing.get_type_hints(Config).get(_feature.section) is not _feature.options:
+        raise TypeError(
+            f"feature section '{_feature.section}' ({_feature.options!r}) has no field in Config "
+            "(fedllm/config/__init__.py); add it"
+        )
+
+_SECTIONS: list[tuple[str, type]] = list(typing.get_type_hints(Config).items())
 
 
 def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _fields(cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+def _fields(cls: type) -> dict[str, tuple[Any, dataclasses.Field[Any]]]:
     """``{name: (type, field)}`` of a section class (annotations resolved)."""
     hints = typing.get_type_hints(cls)
     return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
 
 
-def _leaves(cls: type, prefix: str) -> typing.Iterator[tuple[str, Any, dataclasses.Field]]:
+def _leaves(cls: type, prefix: str) -> typing.Iterator[tuple[str, Any, dataclasses.Field[Any]]]:
     """Every dotted key under a section, with its type and field (sub-sections walked into)."""
     for name, (tp, f) in _fields(cls).items():
         if _is_section(tp):
@@ -134,13 +197,75 @@ def valid_keys() -> list[str]:
 
 
 # keys renamed after runs were written with them: read under the new name (run folders must keep loading)
-RENAMED = {"aggregation.florist.download_budget_mb": "aggregation.download_budget_mb"}
+RENAMED: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A key that moved from a general section into the options of the methods that use it
+    (``aggregation.robust`` -> ``aggregation.fedit.robust``). The old key still loads, as the chosen method's
+    option, with a FutureWarning (run folders and configs written before the move keep working); under a
+    method that does not own it, its default is ignored, and another value is refused where the old key was
+    refused too (``refused_elsewhere``) and ignored with a warning where it did nothing."""
+
+    section: str  # the section whose chosen method owns it: aggregation (aggregation.name) or client
+    owners: tuple[str, ...]
+    default: Any
+    refused_elsewhere: bool
+
+
+MOVED: dict[str, Moved] = {
+    "aggregation.robust": Moved("aggregation", ("fedit",), "none", True),
+    "aggregation.trim_fraction": Moved("aggregation", ("fedit",), 0.1, False),
+    "aggregation.download_budget_mb": Moved("aggregation", ("fedit", "flexlora", "florist"), 0.0, True),
+    "federation.catchup_window": Moved("aggregation", ("fedex", "flora", "florist"), 8, False),
+    "client.optimizer": Moved("client", ("fedprox", "sft"), "adamw", False),
+}
+
+
+def _moved_to(cfg: Config, old: str, value: Any, settings: dict[str, Any]) -> str | None:
+    """The key an old, moved key's ``value`` now sets under ``cfg``'s chosen method (None: nothing to set),
+    warning that it moved; refuses it where the chosen method cannot take it."""
+    m = MOVED[old]
+    name = old.rsplit(".", 1)[1]
+    try:
+        value = coerce(old, value, type(m.default))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    sec = getattr(cfg, m.section)
+    method = sec.name if m.section == "aggregation" else sec.algorithm
+    chooser = "aggregation.name" if m.section == "aggregation" else "client.algorithm"
+    owners = ", ".join(f"{m.section}.{o}.{name}" for o in m.owners)
+    if method not in m.owners:
+        if value == m.default:
+            return None
+        if m.refused_elsewhere:
+            raise ConfigError(
+                f"config key '{old}' = {value!r} is now {owners}; {chooser} = {method} has no such option"
+            )
+        warnings.warn(
+            f"config key '{old}' = {value!r} did nothing for {chooser} = {method} and is ignored; it is now "
+            f"{owners}",
+            FutureWarning,
+            stacklevel=4,
+        )
+        return None
+    new = f"{m.section}.{method}.{name}"
+    if new in settings:
+        if settings[new] != value:
+            raise ConfigError(
+                f"config keys '{old}' = {value!r} and '{new}' = {settings[new]!r}: set only '{new}'"
+            )
+        return None
+    if value != m.default:
+        warnings.warn(f"config key '{old}' is now '{new}'; it was read as that", FutureWarning, stacklevel=4)
+    return new
 
 
 def legacy_keys() -> dict[str, str]:
     """The flat keys of the layout before methods owned their options, each with the key that replaced it:
     ``aggregation.<field>`` and ``aggregation.<method>_<field>`` (``client.`` alike)."""
-    out = {}
+    out: dict[str, str] = {}
     for section, registry in (("aggregation", STRATEGIES), ("client", ALGORITHMS)):
         for method, cls in registry.items():
             for f in dataclasses.fields(cls.options) if cls.options is not None else ():
@@ -172,14 +297,14 @@ def help_text() -> str:
     """One line per option: key, default, help and, for enumerated keys, the valid values."""
     lines = []
     for key, _, f in _leaves(Config, ""):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         valid = choices(key)
         valid_text = "; one of " + ", ".join(valid) if valid else ""
         lines.append(f"{key} (default {default!r}{valid_text}): {f.metadata['help']}")
     return "\n".join(lines)
 
 
-def _check_fields_together(cfg) -> None:
+def _check_fields_together(cfg: Config) -> None:
     """Checks that span fields of the config alone (registries aside)."""
     if not cfg.lora.ranks and not cfg.lora.rank_distribution:
         raise ConfigError("lora.ranks is empty: give at least one rank (an integer >= 1)")
@@ -220,6 +345,14 @@ def _check_fields_together(cfg) -> None:
 
 
 def _unknown(key: str) -> ConfigError:
+    if key in MOVED:
+        m = MOVED[key]
+        name = key.rsplit(".", 1)[1]
+        return ConfigError(
+            f"config key '{key}' is now "
+            + ", ".join(f"{m.section}.{o}.{name}" for o in m.owners)
+            + " (the option of the methods that use it)"
+        )
     moved = legacy_keys().get(key)
     if moved is not None:
         return ConfigError(
@@ -231,7 +364,7 @@ def _unknown(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
-def set_key(cfg, key: str, value: Any) -> None:
+def set_key(cfg: Config, key: str, value: Any) -> None:
     """Set one dotted key (type-checked; an unknown key is refused with the closest known one, an old flat
     key with the key that replaced it; a key renamed since a run was made is read under its new name, so
     that older run folders still load)."""
@@ -251,13 +384,22 @@ def set_key(cfg, key: str, value: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
-def apply_settings(cfg, settings: dict[str, Any]) -> None:
-    """Set every dotted key of ``settings`` on ``cfg``."""
+def apply_settings(cfg: Config, settings: dict[str, Any]) -> set[str]:
+    """Set every dotted key of ``settings`` on ``cfg``; returns the keys set. A key that moved into its
+    method's options (:data:`MOVED`) is set last, under the method the settings choose."""
+    done = set()
     for key, value in settings.items():
-        set_key(cfg, key, value)
+        if key not in MOVED:
+            set_key(cfg, key, value)
+            done.add(RENAMED.get(key, key))
+    for key, value in settings.items():
+        if key in MOVED and (new := _moved_to(cfg, key, value, settings)) is not None:
+            set_key(cfg, new, value)
+            done.add(new)
+    return done
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Build a validated config from an optional YAML file and ``key=value`` overrides (then the client
     algorithm's preset, ``client.preset``, for the keys neither sets)."""
     cfg = Config()
@@ -272,23 +414,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         settings = dict(parse_override(text) for text in overrides or [])
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    apply_settings(cfg, settings)
-    apply_preset(cfg, explicit | set(settings))
+    explicit |= apply_settings(cfg, settings)
+    apply_preset(cfg, explicit)
     validate(cfg)
     return cfg
 
 
-def apply_preset(cfg, explicit: set[str]) -> None:
-    """``client.preset=paper``: the client algorithm's paper settings (its ``paper_preset``: optimizer,
+def apply_preset(cfg: Config, explicit: set[str]) -> None:
+    """``client.preset=paper``: the client algorithm's paper settings (its ``paper_settings()``: optimizer,
     schedule, clip) for every key the config does not set itself."""
     if cfg.client.preset != "paper" or cfg.client.algorithm not in ALGORITHMS:
         return
-    for key, value in ALGORITHMS[cfg.client.algorithm].paper_preset.items():
+    for key, value in ALGORITHMS[cfg.client.algorithm].paper_settings().items():
         if key not in explicit:
             set_key(cfg, key, value)
 
 
-def config_from_text(text: str, name: str = "<resolved config>"):
+def config_from_text(text: str, name: str = "<resolved config>") -> Config:
     """A validated config from YAML text (e.g. the resolved config a Flower site receives)."""
     cfg = Config()
     apply_preset(cfg, _apply_yaml(cfg, text, name))
@@ -296,12 +438,13 @@ def config_from_text(text: str, name: str = "<resolved config>"):
     return cfg
 
 
-def config_to_text(cfg) -> str:
+def config_to_text(cfg: Config) -> str:
     """The resolved config as YAML: what ``config.yaml`` holds and :func:`config_from_text` reads back."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    text: str = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    return text
 
 
-def flat_config(cfg) -> dict[str, Any]:
+def flat_config(cfg: Config) -> dict[str, Any]:
     """``{"section.key": value}`` (``section.method.key`` for a method's options) of a config: what resumes
     compare, trackers log and digests cover."""
     out = {}
@@ -313,7 +456,7 @@ def flat_config(cfg) -> dict[str, Any]:
     return out
 
 
-def _settings_of(data: dict, cls: type, prefix: str, where: str) -> dict[str, Any]:
+def _settings_of(data: dict[str, Any], cls: type, prefix: str, where: str) -> dict[str, Any]:
     """The dotted settings of a YAML mapping for section class ``cls`` (sub-sections nested as mappings)."""
     out: dict[str, Any] = {}
     fields = _fields(cls)
@@ -329,7 +472,7 @@ def _settings_of(data: dict, cls: type, prefix: str, where: str) -> dict[str, An
     return out
 
 
-def _apply_yaml(cfg, text: str, name: str) -> set[str]:
+def _apply_yaml(cfg: Config, text: str, name: str) -> set[str]:
     """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``; returns their keys."""
     try:
         data = yaml.safe_load(text) or {}
@@ -347,11 +490,10 @@ def _apply_yaml(cfg, text: str, name: str) -> set[str]:
         if section not in sections:
             raise _unknown(f"{section}.{next(iter(values), '')}")
         settings.update(_settings_of(values, sections[section], f"{section}.", f"{name}: "))
-    apply_settings(cfg, settings)
-    return set(settings)
+    return apply_settings(cfg, settings)
 
 
-def validate(cfg) -> None:
+def validate(cfg: Config) -> None:
     """Range checks of every field, then checks that span fields, then the table of refused
     combinations (``fedllm/config/rules.py``) and each method's own checks."""
     for key, _, f in _leaves(type(cfg), ""):
@@ -384,7 +526,7 @@ def validate(cfg) -> None:
         raise ConfigError(why)
 
 
-def save_config(cfg, path: Path) -> None:
+def save_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as YAML (atomically, via the checkpoint helper)."""
     from fedllm.files import atomic_write_text
 
@@ -394,7 +536,7 @@ def save_config(cfg, path: Path) -> None:
 TOKEN_INDEXED = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_out")
 
 
-def token_modules(cfg) -> list[str]:
+def token_modules(cfg: Config) -> list[str]:
     """The shared dense modules whose rows are indexed by token ids: the rows a client changes are the
     tokens of its data, so sharing them across organizations reveals those tokens."""
     return [m for m in cfg.lora.trainable_modules if m.split(".")[-1] in TOKEN_INDEXED]

@@ -68,7 +68,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     raise ValueError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
-def flatten(data: dict, where: str = "") -> dict[str, Any]:
+def flatten(data: dict[str, Any], where: str = "") -> dict[str, Any]:
     """``{"section.key": value}`` of a YAML mapping of sections (``where`` prefixes error messages)."""
     out: dict[str, Any] = {}
     for section, values in data.items():

@@ -1,7 +1,7 @@
 """The one table of refused combinations, written against declared capabilities, never against names.
 
-A strategy declares what its aggregate is (``averages_parameters``, ``same_weights``, ``supports_robust``,
-``linear``, ``global_state``) and its client hook what it does on the client (``local_params``, ``frozen``,
+A strategy declares what its aggregate is (``averages_parameters``, ``same_weights``, ``linear``,
+``global_state``) and its client hook what it does on the client (``local_params``, ``frozen``,
 ``alternates``, ``sets_local_plan``); a client algorithm declares what it needs
 (``needs_parameter_averaging``, ``trains_local_params``, ``server_state_per_parameter``,
 ``plain_first_step``). Each :class:`~fedllm.options.Rule` below refuses one combination of those, with the
@@ -12,10 +12,15 @@ Then each method checks what it alone requires (``check_config``: FLoRAL's singl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from fedllm.aggregation import STRATEGIES
 from fedllm.client import ALGORITHMS
 from fedllm.features import FEATURES
-from fedllm.options import Rule
+from fedllm.options import Rule, chosen_key, chosen_option
+
+if TYPE_CHECKING:
+    from fedllm.config import Config
 
 _NO_PARAMETERS = {  # what a strategy's global state is when it is not persisting parameters
     "merged": "merges each round into the base and restarts its clients from fresh adapters (no global "
@@ -26,7 +31,12 @@ _NO_PARAMETERS = {  # what a strategy's global state is when it is not persistin
 }
 
 
-def _pair(cfg) -> str:
+def _budget(cfg: Config) -> float:
+    """The chosen strategy's download budget (0 when it has none: fedit, flexlora and florist own one)."""
+    return float(chosen_option(cfg, "aggregation", "download_budget_mb", 0.0))
+
+
+def _pair(cfg: Config) -> str:
     return f"client.algorithm = {cfg.client.algorithm} with aggregation.name = {cfg.aggregation.name}"
 
 
@@ -78,22 +88,12 @@ RULES: list[Rule] = [
         ),
     ),
     Rule(
-        "download budget",
-        lambda cfg, s, a: cfg.aggregation.download_budget_mb > 0 and not s.supports_download_budget,
-        lambda cfg, s, a: (
-            f"aggregation.download_budget_mb = {cfg.aggregation.download_budget_mb} truncates what a client "
-            f"downloads, which aggregation.name = {cfg.aggregation.name} does not support; use it with "
-            + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.supports_download_budget))
-        ),
-    ),
-    Rule(
         "download budget with whole tensors",
         lambda cfg, s, a: (
-            cfg.aggregation.download_budget_mb > 0
-            and (bool(cfg.lora.trainable_modules) or a.server_state_per_parameter)
+            _budget(cfg) > 0 and (bool(cfg.lora.trainable_modules) or a.server_state_per_parameter)
         ),
         lambda cfg, s, a: (
-            "aggregation.download_budget_mb bounds the adapter's download, but "
+            f"{chosen_key(cfg, 'aggregation', 'download_budget_mb')} bounds the adapter's download, but "
             + (
                 f"lora.trainable_modules = {cfg.lora.trainable_modules} travel whole"
                 if cfg.lora.trainable_modules
@@ -103,21 +103,12 @@ RULES: list[Rule] = [
         ),
     ),
     Rule(
-        "robust average",
-        lambda cfg, s, a: cfg.aggregation.robust != "none" and not s.supports_robust,
-        lambda cfg, s, a: (
-            f"aggregation.robust = {cfg.aggregation.robust} replaces a plain average, which "
-            f"aggregation.name = {cfg.aggregation.name} does not compute; use it with "
-            + ", ".join(sorted(n for n, c in STRATEGIES.items() if c.supports_robust))
-        ),
-    ),
-    Rule(
         "a server optimizer's clients start from the global factors",
-        lambda cfg, s, a: cfg.aggregation.server_opt != "none" and cfg.aggregation.download_budget_mb > 0,
+        lambda cfg, s, a: cfg.aggregation.server_opt != "none" and _budget(cfg) > 0,
         lambda cfg, s, a: (
             f"aggregation.server_opt = {cfg.aggregation.server_opt} steps with the change from the global "
-            "factors, but aggregation.download_budget_mb has clients start from part of them: set one of the "
-            "two"
+            f"factors, but {chosen_key(cfg, 'aggregation', 'download_budget_mb')} has clients start from "
+            "part of them: set one of the two"
         ),
     ),
     Rule(
@@ -134,11 +125,11 @@ RULES: list[Rule] = [
 ]
 
 
-def _hidden_sample(cfg) -> str:
+def _hidden_sample(cfg: Config) -> str:
     return "; ".join(w for f in FEATURES if (w := f.hidden_sample(getattr(cfg, f.section), cfg)))
 
 
-def _state_keepers(cfg, s, a) -> list[str]:
+def _state_keepers(cfg: Config, s: Any, a: Any) -> list[str]:
     """What makes each client keep state between rounds, as the settings that turn it on."""
     out = [f"aggregation.name = {cfg.aggregation.name}"] if s.hook.keeps_state else []
     out += [f"client.algorithm = {cfg.client.algorithm}"] if a.keeps_state else []
@@ -164,7 +155,7 @@ def all_rules() -> list[Rule]:
     return [*RULES, *(r for f in FEATURES for r in f.rules()), SECRET_SAMPLE]
 
 
-def refusal(cfg) -> str | None:
+def refusal(cfg: Config) -> str | None:
     """Why ``cfg`` cannot run (the first rule that applies), else None after each method's and feature's own
     checks (which raise ValueError)."""
     strategy, algorithm = STRATEGIES[cfg.aggregation.name], ALGORITHMS[cfg.client.algorithm]

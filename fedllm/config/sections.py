@@ -202,14 +202,6 @@ class FederationConfig:
         lambda x: x in ("auto", "clients", "data"),
         "one of auto, clients, data",
     )
-    catchup_window: int = opt(
-        8,
-        "merged updates (FLoRA, FLoRIST) the server keeps for clients that missed some: a client further "
-        "behind "
-        "downloads the whole merged residual instead of one catch-up of what it missed",
-        _positive,
-        "an integer >= 1",
-    )
     weighting: str = opt(
         "examples",
         "each update's share of a round's average: examples (n_k over the round's clients, from the counts "
@@ -251,17 +243,11 @@ class ClientSection:
     sgd_lr: float = opt(
         0.1,
         "plain-SGD learning rate: SCAFFOLD's local steps, Per-FedAvg's outer step beta, "
-        "personalization, and sft/fedprox with client.optimizer=sgd. SGD needs a far larger step "
+        "personalization, and sft/fedprox with client.<algorithm>.optimizer=sgd. SGD needs a far larger step "
         "than AdamW: on a real LLM's LoRA start near 30x client.lr and halve it while the loss "
         "diverges",
         _positive,
         "> 0",
-    )
-    optimizer: str = opt(
-        "adamw",
-        "local optimizer of sft/fedprox (perfedavg always takes SGD steps)",
-        lambda x: x in ("adamw", "sgd"),
-        "one of adamw, sgd",
     )
     batch_size: int = opt(8, "micro-batch size", _positive, "an integer >= 1")
     group_by_length: bool = opt(
@@ -330,29 +316,6 @@ class AggregationSection:
         "ones do (0: off)",
         lambda x: x == 0 or x >= 1,
         "0 or a value >= 1",
-    )
-    robust: str = opt(
-        "none",
-        "robust aggregate of the averaging strategies (fedit): the coordinate-wise median or trimmed mean of "
-        "the clients' tensors instead of the weighted mean (weights are then ignored)",
-        lambda x: x in ("none", "median", "trimmed_mean"),
-        "one of none, median, trimmed_mean",
-    )
-    trim_fraction: float = opt(
-        0.1,
-        "with robust=trimmed_mean: the share of clients dropped at each end of every coordinate",
-        lambda x: 0 <= x < 0.5,
-        "in [0, 0.5)",
-    )
-    download_budget_mb: float = opt(
-        0.0,
-        "megabytes (10^6 bytes, float32) of the adapter each client may download per round (florist: the "
-        "largest energy share up to tau whose broadcast fits; flexlora: the largest share of the global "
-        "SVD, at most the client's rank; fedit: the largest rank that fits; 0: no budget). It bounds one "
-        "round's state: a florist client that missed rounds also downloads their merges (its catch-up), "
-        "counted apart as down_catchup_bytes",
-        _nonneg,
-        ">= 0",
     )
 
 

@@ -37,7 +37,7 @@ import dataclasses
 from typing import Any
 
 from fedllm.aggregation.base import STRATEGIES
-from fedllm.options import Rule
+from fedllm.options import Rule, chosen_option
 from fedllm.privacy.accountant import default_delta, epsilon, noise_for_epsilon, round_up, unamplified
 from fedllm.privacy.options import PrivacyOptions
 from fedllm.privacy.sampling import SecretSampling, max_participation
@@ -149,9 +149,9 @@ class PrivacyFeature(Feature):
             ),
             Rule(
                 "DP's fixed clip",
-                lambda cfg, s, a: _on(cfg) and cfg.aggregation.robust != "none",
+                lambda cfg, s, a: _on(cfg) and chosen_option(cfg, "aggregation", "robust", "none") != "none",
                 lambda cfg, s, a: (
-                    "privacy: aggregation.robust is data-dependent; the fixed clip bounds each client"
+                    "privacy: aggregation.fedit.robust is data-dependent; the fixed clip bounds each client"
                 ),
             ),
         ]

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fedllm.options import Rule
+from fedllm.options import Rule, chosen_option
 from fedllm.protocol import Feature, TrainExchange
 from fedllm.secagg.bounds import clip_of, clipping_range, per_round, private, quantization_bits
 from fedllm.secagg.options import SecAggOptions
@@ -89,9 +89,10 @@ class SecureAggregationFeature(Feature):
             ),
             Rule(
                 "robust rules need each update",
-                lambda cfg, s, a: _on(cfg) and cfg.aggregation.robust != "none",
+                lambda cfg, s, a: _on(cfg) and chosen_option(cfg, "aggregation", "robust", "none") != "none",
                 lambda cfg, s, a: (
-                    f"flower.secure_aggregation=true: aggregation.robust={cfg.aggregation.robust} needs "
+                    "flower.secure_aggregation=true: aggregation.fedit.robust="
+                    f"{cfg.aggregation.fedit.robust} needs "
                     "each update, which the server no longer sees; sites clip before masking "
                     "(secagg.clip_norm)"
                 ),

@@ -34,7 +34,7 @@ class Ledger:
     round_down_bytes: int = 0
     round_down_max: int = 0  # the largest download of one client this round, in bytes
     # a catch-up's merges of rounds before the newest, downloaded by clients that missed them (FLoRA,
-    # FLoRIST): beyond what aggregation.download_budget_mb bounds, which is one round's merge
+    # FLoRIST): beyond what aggregation.florist.download_budget_mb bounds, which is one round's merge
     catchup_bytes: int = 0
     round_catchup_bytes: int = 0
     round_down_max_round: int = 0  # the largest download of this round's state alone (what a budget bounds)
@@ -72,7 +72,7 @@ class Ledger:
             "up_bytes": self.round_up_bytes,
             "down_bytes": self.round_down_bytes,
             "down_bytes_max": self.round_down_max,  # the largest download of one client
-            # ... without merges of earlier rounds it had missed: what aggregation.download_budget_mb bounds
+            # ... without merges of earlier rounds it had missed: what a download budget bounds
             "down_bytes_max_round": self.round_down_max_round,
             "down_catchup_bytes": self.round_catchup_bytes,  # those earlier merges, over the round's clients
         }

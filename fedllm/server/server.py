@@ -120,7 +120,6 @@ class Rules:
     min_clients: int = 1
     clip_norm_ratio: float = 0.0  # 0: no clipping
     client_timeout_s: float = 0.0
-    catchup_window: int = 8  # merges kept for catch-ups; a client further behind downloads the whole residual
     weighting: str = "examples"  # or "uniform"
     max_client_weight: float = 1.0  # the largest share of one client in a round's average
     # the bytes an upload takes on the wire (None: float32, 4 bytes a value); set by a transport feature
@@ -168,7 +167,8 @@ class Server:
         self.ledger = Ledger(by_client=self.sampling.public)
         # this round's references, by client, with the start each was derived from
         self._references: tuple[int | None, dict[int, tuple[ClientStart, Adapter]]] = (None, {})
-        self.merges = MergeLog(list(self.clients), self.rules.catchup_window)
+        # a merging strategy's own option: the merges kept for catch-ups (beyond them: the whole residual)
+        self.merges = MergeLog(list(self.clients), strategy.catchup_window)
         self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
         self.algorithm.bind(self.expected(next(iter(self.clients)), rank=self.max_rank).param_shapes())

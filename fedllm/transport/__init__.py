@@ -13,8 +13,8 @@ each upload's shapes and the run's format, not taken from what a client says.
 The feature hooks the core from outside only: an upload transform on the clients (after the privacy
 clip and noise, if any: what is quantized is what would travel) and the server's rule for counting
 upload bytes. ``comm.download`` says how each download travels (float32 by default; encoded from the
-server's exact state every round, so no error accumulates; ``aggregation.download_budget_mb`` can bound its
-size). In the Flower apps the encodings themselves travel: the feature's codec (``wire.py``) is what the
+server's exact state every round, so no error accumulates; a strategy's ``download_budget_mb`` can bound
+its size). In the Flower apps the encodings themselves travel: the feature's codec (``wire.py``) is what the
 Flower driver and sites call, as every driver calls the run's codecs, without asking which are on.
 """
 
