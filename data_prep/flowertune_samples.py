@@ -89,9 +89,9 @@ def write_training_sets(root: Path, n: int = 120) -> dict[str, Path]:
 
 def write_mmlu(root: Path, per_subject: int = 8, seed: int = 0) -> Path:
     """The original MMLU CSV release (what lukaemon/mmlu reads): ``data/test/<subject>_test.csv``."""
-    from data_prep import builtin
+    from data_prep import builtin_skills
 
-    qs = builtin.benchmark()
+    qs = builtin_skills.benchmark()
     rng = random.Random(seed)
     rng.shuffle(qs)
     k = 0

@@ -230,10 +230,10 @@ def load_examples(
         examples = testbed.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
         return examples[:max_examples] if max_examples else examples
     if dataset == "builtin":
-        from data_prep import builtin
+        from data_prep import builtin_skills
 
-        exclude = builtin.benchmark_prompts(builtin.benchmark())
-        examples = builtin.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
+        exclude = builtin_skills.benchmark_prompts(builtin_skills.benchmark())
+        examples = builtin_skills.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
         return examples[:max_examples] if max_examples else examples
     path = Path(dataset).expanduser()
     if (

@@ -1,6 +1,6 @@
 """A built-in testbed where federated methods can differ: compositional skills with headroom.
 
-The default built-in data (``data_prep/builtin.py``) saturates: its base already scores about 0.46 and
+The default built-in data (``data_prep/builtin_skills.py``) saturates: its base already scores about 0.46 and
 every method ends near 0.66. Here the base model is pretrained on *primitive* skills only (free-form:
 a number's parity, which of two numbers is larger, the number after one, a digit sum, a sum, a word's
 first letter; and the multiple-choice format on a few of them), and the federated stage has to teach
@@ -21,14 +21,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from data_prep.builtin import (
+from data_prep.builtin_skills import (
     ANIMALS,
     THINGS,
     VOWELS,
     format_mc_question,
     mc_record,
 )
-from data_prep.builtin import vocabulary as builtin_vocabulary
+from data_prep.builtin_skills import vocabulary as builtin_vocabulary
 from data_prep.schema import Example
 
 Item = tuple[str, str, list[str]]  # question, free-form answer, the other three MC options

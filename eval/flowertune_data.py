@@ -24,7 +24,7 @@ import json
 import os
 from pathlib import Path
 
-from eval.data import MMLUDataError, load_questions
+from eval.mmlu_data import MMLUDataError, load_questions
 
 
 class BenchmarkDataError(MMLUDataError):

@@ -37,7 +37,14 @@ from pathlib import Path
 
 import torch
 
-from eval.data import LETTERS, MMLUDataError, Question, load_questions, resolve_source, subject_category_map
+from eval.mmlu_data import (
+    LETTERS,
+    MMLUDataError,
+    Question,
+    load_questions,
+    resolve_source,
+    subject_category_map,
+)
 from eval.scoring import Item, score_items
 from eval.subjects import CATEGORIES, category_of
 

@@ -27,20 +27,20 @@ from typing import Any
 from data_prep.prompts import TokenizedExample
 from data_prep.schema import DataError
 from data_prep.tokenized import TokenRows, unknown_share
-from eval.data import MMLUDataError
 from eval.mmlu import Benchmark, load_benchmark
+from eval.mmlu_data import MMLUDataError
 from fedllm.aggregation import Strategy, strategy_from_config, with_server_opt
 from fedllm.client import ALGORITHMS
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.config import Config, ConfigError
-from fedllm.data import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
 from fedllm.factors import lora_scale
 from fedllm.features import FEATURES
+from fedllm.federation_data import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
 from fedllm.model.evaluation import Generation
 from fedllm.model.modeling import context_length, is_quantized, load_base
 from fedllm.model.parallel import Layout, uses_deepspeed, zero_stage
 from fedllm.protocol import ClientInfo, Codec, TrainExchange, derive_seed
-from fedllm.server import Rules, Sampling, Server
+from fedllm.server import Sampling, Server, ServerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
             cfg.lora.trainable_modules,
             n_dense / 1e6,
         )
-    rules = Rules(
+    policy = ServerPolicy(
         min_clients=fed.min_clients,
         clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
         client_timeout_s=fed.client_timeout_s,
@@ -305,7 +305,7 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
     for feature in FEATURES:  # each cross-cutting feature hooks the server from outside
         options = getattr(cfg, feature.section)
         strategy = feature.wrap_strategy(strategy, options, cfg)
-        rules = feature.server_rules(rules, options, cfg)
+        policy = feature.server_policy(policy, options, cfg)
         sampling = feature.sampling(sampling, options, cfg)
     # outermost: a server optimizer steps with what the features release (under central DP, the noised
     # aggregate: post-processing)
@@ -317,7 +317,7 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
         algorithm=ALGORITHMS[cfg.client.algorithm].server_half.from_config(cfg.client),
         sampling=sampling,
         dense=dense,
-        rules=rules,
+        policy=policy,
     )
 
 

@@ -34,7 +34,7 @@ class Expected:
     dense: dict[str, torch.Size] = field(default_factory=dict)
     timeout_s: float = 0.0
     round: int | None = None  # the round the update must answer (None: not checked, plain use of the math)
-    plan: str | None = None  # and that round's plan token
+    token: str | None = None  # and the token of that round's plan
     asked: dict[str, Any] = field(default_factory=dict)  # the strategy extras the client downloaded
 
     def param_shapes(self) -> dict[str, torch.Size]:

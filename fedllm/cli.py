@@ -28,7 +28,7 @@ EXIT_FAILED = 1
 def friendly_errors() -> Iterator[None]:
     """Turn the project's input errors into one line on stderr and exit code 2."""
     from data_prep.schema import DataError
-    from eval.data import MMLUDataError
+    from eval.mmlu_data import MMLUDataError
     from fedllm.config import ConfigError
     from fedllm.files import CheckpointError
     from fedllm.model.modeling import ModelError
@@ -234,7 +234,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from accelerate import Accelerator
 
-    from fedllm.data import prompt_template
+    from fedllm.federation_data import prompt_template
     from fedllm.model.generate import generate, read_prompts
     from fedllm.run.artifacts import load_for_eval, run_base
     from fedllm.run.reader import RunFolder

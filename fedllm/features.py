@@ -1,7 +1,7 @@
 """The cross-cutting features, each in a room of its own (see :class:`fedllm.protocol.Feature`).
 
 The config layer collects their sections and rules from this list, and the assembly lets each one hook
-the strategy, the server's rules and sampling, and the clients' uploads. Nothing else imports a feature.
+the strategy, the server's policy and sampling, and the clients' uploads. Nothing else imports a feature.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class ClientStart:
     its base misses of the updates merged into it (FLoRA, FLoRIST);
     ``dense``: the fully trained modules; ``extras``: strategy state a client
     trains from (FLoRAL's bias adaptors); ``algo``: the client
-    algorithm's server state (SCAFFOLD's control variate); ``accepted``: the
+    algorithm's server state (SCAFFOLD's control variate); ``last_aggregated``: the
     last round whose aggregate used this client's update (0: none yet), so
     that state a client keeps in step with the server (SCAFFOLD's c_k) takes
     effect only once the server has taken the update it came with.
@@ -84,8 +84,8 @@ class ClientStart:
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Tensor] = field(default_factory=dict)
     algo: dict[str, Tensor] = field(default_factory=dict)
-    accepted: int = 0
-    plan: str = ""  # the plan this start belongs to: the update answering it names it
+    last_aggregated: int = 0
+    token: str = ""  # names the round's plan this start belongs to: the update answering it names it too
     # what a feature attaches for its own codec (``Feature.codec``), by the codec's key: e.g. a transport's
     # encodings of these tensors. Never part of the protocol's encoding, compared or stored.
     attachments: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -119,8 +119,8 @@ class ClientUpdate:
     dense: dict[str, Tensor] = field(default_factory=dict)
     extras: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
-    round: int | None = None  # the round and plan it answers (the server refuses another round's)
-    plan: str = ""
+    round: int | None = None  # the round it answers and its plan's token (the server refuses another round's)
+    token: str = ""
     # what a feature attaches for its own codec or exchange, by its key (a transport's encoded changes,
     # secure aggregation's summand); not part of what the server compares or stores
     attachments: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -287,10 +287,10 @@ class HookSession:
         """What the client keeps for its next round (only what :meth:`ClientHook.session` reads back)."""
         return {}
 
-    def local_plan(self, plan: Any) -> Any:
-        """The client's local plan for this session (``fedllm.client.base.LocalPlan``): as it is, unless
+    def local_work(self, work: Any) -> Any:
+        """The client's local work for this session (``fedllm.client.base.LocalWork``): as it is, unless
         the strategy's round trains differently (Fed-SB's initialization round: one Adam step)."""
-        return plan
+        return work
 
     def bake(self, factors: Adapter) -> tuple[Adapter, dict[str, Tensor]]:
         """The client's model as a plain LoRA adapter (and per-module LoRA output biases)."""
@@ -329,8 +329,8 @@ class ClientHook:
     init_round: ClassVar[int | None] = None  # fresh factors from this round's seed, not the current one's
 
     alternates: ClassVar[bool] = False  # which factor it trains and sends changes with the round (RoLoRA)
-    # its sessions set the local plan of some rounds (HookSession.local_plan: Fed-SB's one Adam step)
-    sets_local_plan: ClassVar[bool] = False
+    # its sessions set the local work of some rounds (HookSession.local_work: Fed-SB's one Adam step)
+    sets_local_work: ClassVar[bool] = False
     # its sessions train parameters outside the model, shared with the server (Fed-SB's R): a layout that
     # splits each batch over processes would not synchronize them
     params_outside_model: ClassVar[bool] = False
@@ -400,8 +400,8 @@ def encode_start(start: ClientStart) -> tuple[dict[str, Tensor], dict[str, Any]]
         "scales": scales,
         "has_factors": start.factors is not None,
         "catchup": [start.catchup.from_round, start.catchup.to_round] if start.catchup else None,
-        "accepted": start.accepted,
-        "plan": start.plan,
+        "last_aggregated": start.last_aggregated,
+        "token": start.token,
     }
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
@@ -427,8 +427,8 @@ def decode_start(tensors: dict[str, Tensor], meta: dict[str, Any]) -> ClientStar
         dense=unprefixed(tensors, "dense."),
         extras=unprefixed(tensors, "extras."),
         algo=unprefixed(tensors, "algo."),
-        accepted=int(meta.get("accepted", 0)),
-        plan=str(meta.get("plan", "")),
+        last_aggregated=int(meta.get("last_aggregated", 0)),
+        token=str(meta.get("token", "")),
     )
 
 
@@ -442,7 +442,7 @@ def encode_update(update: ClientUpdate) -> tuple[dict[str, Tensor], dict[str, An
         "scales": scales,
         "metrics": update.metrics,
         "round": update.round,
-        "plan": update.plan,
+        "token": update.token,
     }
     return {k: v.detach().contiguous() for k, v in tensors.items()}, meta
 
@@ -457,7 +457,7 @@ def decode_update(tensors: dict[str, Tensor], meta: dict[str, Any]) -> ClientUpd
         extras=unprefixed(tensors, "extras."),
         metrics=dict(meta["metrics"]),
         round=meta.get("round"),
-        plan=str(meta.get("plan", "")),
+        token=str(meta.get("token", "")),
     )
 
 
@@ -567,7 +567,7 @@ class Feature:
 
     It owns a config section (``section``, its ``options`` dataclass), adds rules to the config layer's
     table, and hooks the core only from the outside: the assembly lets it wrap the server's strategy
-    (as Flower's DP wrappers wrap a strategy), adjust the server's rules and sampling, and add transforms
+    (as Flower's DP wrappers wrap a strategy), adjust the server's policy and sampling, and add transforms
     of what a client uploads; the run's summary and round rows take what it reports. The server, the client
     runtime and the round loop never ask which features are on.
     """
@@ -586,9 +586,9 @@ class Feature:
         """The server's strategy with this feature around it (default: as it is)."""
         return strategy
 
-    def server_rules(self, rules: Any, options: Any, cfg: Any) -> Any:
-        """The server's rules (``fedllm.server.Rules``) this feature needs (default: as they are)."""
-        return rules
+    def server_policy(self, policy: Any, options: Any, cfg: Any) -> Any:
+        """The server's policy (``fedllm.server.ServerPolicy``) this feature needs (default: as it is)."""
+        return policy
 
     def sampling(self, sampling: Any, options: Any, cfg: Any) -> Any:
         """How the server draws each round's clients under this feature (default: as it does)."""

@@ -181,7 +181,7 @@ class RoundLoop(abc.ABC):
         return []
 
     # ------------------------------------------------------------- a round
-    def quiet(self) -> bool | None:
+    def bars_disabled(self) -> bool | None:
         """tqdm's ``disable``: bars on the main process's terminal only (None: tqdm checks for a TTY)."""
         return None if self.acc.is_main_process else True
 
@@ -212,7 +212,7 @@ class RoundLoop(abc.ABC):
         return out
 
     # -------------------------------------------------------- checkpointing
-    def complete(self, row: dict[str, Any], visit: list[int]) -> None:
+    def evaluate_and_log(self, row: dict[str, Any], visit: list[int]) -> None:
         """Evaluate the model of ``row``'s round (when the schedule says so) and log the row."""
         r = row["round"]
         if r % self.cfg.eval.every == 0 or r == self.cfg.federation.rounds:
@@ -278,7 +278,7 @@ class RoundLoop(abc.ABC):
             pending = (self.restored or {}).get("pending")
             if pending and pending["row"]["round"] > max((r["round"] for r in rows), default=-1):
                 # the run stopped after this round's checkpoint, before its row: finish that row now
-                self.complete(pending["row"], pending["visit"])
+                self.evaluate_and_log(pending["row"], pending["visit"])
                 rows.append(pending["row"])
         else:
             self.writer.start(cfg, self.partition_stats)
@@ -293,7 +293,7 @@ class RoundLoop(abc.ABC):
                 _rouge(row),
             )
         for r in tqdm(
-            range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.quiet()
+            range(self.start_round, cfg.federation.rounds + 1), desc="rounds", disable=self.bars_disabled()
         ):
             done = self.run_round(r)
             row = done.row
@@ -303,7 +303,7 @@ class RoundLoop(abc.ABC):
             # personalized evaluation, the next round's downloads): a crash after it never makes the round
             # run again on a model that was already released
             self.checkpoint(r, pending={"row": standard_row(row), "visit": visit})
-            self.complete(row, visit)
+            self.evaluate_and_log(row, visit)
             log.info(
                 "round %d: train loss %s, eval loss %s, accuracy %s%s, up %d / down %d params%s%s",
                 r,

@@ -54,7 +54,7 @@ class Simulation(RoundLoop):
                 "flower.share_token_modules=true)",
                 shared,
             )
-        self._use(assembly.assemble(self.cfg, self.acc, progress=self.quiet() is None))
+        self._use(assembly.assemble(self.cfg, self.acc, progress=self.bars_disabled() is None))
 
     def _use(self, fed: assembly.Federation) -> None:
         self.server, self.runtime, self.clients = fed.server, fed.runtime, fed.clients
@@ -89,7 +89,9 @@ class Simulation(RoundLoop):
         mine = layout.my_clients(plan.active)
         self.runtime.clients_per_round = len(plan.active)  # many: per-client lines at DEBUG
         together = self.cfg.federation.client_batch  # clients trained in one forward (client/batched.py)
-        bar = tqdm(total=len(mine), desc=f"round {plan.round} clients", leave=False, disable=self.quiet())
+        bar = tqdm(
+            total=len(mine), desc=f"round {plan.round} clients", leave=False, disable=self.bars_disabled()
+        )
         for start in range(0, len(mine), together):
             group = mine[start : start + together]
             for k in group:

@@ -227,7 +227,7 @@ def base_model(folder: str | None):
     real checkpoint (a folder or a GGUF name)."""
     from transformers import AutoModelForCausalLM
 
-    from fedllm.model.builtin import build_model, build_tokenizer
+    from fedllm.model.builtin_base import build_model, build_tokenizer
     from fedllm.model.gguf import ensure_checkpoint, is_gguf
 
     if folder is None:
@@ -238,7 +238,7 @@ def base_model(folder: str | None):
 
 
 def tinyllama_folder(layers: int, root: Path) -> str:
-    from fedllm.model.builtin import build_tokenizer, tinyllama_shaped
+    from fedllm.model.builtin_base import build_tokenizer, tinyllama_shaped
 
     path = root / f"tinyllama-{layers}"
     if not (path / "config.json").exists():

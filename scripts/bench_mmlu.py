@@ -167,8 +167,8 @@ def main() -> None:
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from eval.data import load_questions
     from eval.mmlu import build_context
+    from eval.mmlu_data import load_questions
 
     subjects = sorted({q.subject for q in load_questions("builtin")})[: args.subjects]
     questions = load_questions("builtin", subjects=subjects, limit=args.per_subject)

@@ -186,7 +186,7 @@ def child(args) -> dict:
     comparison).
     """
     from fedllm.logs import setup_logging
-    from fedllm.model.builtin import build_tokenizer, tinyllama_shaped
+    from fedllm.model.builtin_base import build_tokenizer, tinyllama_shaped
 
     setup_logging("WARNING")
     torch.manual_seed(0)

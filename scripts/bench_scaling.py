@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--parallel", choices=["clients", "data"], default="clients")
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args()
-    from fedllm.model.builtin import ensure_builtin_base
+    from fedllm.model.builtin_base import ensure_builtin_base
 
     ensure_builtin_base()
     counts = sorted({1, *args.processes})

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def write_records(path: Path, n: int, seed: int = 0) -> None:
-    from data_prep.builtin import vocabulary
+    from data_prep.builtin_skills import vocabulary
 
     words = vocabulary()
     rng = random.Random(seed)
@@ -60,7 +60,7 @@ def main() -> None:
     from data_prep.prompts import tokenize_example
     from data_prep.tokenized import tokenize_cached
     from fedllm.logs import setup_logging
-    from fedllm.model.builtin import ensure_builtin_base
+    from fedllm.model.builtin_base import ensure_builtin_base
 
     setup_logging("WARNING")
     tokenizer = AutoTokenizer.from_pretrained(ensure_builtin_base())

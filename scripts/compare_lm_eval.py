@@ -164,8 +164,8 @@ def main() -> None:
 
 def export_real(folder: Path, args) -> Path:
     """The real questions as test/dev files (dev: each subject's 5 kept-back shots); the model's folder."""
-    from eval.data import load_questions
     from eval.mmlu import SHOT_POOL
+    from eval.mmlu_data import load_questions
     from fedllm.model.modeling import resolve_model_path
 
     path = args.questions

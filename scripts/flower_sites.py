@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedllm.config import Config, ConfigError, load_config, save_config
-from fedllm.data import load_partitions
+from fedllm.federation_data import load_partitions
 from fedllm.files import atomic_write_text
 from fedllm.flower.identity import refuse_token_modules
 

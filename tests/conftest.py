@@ -28,7 +28,7 @@ def fedllm_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def builtin_base(fedllm_cache):
-    from fedllm.model.builtin import ensure_builtin_base
+    from fedllm.model.builtin_base import ensure_builtin_base
 
     return ensure_builtin_base(TEST_PRETRAIN_STEPS)
 

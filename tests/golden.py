@@ -106,7 +106,7 @@ def random_base(folder: Path) -> Path:
     model folder that ``model.name`` can point at."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fedllm.model.builtin import build_tokenizer
+    from fedllm.model.builtin_base import build_tokenizer
 
     folder = Path(folder)
     if (folder / "config.json").exists():

@@ -373,7 +373,7 @@ TRANSPORT_WORDS = re.compile(
     re.IGNORECASE,
 )
 # where a feature's branch must never be: the drivers, the server, the client runtime, the round loop (each
-# feature hooks them from outside: Feature.codec, upload_transforms, server_rules, wrap_strategy, ...)
+# feature hooks them from outside: Feature.codec, upload_transforms, server_policy, wrap_strategy, ...)
 CORE = ("fedllm/flower", "fedllm/server", "fedllm/client/runtime.py", "fedllm/round_loop.py")
 
 

@@ -100,14 +100,14 @@ def test_hetlora_share_of_a_hostile_update_is_bounded_by_the_servers_clip():
     """Norm-weighted shares would hand a 1e4x update the whole model; the server clips updates to
     clip_norm_ratio x the round's median change before the strategy sees them, which bounds its share."""
     from fedllm.protocol import ClientInfo
-    from fedllm.server import RoundPlan, Rules, Server
+    from fedllm.server import RoundPlan, Server, ServerPolicy
     from tests.test_trust import honest
 
     server = Server(
         strategy=STRATEGIES["hetlora"](),
         clients=[ClientInfo(k, 4, 2.0, 20) for k in range(4)],
         modules={KEY: (OUT, IN)},
-        rules=Rules(clip_norm_ratio=2.0),
+        policy=ServerPolicy(clip_norm_ratio=2.0),
     )
     plan = RoundPlan(1, [0, 1, 2, 3], [], {k: server.client_start(1, k) for k in range(4)})
     results = {k: honest(server, plan, k, size=0.1, seed=k) for k in range(4)}

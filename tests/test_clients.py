@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from fedllm.client import ALGORITHMS, LocalPlan
+from fedllm.client import ALGORITHMS, LocalWork
 from fedllm.client.fedprox import FedProx
 from fedllm.client.perfedavg import PerFedAvg
 from fedllm.client.scaffold import Scaffold, ScaffoldServer
@@ -33,9 +33,9 @@ class LeastSquares(nn.Module):
         return SimpleNamespace(loss=0.5 * (r @ r) / len(y))
 
 
-def plan(steps, lr, seed=0, scheduler="constant", clip=0.0, grad_accum=1):
-    """A plan whose AdamW and SGD learning rates are both ``lr``."""
-    return LocalPlan(
+def work(steps, lr, seed=0, scheduler="constant", clip=0.0, grad_accum=1):
+    """A client's local work whose AdamW and SGD learning rates are both ``lr``."""
+    return LocalWork(
         round=1,
         client_id=0,
         steps=steps,
@@ -58,7 +58,7 @@ def test_fedprox_mu_zero_equals_sft():
         with torch.no_grad():
             model.theta.copy_(torch.tensor([0.3, -0.2, 0.1]))
         algo.train(
-            model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), plan(15, 0.05), None, {}
+            model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), work(15, 0.05), None, {}
         )
         results.append(model.theta.detach().clone())
     assert torch.equal(results[0], results[1])
@@ -72,7 +72,7 @@ def test_fedprox_gradient_hand_made():
     algo.begin(params, {}, {})  # anchor = (0, 0)
     with torch.no_grad():
         model.theta.copy_(torch.tensor([2.0, -1.0]))
-    algo.local_step(model, params, itertools.repeat({"X": X, "y": y}), plan(1, 0.1), None)
+    algo.local_step(model, params, itertools.repeat({"X": X, "y": y}), work(1, 0.1), None)
     # grad f = (X theta - y) / n = ((2-1)/2, (-1-2)/2); prox = 0.5 * (theta - 0)
     expected = torch.tensor([0.5, -1.5]) + 0.5 * torch.tensor([2.0, -1.0])
     assert_close(model.theta.grad, expected.double())
@@ -94,7 +94,7 @@ def heterogeneous_problem(sizes=(30, 30, 30, 30), dim=3, seed=0):
     return data, torch.linalg.solve(H, b), torch.linalg.solve(H_uniform, b_uniform)
 
 
-def federate(algo, data, rounds, local_steps, lr, **plan_kw):
+def federate(algo, data, rounds, local_steps, lr, **work_kw):
     """FedAvg of the clients' parameters around ``algo``, weighted by example counts (p_k = n_k / n)."""
     theta = torch.zeros(data[0][0].shape[1], dtype=torch.float64)
     states = [{} for _ in data]
@@ -111,7 +111,7 @@ def federate(algo, data, rounds, local_steps, lr, **plan_kw):
                 model,
                 {"theta": model.theta},
                 itertools.repeat({"X": X, "y": y}),
-                plan(local_steps, lr, seed=r, **plan_kw),
+                work(local_steps, lr, seed=r, **work_kw),
                 None,
                 states[k],
                 server.download(1),
@@ -241,7 +241,7 @@ def test_perfedavg_update_hand_computed(variant):
         model.theta.copy_(theta0)
     algo = PerFedAvg(alpha=alpha, variant=variant)
     algo.train(
-        model, {"theta": model.theta}, iter([d1, d2, d3]), plan(1, beta), None, {}
+        model, {"theta": model.theta}, iter([d1, d2, d3]), work(1, beta), None, {}
     )  # beta = client.sgd_lr
     inner = theta0 - alpha * (d1["H"] @ theta0 - d1["b"])
     g = d2["H"] @ inner - d2["b"]
@@ -264,7 +264,7 @@ def test_perfedavg_clips_nothing_by_default_and_personalizes_with_the_trained_st
         with torch.no_grad():
             model.theta.copy_(theta0)
         PerFedAvg(alpha=alpha, clip_meta=clip_meta).train(
-            model, {"theta": model.theta}, iter([d1, d2, d3]), plan(1, beta, clip=1.0), None, {}
+            model, {"theta": model.theta}, iter([d1, d2, d3]), work(1, beta, clip=1.0), None, {}
         )
         assert_close(model.theta.detach(), want, rtol=1e-7, atol=1e-8)
     for algo, want in (
@@ -274,7 +274,7 @@ def test_perfedavg_clips_nothing_by_default_and_personalizes_with_the_trained_st
         model = LeastSquares(3)
         with torch.no_grad():
             model.theta.copy_(theta0)
-        p = plan(1, alpha, clip=1.0)
+        p = work(1, alpha, clip=1.0)
         algo.personalize(model, {"theta": model.theta}, itertools.repeat(d1), 1, p, None)
         step = model.theta.detach() - theta0
         if want is not None:  # the alpha step, unclipped
@@ -315,7 +315,7 @@ def test_perfedavg_hessian_vector_product_sees_one_dropout_mask():
         model.train()
         algo = PerFedAvg(alpha=0.05, variant="hf", fd_delta=delta)
         algo.train(
-            model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), plan(1, 0.1, seed=3), None, {}
+            model, {"theta": model.theta}, itertools.repeat({"X": X, "y": y}), work(1, 0.1, seed=3), None, {}
         )
         results.append(model.theta.detach().clone())
     assert_close(results[0], results[1], rtol=1e-8, atol=1e-10)
@@ -328,7 +328,7 @@ def test_perfedavg_gradients_average_the_accumulated_micro_batches():
     with torch.no_grad():
         model.theta.copy_(theta0)
     PerFedAvg(alpha=0.05, variant="fo").train(
-        model, {"theta": model.theta}, iter(d), plan(1, 0.1, grad_accum=2), None, {}
+        model, {"theta": model.theta}, iter(d), work(1, 0.1, grad_accum=2), None, {}
     )
 
     def grad(batch, t):
@@ -346,7 +346,7 @@ def test_sgd_steps_take_client_sgd_lr_and_personalization_its_own():
     X, y = torch.eye(2, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64)
     for algo in (Scaffold(), SFT(optimizer="sgd")):
         model = LeastSquares(2)
-        p = LocalPlan(
+        p = LocalWork(
             round=1,
             client_id=0,
             steps=1,
@@ -384,7 +384,7 @@ def test_algorithms_needing_averaged_parameters_refuse_other_strategies(algorith
         ].server_state_per_parameter:
             with pytest.raises(ConfigError, match=f"{name}: the algorithm keeps server state for every"):
                 load_config(None, overrides)
-        elif strategy.hook.sets_local_plan and not ALGORITHMS[algorithm].plain_first_step:
+        elif strategy.hook.sets_local_work and not ALGORITHMS[algorithm].plain_first_step:
             with pytest.raises(ConfigError, match=f"{name}: the strategy's clients take one plain optimizer"):
                 load_config(None, overrides)
         elif not (strategy.hook.local_params and not ALGORITHMS[algorithm].trains_local_params):
@@ -450,7 +450,7 @@ def test_a_clients_adamw_is_torchs_fused_kernel_except_under_deepspeed():
     from fedllm.model.parallel import Layout
 
     params = {"a": nn.Parameter(torch.randn(4, 3)), "b": nn.Parameter(torch.randn(3, 4))}
-    plan = LocalPlan(round=1, client_id=0, steps=2, seed=0, lr=1e-2, batch_size=2)
-    assert SFT().make_optimizer(params, plan).defaults["fused"] is True
-    plan.layout = Layout("data", 0, 1, deepspeed=True)
-    assert not SFT().make_optimizer(params, plan).defaults["fused"]
+    work = LocalWork(round=1, client_id=0, steps=2, seed=0, lr=1e-2, batch_size=2)
+    assert SFT().make_optimizer(params, work).defaults["fused"] is True
+    work.layout = Layout("data", 0, 1, deepspeed=True)
+    assert not SFT().make_optimizer(params, work).defaults["fused"]

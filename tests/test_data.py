@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from data_prep import builtin
+from data_prep import builtin_skills
 from data_prep.loaders import load_examples
 from data_prep.partition import categories_of, client_stats, dirichlet, iid, partition, shards
 from data_prep.prompts import IGNORE_INDEX, build_prompt, collate, tokenize_example
@@ -136,37 +136,37 @@ def test_category_fallback_uses_first_word():
 
 
 def test_builtin_benchmark_is_balanced_and_held_out():
-    recs = builtin.benchmark()
+    recs = builtin_skills.benchmark()
     from collections import Counter
 
     letters = Counter(r["answer"] for r in recs)
     assert len(set(letters.values())) == 1  # each gold letter equally often
-    prompts = builtin.benchmark_prompts(recs)
-    train = builtin.instruction_examples(200, exclude_prompts=prompts)
+    prompts = builtin_skills.benchmark_prompts(recs)
+    train = builtin_skills.instruction_examples(200, exclude_prompts=prompts)
     for ex in train:
         if ex.instruction.endswith("Answer:"):
             block = ex.instruction.split("\n\n", 1)[1]
             assert block not in prompts
-    assert {ex.category for ex in train} == set(builtin.SKILLS)
-    assert {r["subject"] for r in recs} == set(builtin.BENCHMARK_SKILLS) and len(recs) == 5 * 160
+    assert {ex.category for ex in train} == set(builtin_skills.SKILLS)
+    assert {r["subject"] for r in recs} == set(builtin_skills.BENCHMARK_SKILLS) and len(recs) == 5 * 160
 
 
 def test_pretraining_never_shows_the_benchmark_skills_as_multiple_choice():
     """The base learns the format on the format skills only: the benchmark skills' format is the federated
     lesson.
     """
-    from fedllm.model.builtin import pretraining_examples
+    from fedllm.model.builtin_base import pretraining_examples
 
     examples = pretraining_examples(seed=0, n_per_skill=50)
     mc = {ex.category for ex in examples if ex.instruction.endswith("Answer:")}
     free = {ex.category for ex in examples if not ex.instruction.endswith("Answer:")}
-    assert mc == set(builtin.FORMAT_SKILLS) | {"match"}
-    assert free == set(builtin.SKILLS)  # every answer is known to the base
+    assert mc == set(builtin_skills.FORMAT_SKILLS) | {"match"}
+    assert free == set(builtin_skills.SKILLS)  # every answer is known to the base
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from fedllm.model.builtin import build_tokenizer
+    from fedllm.model.builtin_base import build_tokenizer
 
     return build_tokenizer()
 

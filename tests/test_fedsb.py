@@ -185,14 +185,14 @@ def test_the_core_session_trains_r_alone_on_the_bases(gen):
 
 
 def test_the_initialization_session_takes_one_adam_step_of_full_fine_tuning(gen):
-    """Its delta's gradient is the base weight's; one AdamW step of the plan it sets is -lr sign(g)."""
-    from fedllm.client.base import LocalPlan
+    """Its delta's gradient is the base weight's; one AdamW step of the local work it sets is -lr sign(g)."""
+    from fedllm.client.base import LocalWork
 
     model, modules, layer = _peft(4)
     session = FedSBInit(model, "default", init_examples=20, init_lr=1e-3)
-    plan = session.local_plan(LocalPlan(round=1, client_id=0, steps=50, seed=0, lr=3e-3, batch_size=8))
-    assert (plan.steps, plan.grad_accum, plan.lr, plan.scheduler) == (1, 3, 1e-3, "constant")
-    assert (plan.weight_decay, plan.max_grad_norm, plan.warmup_ratio) == (0.0, 0.0, 0.0)
+    work = session.local_work(LocalWork(round=1, client_id=0, steps=50, seed=0, lr=3e-3, batch_size=8))
+    assert (work.steps, work.grad_accum, work.lr, work.scheduler) == (1, 3, 1e-3, "constant")
+    assert (work.weight_decay, work.max_grad_norm, work.warmup_ratio) == (0.0, 0.0, 0.0)
     x = torch.randn(6, IN, generator=gen)
     target = torch.randn(6, OUT, generator=gen)
     (delta,) = session.shared_params().values()
@@ -200,9 +200,9 @@ def test_the_initialization_session_takes_one_adam_step_of_full_fine_tuning(gen)
     W = layer.base_layer.weight.detach().clone().requires_grad_(True)  # the dense reference
     (x @ W.T - target).square().sum().backward()
     assert_close(delta.grad, W.grad, rtol=1e-5, atol=1e-6)
-    torch.optim.AdamW([delta], lr=plan.lr, weight_decay=0.0).step()
+    torch.optim.AdamW([delta], lr=work.lr, weight_decay=0.0).step()
     up = session.upload()[f"{STEP}{next(iter(modules))}"]
-    assert_close(up, -plan.lr * torch.sign(W.grad), rtol=1e-4, atol=1e-9)
+    assert_close(up, -work.lr * torch.sign(W.grad), rtol=1e-4, atol=1e-9)
     session.close()
     assert not layer.lora_A["default"]._forward_pre_hooks and not layer.lora_B["default"]._forward_hooks
 

@@ -219,7 +219,7 @@ class _Replay:
             return content
         sent = meta_of(message.content)
         tensors, meta = _parts(self.genuine[node])
-        meta.update(round=sent["round"], plan=sent["plan"])
+        meta.update(round=sent["round"], token=sent["token"])
         honest = _record(tensors, meta)
         if node != VICTIM or self.rng is None:
             return honest

@@ -193,7 +193,7 @@ def test_fpb_and_fiqa_hold_out_the_rows_flowertunes_code_does(bench):
 
 
 def test_budgets_follow_the_reference_batching(files):
-    from fedllm.model.builtin import build_tokenizer
+    from fedllm.model.builtin_base import build_tokenizer
 
     tok = build_tokenizer()
     items = protocol_items("flowertune-finance", files)[:40]

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from data_prep import builtin
+from data_prep import builtin_skills
 from data_prep.prompts import build_prompt
 from fedllm.config import ModelConfig
 from fedllm.model.generate import generate, read_prompts
@@ -34,7 +34,7 @@ def test_batched_greedy_answers_equal_a_plain_decode(builtin_base):
     """Left-padded batches of prompts of different lengths give each prompt the answer a one-prompt,
     token-by-token argmax decode gives."""
     model, tok = load_base(ModelConfig(name="builtin", builtin_pretrain_steps=TEST_PRETRAIN_STEPS), "cpu")
-    examples = builtin.instruction_examples(2, seed=5)[:6]
+    examples = builtin_skills.instruction_examples(2, seed=5)[:6]
     assert len({len(build_prompt(e, "plain")) for e in examples}) > 1  # really different lengths
     batched = generate(model, tok, examples, "plain", max_new_tokens=5, batch_size=4)
     by_hand = [greedy_by_hand(model, tok, build_prompt(e, "plain"), 5) for e in examples]
@@ -82,7 +82,7 @@ def test_cli_generates_from_a_runs_global_client_and_base(tmp_path, builtin_base
         assert [r["instruction"] for r in outs[name]] == ["Is 95 even or odd ?", "Is 4 even or odd ?"]
     assert "### Is 95 even or odd ?" in capsys.readouterr().out
     # --base is the run's own base (its pretraining steps), not the default built-in base
-    from fedllm.data import prompt_template
+    from fedllm.federation_data import prompt_template
     from fedllm.run.reader import RunFolder
 
     cfg = RunFolder(run).config()
@@ -100,7 +100,7 @@ def test_the_builtin_base_answers_its_skills(tmp_path):
     """The default base (1000 pretraining steps) answers the built-in skills' questions well above chance
     (free-form answers are mostly two-way, multiple-choice four-way: chance is about 37%)."""
     model, tok = load_base(ModelConfig(name="builtin"), "cpu")
-    examples = builtin.instruction_examples(10, seed=3)[:80]
+    examples = builtin_skills.instruction_examples(10, seed=3)[:80]
     answers = generate(model, tok, examples, "plain", max_new_tokens=6, batch_size=16)
     right = sum(
         bool(a) and a.split()[0] == e.response.split()[0] for a, e in zip(answers, examples, strict=True)

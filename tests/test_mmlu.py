@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.data import MMLUDataError, Question, load_questions
 from eval.mmlu import Record, aggregate, build_context, evaluate, score_questions
+from eval.mmlu_data import MMLUDataError, Question, load_questions
 
 
 def q(subject, i, text, answer=0):

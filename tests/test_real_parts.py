@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.data import load_questions
 from eval.mmlu import SHOT_POOL, load_benchmark
+from eval.mmlu_data import load_questions
 
 SUBJECTS = json.loads((Path(__file__).resolve().parents[1] / "eval" / "mmlu_subjects.json").read_text())
 

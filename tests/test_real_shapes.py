@@ -16,7 +16,7 @@ MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture(scope="module")
 def one_layer():
-    from fedllm.model.builtin import build_tokenizer, tinyllama_shaped
+    from fedllm.model.builtin_base import build_tokenizer, tinyllama_shaped
 
     return {"model": tinyllama_shaped(1), "tokenizer": build_tokenizer()}
 

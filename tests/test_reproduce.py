@@ -154,7 +154,7 @@ def test_scaffolds_correction_is_never_inside_the_gradient_clip():
 
     import torch
 
-    from fedllm.client.base import LocalPlan
+    from fedllm.client.base import LocalWork
     from fedllm.client.scaffold import Scaffold
 
     class Quadratic(torch.nn.Module):
@@ -167,7 +167,7 @@ def test_scaffolds_correction_is_never_inside_the_gradient_clip():
 
     model = Quadratic()
     target = torch.tensor([30.0, -40.0])  # gradient at 0: (-30, 40), norm 50
-    plan = LocalPlan(
+    work = LocalWork(
         round=1,
         client_id=0,
         steps=1,
@@ -180,7 +180,7 @@ def test_scaffolds_correction_is_never_inside_the_gradient_clip():
     )
     state = {"w": torch.tensor([1.0, 1.0])}  # c_k
     download = {"w": torch.tensor([3.0, -2.0])}  # c
-    Scaffold("sgd").train(model, {"w": model.w}, iter([{"target": target}]), plan, None, state, download)
+    Scaffold("sgd").train(model, {"w": model.w}, iter([{"target": target}]), work, None, state, download)
     clipped = torch.tensor([-30.0, 40.0]) * (5.0 / 50.0)
     want = -(clipped - torch.tensor([1.0, 1.0]) + torch.tensor([3.0, -2.0]))
     torch.testing.assert_close(model.w.detach(), want)

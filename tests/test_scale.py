@@ -11,7 +11,7 @@ from torch.testing import assert_close
 from fedllm.aggregation import STRATEGIES
 from fedllm.factors import DenseDelta, LoraFactors, add_to_residual, numerical_rank, smallest_exact
 from fedllm.protocol import ClientInfo
-from fedllm.server import RoundPlan, Rules, Server
+from fedllm.server import RoundPlan, Server, ServerPolicy
 from tests.test_trust import honest
 
 SHAPES = {"l0.q_proj": (12, 10), "l0.down_proj": (40, 30)}
@@ -60,7 +60,7 @@ def flora_server(window: int) -> Server:
         strategy=STRATEGIES["flora"](catchup_window=window),
         clients=[ClientInfo(k, r, 2.0, 10 * (k + 1)) for k, r in enumerate((4, 8, 4, 8))],
         modules=SHAPES,
-        rules=Rules(clip_norm_ratio=0),
+        policy=ServerPolicy(clip_norm_ratio=0),
     )
 
 
@@ -248,7 +248,7 @@ def test_partitioning_meets_the_minimum_in_one_pass_and_names_the_option():
 def test_tokens_are_cached_per_data_tokenizer_template_and_length(tmp_path, builtin_base):
     from transformers import AutoTokenizer
 
-    from data_prep.builtin import instruction_examples
+    from data_prep.builtin_skills import instruction_examples
     from data_prep.prompts import tokenize_example
     from data_prep.tokenized import tokenize_cached
 

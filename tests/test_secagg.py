@@ -21,7 +21,7 @@ from fedllm.privacy.strategy import DPStrategy
 from fedllm.protocol import ClientInfo, ClientUpdate, UploadContext
 from fedllm.secagg.bounds import quantization_error
 from fedllm.secagg.summand import SecureSummand, layout, summed_update, survivors_weights, to_vector
-from fedllm.server import Rules, Server
+from fedllm.server import Server, ServerPolicy
 from tests.conftest import tiny_overrides
 from tests.test_trust import COUNTS, MODULES, RANKS, honest, make_server
 
@@ -77,7 +77,7 @@ def test_the_secure_sum_gives_each_linear_strategys_plain_round(strategy, drop):
         want, have = products(plain), products(secure)
         for key in want:
             assert_close(have[key], want[key], rtol=1e-5, atol=1e-6)
-    assert secure.accepted == plain.accepted  # the same clients' updates were used
+    assert secure.last_aggregated == plain.last_aggregated  # the same clients' updates were used
 
 
 @pytest.mark.parametrize("strategy", ["fedit", "ffa"])
@@ -103,18 +103,18 @@ def test_the_secure_sum_under_encoded_downloads_is_the_plain_round(strategy):
             assert_close(have[key], want[key], rtol=1e-5, atol=1e-6)
 
 
-def rank_scaled_server(strategy: str, **rules) -> Server:
+def rank_scaled_server(strategy: str, **policy) -> Server:
     """make_server's federation with each client's scale alpha / r_k (ranks 4, 4, 8, 8): the site's folding of
     its own scale into B must match the server's."""
     from fedllm.aggregation import STRATEGIES
 
-    rules.setdefault("clip_norm_ratio", 0.0)
+    policy.setdefault("clip_norm_ratio", 0.0)
     return Server(
         strategy=STRATEGIES[strategy](),
         clients=[ClientInfo(k, r, 16.0 / r, n) for k, (r, n) in enumerate(zip(RANKS, COUNTS, strict=True))],
         modules=MODULES,
         dense={"model.embed_tokens.weight": torch.zeros(7, 3)},
-        rules=Rules(**rules),
+        policy=ServerPolicy(**policy),
     )
 
 

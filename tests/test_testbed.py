@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from data_prep import testbed
-from eval.data import load_questions
 from eval.mmlu import prompt_items, score_questions, style_of
+from eval.mmlu_data import load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTBEDS = ("headroom", "rank", "clustered", "drift", "personal")
@@ -19,7 +19,7 @@ TESTBEDS = ("headroom", "rank", "clustered", "drift", "personal")
 
 @pytest.fixture(scope="module")
 def tok():
-    from fedllm.model.builtin import build_tokenizer
+    from fedllm.model.builtin_base import build_tokenizer
 
     return build_tokenizer("builtin-testbed")
 
@@ -76,7 +76,7 @@ def test_testbed_benchmark_is_cloze_scored_on_the_options_text(tok):
 
 def test_cloze_scores_are_the_options_summed_log_likelihoods(tok):
     """Against a brute-force sum over each option's tokens, on a random tiny Llama."""
-    from fedllm.model.builtin import build_model
+    from fedllm.model.builtin_base import build_model
 
     model = build_model(tok, 3).eval()
     questions = load_questions("testbed", limit=2)[:6]
@@ -139,7 +139,7 @@ def test_testbed_configs_load_and_are_pre_registered(name):
 
 
 def test_testbed_base_has_its_own_cache_key_and_the_default_keeps_its_own(tmp_path):
-    from fedllm.model.builtin import builtin_base_path, ensure_builtin_base
+    from fedllm.model.builtin_base import builtin_base_path, ensure_builtin_base
 
     default, bed = (
         builtin_base_path(10, cache_dir=tmp_path),

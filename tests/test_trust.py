@@ -15,14 +15,14 @@ from fedllm.checks import cap_weights
 from fedllm.client.scaffold import ScaffoldServer
 from fedllm.factors import LoraFactors
 from fedllm.protocol import ClientInfo, ClientUpdate
-from fedllm.server import Rules, Server
+from fedllm.server import Server, ServerPolicy
 
 MODULES = {"l0.q_proj": (6, 5), "l0.v_proj": (6, 5)}
 RANKS, COUNTS, SCALE = (4, 4, 8, 8), (10, 20, 30, 40), 2.0
 
 
-def make_server(strategy="fedit", algorithm=None, ranks=RANKS, **rules) -> Server:
-    rules.setdefault("clip_norm_ratio", 2.0)
+def make_server(strategy="fedit", algorithm=None, ranks=RANKS, **policy) -> Server:
+    policy.setdefault("clip_norm_ratio", 2.0)
     strat = STRATEGIES[strategy]() if isinstance(strategy, str) else strategy
     return Server(
         strategy=strat,
@@ -30,7 +30,7 @@ def make_server(strategy="fedit", algorithm=None, ranks=RANKS, **rules) -> Serve
         modules=MODULES,
         algorithm=algorithm,
         dense={"model.embed_tokens.weight": torch.zeros(7, 3)},
-        rules=Rules(**rules),
+        policy=ServerPolicy(**policy),
     )
 
 
@@ -49,7 +49,7 @@ def honest(server: Server, plan, k: int, size: float = 0.01, seed: int = 0) -> C
     dense = {n: t + size * torch.randn(t.shape, generator=gen) for n, t in plan.starts[k].dense.items()}
     metrics = {"loss_first": 2.0, "loss_last": 1.0, "loss_mean": 1.5, "train_s": 0.1, "steps": 3}
     return ClientUpdate(
-        k, server.clients[k].num_examples, factors, dense, {}, metrics, round=plan.round, plan=plan.token
+        k, server.clients[k].num_examples, factors, dense, {}, metrics, round=plan.round, token=plan.token
     )
 
 
@@ -214,16 +214,16 @@ def test_an_aggregate_that_fails_skips_the_round_and_keeps_the_state(monkeypatch
     assert report.row["skipped"] and "failed to converge" in report.row["agg_error"]
     for k, d in before.items():
         assert torch.equal(server.state.factors[k].delta(), d)
-    assert server.accepted == {0: 1, 1: 1, 2: 1, 3: 1}  # nobody's round-2 update was taken
+    assert server.last_aggregated == {0: 1, 1: 1, 2: 1, 3: 1}  # nobody's round-2 update was taken
 
 
 def test_weights_examples_uniform_and_capped():
     server = make_server()
     ups = [ClientUpdate(k, COUNTS[k], {}) for k in range(4)]
     assert server.weights(ups) == pytest.approx([0.1, 0.2, 0.3, 0.4])
-    server.rules.weighting = "uniform"
+    server.policy.weighting = "uniform"
     assert server.weights(ups) == pytest.approx([0.25] * 4)
-    server.rules.weighting, server.rules.max_client_weight = "examples", 0.3
+    server.policy.weighting, server.policy.max_client_weight = "examples", 0.3
     # 0.4 -> 0.3; then 0.3 * 0.7 / 0.6 = 0.35 -> 0.3; the last 0.4 goes to 0.1 and 0.2 in proportion
     assert server.weights(ups) == pytest.approx([0.4 / 3, 0.8 / 3, 0.3, 0.3])
     assert cap_weights([0.9, 0.05, 0.05], 0.5) == pytest.approx([0.5, 0.25, 0.25])
@@ -357,14 +357,14 @@ def test_scaffold_state_stays_in_step_with_the_server(tmp_path, builtin_base):
     sim, _, rows = tiny_run(
         tmp_path, "scaffold", outage, "client.algorithm=scaffold", "federation.min_clients=2"
     )
-    assert rows[2]["skipped"] and sim.server.accepted[0] == 3
+    assert rows[2]["skipped"] and sim.server.last_aggregated[0] == 3
     c = sim.server.algorithm.c
     p = sim.server.population_weights()
     for name, c_name in c.items():
         total = torch.zeros_like(c_name)
         for client in sim.clients:
             sim.store.load(client)
-            state = settle_pending(client.state, sim.server.accepted[client.client_id])
+            state = settle_pending(client.state, sim.server.last_aggregated[client.client_id])
             ck = state.get(f"algo.{name}")
             if ck is not None:
                 region = tuple(slice(0, s) for s in ck.shape)
@@ -557,3 +557,19 @@ def test_fedsb_steps_and_r_are_checked_and_clipped():
     assert max(float(server.state.extras[f"{CORE}{m}"].abs().max()) for m in MODULES) < 1.0
     for m, (A, B) in bases.items():
         assert torch.equal(server.state.factors[m].A, A) and torch.equal(server.state.factors[m].B, B)
+
+
+def test_each_clients_last_aggregated_round_survives_a_checkpoint_of_either_name():
+    """The server keeps the last round whose aggregate used each client's update (what a client's pending
+    state settles against); a checkpoint written before it was renamed from ``accepted`` still restores it."""
+    server = make_server()
+    plan = server.plan_round(1)
+    server.finish_round(plan, {k: honest(server, plan, k, size=0.1, seed=k) for k in plan.active})
+    assert server.last_aggregated == {k: 1 for k in server.clients}
+    tensors, meta = server.state_dict()
+    for name in ("last_aggregated", "accepted"):
+        old = {**{k: v for k, v in meta.items() if k != "last_aggregated"}, name: meta["last_aggregated"]}
+        fresh = make_server()
+        fresh.load_state_dict(tensors, old)
+        assert fresh.last_aggregated == {k: 1 for k in server.clients}
+        assert fresh.client_start(2, 0).last_aggregated == 1

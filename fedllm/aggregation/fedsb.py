@@ -105,12 +105,12 @@ class FedSBInit(Frozen):
     def shared_params(self) -> dict[str, torch.nn.Parameter]:
         return {f"{STEP}{k}": d for k, d in self.deltas.items()}
 
-    def local_plan(self, plan: Any) -> Any:
+    def local_work(self, work: Any) -> Any:
         """One Adam step over ``init_examples`` examples at ``init_lr``, unclipped and undecayed: the step
         is ``-init_lr g / (|g| + eps)``, LoRA-SB's ``-lr sign(g)``."""
-        accum = max(1, math.ceil(self.init_examples / plan.batch_size))
+        accum = max(1, math.ceil(self.init_examples / work.batch_size))
         return replace(
-            plan,
+            work,
             steps=1,
             grad_accum=accum,
             lr=self.init_lr,
@@ -163,7 +163,7 @@ class FedSBClient(ClientHook):
     initialization round's dense step, then R."""
 
     uploads: ClassVar[tuple[str, ...]] = ()
-    sets_local_plan = True  # the initialization round's one Adam step
+    sets_local_work = True  # the initialization round's one Adam step
     params_outside_model = True  # R (and the initialization's dense step) live in the hook's sessions
     frozen: ClassVar[tuple[str, ...]] = ("A", "B")  # the server's view of both is the bases it sent
     # trained like the adapter: clipped and noised with it

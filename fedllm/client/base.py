@@ -54,7 +54,7 @@ class OptimizerOptions:
 
 
 @dataclass
-class LocalPlan:
+class LocalWork:
     """Everything one client needs to know about its local work this round."""
 
     round: int
@@ -214,23 +214,23 @@ class ClientAlgorithm:
     def check_config(cls, cfg) -> None:
         """Refuse combinations this algorithm cannot run, before any work starts."""
 
-    def step_size(self, plan: LocalPlan) -> float:
+    def step_size(self, work: LocalWork) -> float:
         """The learning rate of this algorithm's optimizer: ``client.lr`` (AdamW) or
         ``client.sgd_lr`` (SGD).
         """
-        return plan.sgd_lr if self.optimizer == "sgd" else plan.lr
+        return work.sgd_lr if self.optimizer == "sgd" else work.lr
 
-    def make_optimizer(self, params: Params, plan: LocalPlan) -> torch.optim.Optimizer:
-        """AdamW or SGD over ``params``; ``plan.local_params`` form their own group at ``plan.local_lr``."""
-        groups = [{"params": list(params.values()), "lr": self.step_size(plan)}]
-        if plan.local_params:
+    def make_optimizer(self, params: Params, work: LocalWork) -> torch.optim.Optimizer:
+        """AdamW or SGD over ``params``; ``work.local_params`` form their own group at ``work.local_lr``."""
+        groups = [{"params": list(params.values()), "lr": self.step_size(work)}]
+        if work.local_params:
             groups.append(
-                {"params": list(plan.local_params.values()), "lr": plan.local_lr, "weight_decay": 0.0}
+                {"params": list(work.local_params.values()), "lr": work.local_lr, "weight_decay": 0.0}
             )
         if self.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=self.step_size(plan), weight_decay=plan.weight_decay)
+            return torch.optim.SGD(groups, lr=self.step_size(work), weight_decay=work.weight_decay)
         return torch.optim.AdamW(
-            groups, lr=self.step_size(plan), weight_decay=plan.weight_decay, fused=fused_adamw(groups, plan)
+            groups, lr=self.step_size(work), weight_decay=work.weight_decay, fused=fused_adamw(groups, work)
         )
 
     def begin(self, params: Params, state: dict[str, Any], download: dict[str, Tensor]) -> None:
@@ -239,7 +239,7 @@ class ClientAlgorithm:
         """
 
     def finish(
-        self, params: Params, plan: LocalPlan, state: dict[str, Any], step_sizes: list[float]
+        self, params: Params, work: LocalWork, state: dict[str, Any], step_sizes: list[float]
     ) -> dict[str, Tensor]:
         """Hook after the last local step (``step_sizes``: the learning rate of each step); returns extra
         uploads.
@@ -252,18 +252,18 @@ class ClientAlgorithm:
         params: Params,
         batches: Iterator[dict[str, Tensor]],
         steps: int,
-        plan: LocalPlan,
+        work: LocalWork,
         accelerator,
     ) -> None:
         """Adapt the global model to a client with ``steps`` plain SGD steps (for personalized evaluation)."""
-        opt = torch.optim.SGD(list(params.values()), lr=self.personal_lr(plan))
-        torch.manual_seed(plan.seed + 1)
+        opt = torch.optim.SGD(list(params.values()), lr=self.personal_lr(work))
+        torch.manual_seed(work.seed + 1)
         model.train()
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            accumulate(model, batches, plan, accelerator)
-            if self.personal_clip(plan) > 0:  # the step rule the local training used
-                torch.nn.utils.clip_grad_norm_(list(params.values()), self.personal_clip(plan))
+            accumulate(model, batches, work, accelerator)
+            if self.personal_clip(work) > 0:  # the step rule the local training used
+                torch.nn.utils.clip_grad_norm_(list(params.values()), self.personal_clip(work))
             opt.step()
         opt.zero_grad(set_to_none=True)
         model.eval()
@@ -281,21 +281,21 @@ class ClientAlgorithm:
         Default: the new state."""
         return new
 
-    def step_clip(self, plan: LocalPlan) -> float:
+    def step_clip(self, work: LocalWork) -> float:
         """The gradient-norm clip of each local step (``client.max_grad_norm``; 0: none)."""
-        return plan.max_grad_norm
+        return work.max_grad_norm
 
-    def personal_clip(self, plan: LocalPlan) -> float:
+    def personal_clip(self, work: LocalWork) -> float:
         """The gradient-norm clip of each personalization step: the local steps' rule."""
-        return self.step_clip(plan)
+        return self.step_clip(work)
 
-    def personal_lr(self, plan: LocalPlan) -> float:
+    def personal_lr(self, work: LocalWork) -> float:
         """Personalization takes plain SGD steps at ``client.personalize_lr`` (not ``client.sgd_lr``: a step
         of 0.1 from a LoRA trained by AdamW undoes what it learned; see docs/testbed.md)."""
-        return plan.personalize_lr
+        return work.personalize_lr
 
     def local_step(
-        self, model, params: Params, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, accelerator
+        self, model, params: Params, batches: Iterator[dict[str, Tensor]], work: LocalWork, accelerator
     ) -> float:
         """Accumulate gradients for one optimizer step into ``params``; return the loss.
 
@@ -304,7 +304,7 @@ class ClientAlgorithm:
         (``federation.client_batch``, fedllm/client/batched.py); one that overrides it (Per-FedAvg's
         several forwards per step) is trained alone.
         """
-        loss = accumulate(model, batches, plan, accelerator)
+        loss = accumulate(model, batches, work, accelerator)
         self.after_backward(params)
         return loss
 
@@ -321,26 +321,26 @@ class ClientAlgorithm:
         model,
         params: Params,
         batches: Iterator[dict[str, Tensor]],
-        plan: LocalPlan,
+        work: LocalWork,
         accelerator,
         state: dict[str, Any] | None = None,
         download: dict[str, Tensor] | None = None,
     ) -> LocalResult:
-        """Run ``plan.steps`` optimizer steps on ``params`` (the client's trainable tensors, by name).
+        """Run ``work.steps`` optimizer steps on ``params`` (the client's trainable tensors, by name).
 
         ``state`` is what the algorithm keeps on this client between rounds
         (updated in place); ``download`` what its server half sent.
         """
-        run = LocalRun(self, params, plan, state, download)
-        layout = plan.layout
+        run = LocalRun(self, params, work, state, download)
+        layout = work.layout
         with wrapped_for_training(
-            accelerator, layout, model, run.optimizer, self.step_clip(plan), plan.batch_size
+            accelerator, layout, model, run.optimizer, self.step_clip(work), work.batch_size
         ) as (wrapped, optimizer):
             run.optimizer = optimizer
             wrapped.train()
-            for _ in range(plan.steps):
+            for _ in range(work.steps):
                 run.zero_grad()
-                run.step(self.local_step(wrapped, params, batches, plan, accelerator))
+                run.step(self.local_step(wrapped, params, batches, work, accelerator))
             run.close()
         model.eval()
         result = run.result()
@@ -359,30 +359,30 @@ class LocalRun:
         self,
         algo: ClientAlgorithm,
         params: Params,
-        plan: LocalPlan,
+        work: LocalWork,
         state: dict[str, Any] | None = None,
         download: dict[str, Tensor] | None = None,
     ) -> None:
         from transformers import get_scheduler
 
-        self.algo, self.params, self.plan = algo, params, plan
+        self.algo, self.params, self.work = algo, params, work
         self.state = state if state is not None else {}
-        torch.manual_seed(plan.seed)  # LoRA dropout and any sampling inside the step
-        self.optimizer = algo.make_optimizer(params, plan)
-        warmup = int(plan.warmup_ratio * plan.steps)
-        sched_name = {"constant": "constant_with_warmup"}.get(plan.scheduler, plan.scheduler)
+        torch.manual_seed(work.seed)  # LoRA dropout and any sampling inside the step
+        self.optimizer = algo.make_optimizer(params, work)
+        warmup = int(work.warmup_ratio * work.steps)
+        sched_name = {"constant": "constant_with_warmup"}.get(work.scheduler, work.scheduler)
         self.scheduler = get_scheduler(
-            sched_name, self.optimizer, num_warmup_steps=warmup, num_training_steps=plan.steps
+            sched_name, self.optimizer, num_warmup_steps=warmup, num_training_steps=work.steps
         )
         algo.begin(params, self.state, download or {})
         self.losses: list[float] = []
         self.step_sizes: list[float] = []
         self._t0 = self._said = time.monotonic()
         self.bar = tqdm(
-            total=plan.steps,
-            desc=client_label(plan.client_id),
+            total=work.steps,
+            desc=client_label(work.client_id),
             leave=False,
-            disable=None if plan.progress else True,
+            disable=None if work.progress else True,
         )
 
     def zero_grad(self) -> None:
@@ -390,9 +390,9 @@ class LocalRun:
 
     def step(self, loss: float) -> None:
         """The optimizer step once this step's gradients are in the parameters: clip, correct, step."""
-        algo, plan, params = self.algo, self.plan, self.params
-        if algo.step_clip(plan) > 0 and not clips_gradients_itself(plan.layout):
-            torch.nn.utils.clip_grad_norm_(list(params.values()), algo.step_clip(plan))
+        algo, work, params = self.algo, self.work, self.params
+        if algo.step_clip(work) > 0 and not clips_gradients_itself(work.layout):
+            torch.nn.utils.clip_grad_norm_(list(params.values()), algo.step_clip(work))
         algo.correct(params)  # after the clip: a correction is never scaled by the gradient's norm
         self.step_sizes.append(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
@@ -402,21 +402,21 @@ class LocalRun:
         if not self.bar.disable:
             self.bar.update()
             self.bar.set_postfix(loss=f"{sum(window) / len(window):.4f}", refresh=False)
-        elif time.monotonic() - self._said > PROGRESS_EVERY_S and len(self.losses) < plan.steps:
+        elif time.monotonic() - self._said > PROGRESS_EVERY_S and len(self.losses) < work.steps:
             self._said = time.monotonic()  # a compact line in logs (no terminal): at most every few seconds
             done, rate = len(self.losses), len(self.losses) / max(1e-9, self._said - self._t0)
             log.info(
                 "%s: step %d/%d, loss %.4f (running mean), %.1f steps/s, about %.0f s left",
-                client_label(plan.client_id),
+                client_label(work.client_id),
                 done,
-                plan.steps,
+                work.steps,
                 sum(window) / len(window),
                 rate,
-                (plan.steps - done) / max(rate, 1e-9),
+                (work.steps - done) / max(rate, 1e-9),
             )
-        if plan.deadline is not None and time.monotonic() > plan.deadline:
+        if work.deadline is not None and time.monotonic() > work.deadline:
             raise ClientTimeout(
-                f"stopped after {len(self.losses)} of {plan.steps} steps: past its time budget "
+                f"stopped after {len(self.losses)} of {work.steps} steps: past its time budget "
                 "(federation.client_timeout_s)"
             )
 
@@ -425,10 +425,10 @@ class LocalRun:
         self.bar.close()
 
     def result(self) -> LocalResult:
-        return LocalResult(self.losses, self.algo.finish(self.params, self.plan, self.state, self.step_sizes))
+        return LocalResult(self.losses, self.algo.finish(self.params, self.work, self.state, self.step_sizes))
 
 
-def fused_adamw(groups: list[dict], plan: LocalPlan) -> bool | None:
+def fused_adamw(groups: list[dict], work: LocalWork) -> bool | None:
     """Whether a client's AdamW runs as torch's fused kernel: one call per step for all its tensors.
 
     torch picks its multi-tensor kernels by itself only for CUDA tensors; on a CPU it loops over the
@@ -437,7 +437,7 @@ def fused_adamw(groups: list[dict], plan: LocalPlan) -> bool | None:
     computes the same update (to float rounding). Left to torch (None) under DeepSpeed, which steps
     through its own engine, and for tensors the kernel does not take.
     """
-    if plan.layout is not None and plan.layout.deepspeed:
+    if work.layout is not None and work.layout.deepspeed:
         return None
     params = [p for g in groups for p in g["params"]]
     ok = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
@@ -467,11 +467,11 @@ def backward(loss: Tensor, accelerator) -> None:
         loss.backward()
 
 
-def accumulate(model, batches: Iterator[dict[str, Tensor]], plan: LocalPlan, accelerator) -> float:
+def accumulate(model, batches: Iterator[dict[str, Tensor]], work: LocalWork, accelerator) -> float:
     """Backward over ``grad_accum`` micro-batches; returns their mean loss."""
     total = 0.0
-    for _ in range(plan.grad_accum):
-        loss = lm_loss(model, next(batches), accelerator) / plan.grad_accum
+    for _ in range(work.grad_accum):
+        loss = lm_loss(model, next(batches), accelerator) / work.grad_accum
         backward(loss, accelerator)
         total += loss.item()
     return total

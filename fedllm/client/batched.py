@@ -73,7 +73,8 @@ def ensure_slot(model, name: str, rank: int, lora_cfg) -> None:
 
 class _Masks:
     """A client's dropout-mask stream on the run's device: the stream its lone training draws from the global
-    generator (seeded with its plan's seed), made at the first draw (a client without dropout needs none)."""
+    generator (seeded with its local work's seed), made at the first draw (a client without dropout needs
+    none)."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.seed, self.device = seed, device
@@ -330,25 +331,25 @@ def train_together(
 ) -> list[tuple[LocalResult, float]]:
     """Train ``jobs`` (switched in by the runtime, each in its own slot of ``model``) side by side; each one's
     result and seconds. The runtime calls this and never the reverse: each job carries the per-client
-    session state (its parameters, plan, algorithm state, batches), and nothing here reads the runtime.
+    session state (its parameters, work, algorithm state, batches), and nothing here reads the runtime.
 
     Clients with fewer local steps leave the batch when theirs are done; gradient accumulation takes
     ``client.grad_accum`` stacked micro-batches per step.
     """
     runs = [
-        LocalRun(a, j.params, j.plan, j.algo_state, j.start.algo) for a, j in zip(algos, jobs, strict=True)
+        LocalRun(a, j.params, j.work, j.algo_state, j.start.algo) for a, j in zip(algos, jobs, strict=True)
     ]
     device = accelerator.device if accelerator is not None else torch.device("cpu")
-    masks = [_Masks(run.plan.seed, device) for run in runs]
+    masks = [_Masks(run.work.seed, device) for run in runs]
     routing = Routing(model, jobs[0].adapter)
-    steps = max(j.plan.steps for j in jobs)
-    accum = jobs[0].plan.grad_accum
+    steps = max(j.work.steps for j in jobs)
+    accum = jobs[0].work.grad_accum
     t0 = time.perf_counter()
     autocast = accelerator.autocast if accelerator is not None else contextlib.nullcontext
     try:
         model.train()
         for step in range(steps):
-            active = [k for k, j in enumerate(jobs) if step < j.plan.steps]
+            active = [k for k, j in enumerate(jobs) if step < j.work.steps]
             for k in active:
                 runs[k].zero_grad()
             totals = dict.fromkeys(active, 0.0)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedllm.client.base import ClientAlgorithm, LocalPlan, LocalResult
+from fedllm.client.base import ClientAlgorithm, LocalResult, LocalWork
 from fedllm.client.runtime import ALGO, HOOK, keep_pending, settle_pending, without_prefix
 from fedllm.factors import (
     Adapter,
@@ -50,20 +50,20 @@ class ModuleClient:
 
 
 class ModuleRuntime:
-    """See module docstring. ``plan`` holds the :class:`~fedllm.client.base.LocalPlan` settings every
+    """See module docstring. ``work`` holds the :class:`~fedllm.client.base.LocalWork` settings every
     client's local work takes (steps, step sizes, schedule, clip)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         algorithm: ClientAlgorithm,
-        plan: dict[str, Any],
+        work: dict[str, Any],
         dense: list[str],
         hook: ClientHook | None = None,
         adapter: str | None = None,
         seed: int = 0,
     ) -> None:
-        self.model, self.algorithm, self.plan_args = model, algorithm, dict(plan)
+        self.model, self.algorithm, self.work_args = model, algorithm, dict(work)
         self.hook, self.adapter, self.seed = hook or ClientHook(), adapter, seed
         self.dense = list(dense)
         params = dict(model.named_parameters())
@@ -85,7 +85,7 @@ class ModuleRuntime:
     ) -> tuple[dict[str, torch.nn.Parameter], Adapter]:
         """Load ``start`` into the model; returns the client's trainable parameters and its start factors."""
         client.state = settle_pending(
-            client.state, start.accepted, lambda old, new: self.algorithm.settle(old, new, start.algo)
+            client.state, start.last_aggregated, lambda old, new: self.algorithm.settle(old, new, start.algo)
         )
         params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -118,24 +118,24 @@ class ModuleRuntime:
             if session is not None:
                 session.close()
 
-    def plan_for(self, client: ModuleClient, round_idx: int, **change: Any) -> LocalPlan:
+    def work_for(self, client: ModuleClient, round_idx: int, **change: Any) -> LocalWork:
         seed = derive_seed(self.seed, round_idx, client.client_id, 11)
-        return LocalPlan(
-            round=round_idx, client_id=client.client_id, seed=seed, **{**self.plan_args, **change}
+        return LocalWork(
+            round=round_idx, client_id=client.client_id, seed=seed, **{**self.work_args, **change}
         )
 
     def train(self, client: ModuleClient, start: ClientStart) -> ClientUpdate:
         """Switch ``client`` in, run its algorithm on its batches, read back its update."""
         params, _ = self.switch_in(client, start)
-        plan = self.plan_for(client, start.round)
+        work = self.work_for(client, start.round)
         algo_state = unprefixed(client.state, ALGO)
         with self.view(client, start, "train") as session:
             if session is not None:
-                plan.local_params, plan.local_lr = session.local_params(), session.local_lr
+                work.local_params, work.local_lr = session.local_params(), session.local_lr
                 params.update(session.shared_params())
             params = {k: p for k, p in params.items() if p.requires_grad}
             result: LocalResult = self.algorithm.train(
-                self.model, params, client.batches(start.round, plan.seed), plan, None, algo_state, start.algo
+                self.model, params, client.batches(start.round, work.seed), work, None, algo_state, start.algo
             )
             if session is not None:
                 result.extras.update(session.upload())
@@ -154,16 +154,16 @@ class ModuleRuntime:
             factors=factors,
             dense=dense,
             extras=result.extras,
-            metrics={"loss_mean": result.mean_loss, "steps": plan.steps},
+            metrics={"loss_mean": result.mean_loss, "steps": work.steps},
             round=start.round,
-            plan=start.plan,
+            token=start.token,
         )
 
-    def personalize(self, client: ModuleClient, start: ClientStart, steps: int, **plan: Any) -> None:
+    def personalize(self, client: ModuleClient, start: ClientStart, steps: int, **work: Any) -> None:
         """Leave the model as ``client``'s personalization of ``start``: its algorithm's ``steps``
         personalization steps on its own data (Per-FedAvg: the inner step the meta-objective trained for)."""
         params, _ = self.switch_in(client, start)
-        p = self.plan_for(client, start.round, **plan)
+        p = self.work_for(client, start.round, **work)
         self.algorithm.personalize(
             self.model, params, client.batches(start.round, p.seed + 1), steps, p, None
         )

@@ -82,17 +82,17 @@ class PerFedAvg(ClientAlgorithm):
         o = cls.own_options(client_cfg)
         return cls(alpha=o.alpha, variant=o.variant, fd_delta=o.fd_delta, clip_meta=o.clip_meta)
 
-    def inner_lr(self, plan) -> float:
-        return self.alpha or plan.sgd_lr
+    def inner_lr(self, work) -> float:
+        return self.alpha or work.sgd_lr
 
-    def personal_lr(self, plan) -> float:
-        return self.inner_lr(plan)  # the inner step the meta-objective trained for
+    def personal_lr(self, work) -> float:
+        return self.inner_lr(work)  # the inner step the meta-objective trained for
 
-    def step_clip(self, plan) -> float:
+    def step_clip(self, work) -> float:
         """The meta-gradient is clipped only with ``client.perfedavg.clip_meta`` (the paper clips nothing)."""
-        return plan.max_grad_norm if self.clip_meta else 0.0
+        return work.max_grad_norm if self.clip_meta else 0.0
 
-    def personal_clip(self, plan) -> float:
+    def personal_clip(self, work) -> float:
         """Personalization is the unclipped inner step alpha, the one the meta-objective trained for."""
         return 0.0
 
@@ -101,13 +101,13 @@ class PerFedAvg(ClientAlgorithm):
         model,
         params: Params,
         batches: Iterator[dict[str, Tensor]],
-        plan,
+        work,
         accelerator,
     ) -> tuple[dict[str, Tensor], float]:
         """Gradient of the mean loss over ``grad_accum`` micro-batches, and that loss."""
         for p in params.values():
             p.grad = None
-        total = accumulate(model, batches, plan, accelerator)
+        total = accumulate(model, batches, work, accelerator)
         grads = {
             k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
             for k, p in params.items()
@@ -121,25 +121,25 @@ class PerFedAvg(ClientAlgorithm):
         for k, p in params.items():
             p.add_(direction[k].to(p.device), alpha=step)
 
-    def local_step(self, model, params, batches, plan, accelerator) -> float:
-        alpha = self.inner_lr(plan)
+    def local_step(self, model, params, batches, work, accelerator) -> float:
+        alpha = self.inner_lr(work)
         start = {k: p.detach().clone() for k, p in params.items()}
-        g_inner, loss = self._grads(model, params, batches, plan, accelerator)
+        g_inner, loss = self._grads(model, params, batches, work, accelerator)
         self._shift(params, g_inner, -alpha)
-        g_outer, _ = self._grads(model, params, batches, plan, accelerator)
+        g_outer, _ = self._grads(model, params, batches, work, accelerator)
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(start[k])
         update = g_outer
         if self.variant == "hf":
-            hvp_batches = [next(batches) for _ in range(plan.grad_accum)]  # D'' for both sides
+            hvp_batches = [next(batches) for _ in range(work.grad_accum)]  # D'' for both sides
             d = self.fd_delta
             rng = _rng_state()  # the same dropout masks on both sides of the difference
             self._shift(params, g_outer, d)
-            g_plus, _ = self._grads(model, params, iter(hvp_batches), plan, accelerator)
+            g_plus, _ = self._grads(model, params, iter(hvp_batches), work, accelerator)
             _set_rng_state(rng)
             self._shift(params, g_outer, -2 * d)
-            g_minus, _ = self._grads(model, params, iter(hvp_batches), plan, accelerator)
+            g_minus, _ = self._grads(model, params, iter(hvp_batches), work, accelerator)
             with torch.no_grad():
                 for k, p in params.items():
                     p.copy_(start[k])

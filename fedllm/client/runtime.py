@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from data_prep.prompts import TokenizedExample
-from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalPlan, batch_stream
+from fedllm.client.base import ALGORITHMS, ClientAlgorithm, LocalWork, batch_stream
 from fedllm.client.batched import ensure_slot, slot_name, train_together, why_not_batched_model
 from fedllm.factors import (
     Adapter,
@@ -114,7 +114,7 @@ class TrainingJob:
     adapter: str  # the peft adapter it trains in (its rank's, or a client-batched slot)
     params: dict[str, torch.nn.Parameter]
     started: Adapter  # the factors it started from
-    plan: LocalPlan
+    work: LocalWork
     algo_state: dict[str, Tensor]
     session: HookSession | None
     batches: Iterator[dict[str, Tensor]]
@@ -238,9 +238,9 @@ class ClientRuntime:
             return c.local_steps
         return max(1, math.ceil(c.local_epochs * len(client.train) / (c.batch_size * c.grad_accum)))
 
-    def plan_for(self, client: ClientData, round_idx: int) -> LocalPlan:
+    def work_for(self, client: ClientData, round_idx: int) -> LocalWork:
         c = self.client_cfg
-        return LocalPlan(
+        return LocalWork(
             round=round_idx,
             client_id=client.client_id,
             steps=self.local_steps(client),
@@ -271,12 +271,12 @@ class ClientRuntime:
         Returns its trainable parameters by name and the factors it starts
         from (its fresh init where it downloads none). Algorithm state the
         client kept from its last training takes effect only if the server
-        has since aggregated that update (``start.accepted``), else it is
+        has since aggregated that update (``start.last_aggregated``), else it is
         dropped and the state before it stays.
         """
         t0 = time.perf_counter()
         client.state = settle_pending(
-            client.state, start.accepted, lambda old, new: self.algorithm.settle(old, new, start.algo)
+            client.state, start.last_aggregated, lambda old, new: self.algorithm.settle(old, new, start.algo)
         )
         self.catch_up(start.catchup)
         name = slot or adapter_name(client.rank)
@@ -323,7 +323,7 @@ class ClientRuntime:
             if self.layout.data_parallel:
                 job.batches = self.layout.split_batches(job.batches)
             result = self.algorithm.train(
-                self.model, job.params, job.batches, job.plan, self.acc, job.algo_state, start.algo
+                self.model, job.params, job.batches, job.work, self.acc, job.algo_state, start.algo
             )
             train_s = time.perf_counter() - t0
             self.end_session(job, result)
@@ -411,21 +411,21 @@ class ClientRuntime:
         self, client: ClientData, start: ClientStart, stack: contextlib.ExitStack, slot: str | None = None
     ) -> TrainingJob:
         """``client`` switched into its adapter (or ``slot``) with the strategy's training hooks open on
-        ``stack``: its trainable parameters, plan, algorithm state and batches."""
+        ``stack``: its trainable parameters, work, algorithm state and batches."""
         params, started = self.switch_in(client, start, slot)
-        plan = self.plan_for(client, start.round)
+        work = self.work_for(client, start.round)
         algo_state = unprefixed(client.state, ALGO)
         self.model.train()
         session = stack.enter_context(self.view(client, start, "train", slot))
         if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
-            plan = session.local_plan(plan)
-            plan.local_params, plan.local_lr = session.local_params(), session.local_lr
+            work = session.local_work(work)
+            work.local_params, work.local_lr = session.local_params(), session.local_lr
             params = trained_params(params, session)  # FFA-LoRA freezes A; Fed-SB trains R
         batches = batch_stream(
-            client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed, plan.group_by_length
+            client.train, work.batch_size, self.tokenizer.pad_token_id, work.seed, work.group_by_length
         )
         adapter = slot or adapter_name(client.rank)
-        return TrainingJob(client, start, adapter, params, started, plan, algo_state, session, batches)
+        return TrainingJob(client, start, adapter, params, started, work, algo_state, session, batches)
 
     def end_session(self, job: TrainingJob, result) -> None:
         """What the strategy's hooks upload and keep, read while they are still open."""
@@ -437,7 +437,7 @@ class ClientRuntime:
     def finish_training(self, job: TrainingJob, result, train_s: float) -> ClientUpdate:
         """The update of a trained ``job``, read once its hooks are closed (HetLoRA's zeroes its pruned
         tail as it closes)."""
-        client, start, plan = job.client, job.start, job.plan
+        client, start, work = job.client, job.start, job.work
         client.state = keep_pending(client.state, job.algo_state, start.round)
         t1 = time.perf_counter()
         with self.whole_adapters():
@@ -450,7 +450,7 @@ class ClientRuntime:
             start.round,
             client.client_id,
             client.rank,
-            plan.steps,
+            work.steps,
             sum(first) / len(first),
             sum(last) / len(last),
             train_s,
@@ -466,10 +466,10 @@ class ClientRuntime:
                 "loss_last": result.losses[-1],
                 "loss_mean": result.mean_loss,
                 "train_s": train_s,
-                "steps": plan.steps,
+                "steps": work.steps,
             },
             round=start.round,
-            plan=start.plan,
+            token=start.token,
         )
         ctx = UploadContext(start, job.started, client.state, self.hook.shared_extras)
         for transform in self.transforms:
@@ -517,12 +517,12 @@ class ClientRuntime:
         return {"global_loss": g_loss, "global_acc": g_acc, "personal_loss": p_loss, "personal_acc": p_acc}
 
     def personalize(self, client: ClientData, start: ClientStart, params) -> None:
-        plan = self.plan_for(client, start.round)
+        work = self.work_for(client, start.round)
         batches = batch_stream(
-            client.train, plan.batch_size, self.tokenizer.pad_token_id, plan.seed + 1, plan.group_by_length
+            client.train, work.batch_size, self.tokenizer.pad_token_id, work.seed + 1, work.group_by_length
         )
         self.algorithm.personalize(
-            self.model, params, batches, self.client_cfg.personalize_steps, plan, self.acc
+            self.model, params, batches, self.client_cfg.personalize_steps, work, self.acc
         )
 
     def personalized_adapter(
@@ -564,17 +564,17 @@ def keep_pending(
     }
 
 
-def settle_pending(state: dict[str, Tensor], accepted: int, settle=None) -> dict[str, Tensor]:
+def settle_pending(state: dict[str, Tensor], last_aggregated: int, settle=None) -> dict[str, Tensor]:
     """A client's state once the server's word on its last update is in.
 
     The pending algorithm state replaces the current one if that update's
-    round was aggregated (``accepted`` >= it), as ``settle(old, new)`` says
+    round was aggregated (``last_aggregated`` >= it), as ``settle(old, new)`` says
     (the algorithm's own rule; default: the new one); else it is dropped.
     """
     if PENDING_ROUND not in state:
         return state
     kept = {k: v for k, v in state.items() if not k.startswith((PENDING, PENDING_ROUND))}
-    if accepted >= int(state[PENDING_ROUND]):
+    if last_aggregated >= int(state[PENDING_ROUND]):
         new = unprefixed(state, PENDING)
         if settle is not None:
             new = settle(unprefixed(kept, ALGO), new)

@@ -209,7 +209,7 @@ class Scaffold(ClientAlgorithm):
         }
 
     def finish(
-        self, params: Params, plan, state: dict[str, Any], step_sizes: list[float]
+        self, params: Params, work, state: dict[str, Any], step_sizes: list[float]
     ) -> dict[str, Tensor]:
         """The new c_k and its change, computed on the model's device and read out to the CPU."""
         travelled = sum(step_sizes)  # sum_t eta_t: the schedule's real steps, not K * peak lr

@@ -2,7 +2,7 @@
 
 A strategy declares what its aggregate is (``averages_parameters``, ``same_weights``, ``linear``,
 ``global_state``) and its client hook what it does on the client (``local_params``, ``frozen``,
-``alternates``, ``sets_local_plan``); a client algorithm declares what it needs
+``alternates``, ``sets_local_work``); a client algorithm declares what it needs
 (``needs_parameter_averaging``, ``trains_local_params``, ``server_state_per_parameter``,
 ``plain_first_step``). Each :class:`~fedllm.options.Rule` below refuses one combination of those, with the
 reason and what to change; a feature (``fedllm/features.py``: differential privacy) adds its own rules.
@@ -12,15 +12,14 @@ Then each method checks what it alone requires (``check_config``: FLoRAL's singl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedllm.aggregation import STRATEGIES
 from fedllm.client import ALGORITHMS
 from fedllm.features import FEATURES
 from fedllm.options import Rule, chosen_key, chosen_option
 
-if TYPE_CHECKING:
-    from fedllm.config import Config
+# ``cfg`` below is a fedllm.config.Config (typed as Any: this table sits below the module that builds it)
 
 _NO_PARAMETERS = {  # what a strategy's global state is when it is not persisting parameters
     "merged": "merges each round into the base and restarts its clients from fresh adapters (no global "
@@ -31,12 +30,12 @@ _NO_PARAMETERS = {  # what a strategy's global state is when it is not persistin
 }
 
 
-def _budget(cfg: Config) -> float:
+def _budget(cfg: Any) -> float:
     """The chosen strategy's download budget (0 when it has none: fedit, flexlora and florist own one)."""
     return float(chosen_option(cfg, "aggregation", "download_budget_mb", 0.0))
 
 
-def _pair(cfg: Config) -> str:
+def _pair(cfg: Any) -> str:
     return f"client.algorithm = {cfg.client.algorithm} with aggregation.name = {cfg.aggregation.name}"
 
 
@@ -80,7 +79,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         "a round whose step the strategy sets",
-        lambda cfg, s, a: s.hook.sets_local_plan and not a.plain_first_step,
+        lambda cfg, s, a: s.hook.sets_local_work and not a.plain_first_step,
         lambda cfg, s, a: (
             f"{_pair(cfg)}: the strategy's clients take one plain optimizer step in some rounds (Fed-SB's "
             "initialization: LoRA-SB's first Adam step), which the algorithm's steps are not; use "
@@ -125,11 +124,11 @@ RULES: list[Rule] = [
 ]
 
 
-def _hidden_sample(cfg: Config) -> str:
+def _hidden_sample(cfg: Any) -> str:
     return "; ".join(w for f in FEATURES if (w := f.hidden_sample(getattr(cfg, f.section), cfg)))
 
 
-def _state_keepers(cfg: Config, s: Any, a: Any) -> list[str]:
+def _state_keepers(cfg: Any, s: Any, a: Any) -> list[str]:
     """What makes each client keep state between rounds, as the settings that turn it on."""
     out = [f"aggregation.name = {cfg.aggregation.name}"] if s.hook.keeps_state else []
     out += [f"client.algorithm = {cfg.client.algorithm}"] if a.keeps_state else []
@@ -155,7 +154,7 @@ def all_rules() -> list[Rule]:
     return [*RULES, *(r for f in FEATURES for r in f.rules()), SECRET_SAMPLE]
 
 
-def refusal(cfg: Config) -> str | None:
+def refusal(cfg: Any) -> str | None:
     """Why ``cfg`` cannot run (the first rule that applies), else None after each method's and feature's own
     checks (which raise ValueError)."""
     strategy, algorithm = STRATEGIES[cfg.aggregation.name], ALGORITHMS[cfg.client.algorithm]

@@ -23,7 +23,7 @@ from fedllm.protocol import ClientUpdate, Codec, decode_update
 MAX_META_CHARS = 1 << 16  # a reply's JSON metadata: ids, counts, scales and a few metrics
 EVALUATION_KEYS = ("global_loss", "global_acc", "personal_loss", "personal_acc")
 INFO_KEYS = {"client-id", "num-examples", "num-test", "categories"}
-UPDATE_KEYS = {"client_id", "num_examples", "scales", "metrics", "round", "plan"}
+UPDATE_KEYS = {"client_id", "num_examples", "scales", "metrics", "round", "token"}
 
 
 class BadReply(ValueError):

@@ -37,7 +37,7 @@ from fedllm import assembly
 from fedllm.aggregation import strategy_from_config
 from fedllm.checks import one_line
 from fedllm.config import Config, config_to_text, load_config
-from fedllm.data import load_partitions
+from fedllm.federation_data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
 from fedllm.flower.records import info_record, record_bytes, start_record
 from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update

@@ -109,7 +109,7 @@ class Site:
         from accelerate import Accelerator
 
         from fedllm.assembly import assemble_site, codecs
-        from fedllm.data import load_partitions
+        from fedllm.federation_data import load_partitions
 
         t0 = time.perf_counter()
         if not 0 <= client_id < cfg.federation.num_clients:

@@ -33,7 +33,7 @@ def resolve_model_path(name: str, pretrain_steps: int) -> str:
     ``gguf:<package>`` -> its converted checkpoint (converted on first use, ``fedllm/model/gguf.py``); else
     ``name``."""
     if is_builtin(name):
-        from fedllm.model.builtin import ensure_builtin_base
+        from fedllm.model.builtin_base import ensure_builtin_base
 
         return str(ensure_builtin_base(pretrain_steps, suite=name))
     if is_gguf(name):

@@ -166,7 +166,7 @@ def extract_tasks(archive: Path, folder: Path) -> Path:
 def natural_instructions(archive: Path | None = None) -> dict:
     """The Natural Instructions tasks in the cache (downloaded and extracted once)."""
     from data_prep.natural_instructions import default_folder, task_names
-    from fedllm.model.builtin import default_cache_dir
+    from fedllm.model.builtin_base import default_cache_dir
 
     folder = default_folder()
     if not (folder.is_dir() and len(list(folder.glob("subtask*/task.json"))) >= 61):

@@ -26,7 +26,7 @@ Google's dp-accounting (RDP), "replace one client" (sensitivity 2C). Local mode 
 as the Gaussian composed over every round.
 
 The feature hooks the core only from outside (``fedllm/features.py``): it wraps the strategy, sets the
-server's rules (uniform weights; the fixed clip instead of the data-dependent median one in central
+server's policy (uniform weights; the fixed clip instead of the data-dependent median one in central
 mode), replaces the sampling, adds the clients' upload transform, and adds the ``fedllm privacy``
 command; the server, the runtime and the round loop do not know it exists.
 """
@@ -220,13 +220,13 @@ class PrivacyFeature(Feature):
             report_clip_stats=p.report_clip_stats,
         )
 
-    def server_rules(self, rules, p: PrivacyOptions, cfg):
+    def server_policy(self, policy, p: PrivacyOptions, cfg):
         if p.mode == "none":
-            return rules
+            return policy
         # uniform weights (never the example counts); in central mode the fixed clip of the wrapper
         # replaces the median-relative one, whose cap depends on the other clients' data
-        ratio = 0.0 if accounted(p.mode) == "central" else rules.clip_norm_ratio
-        return dataclasses.replace(rules, weighting="uniform", clip_norm_ratio=ratio)
+        ratio = 0.0 if accounted(p.mode) == "central" else policy.clip_norm_ratio
+        return dataclasses.replace(policy, weighting="uniform", clip_norm_ratio=ratio)
 
     def sampling(self, sampling, p: PrivacyOptions, cfg):
         if p.mode == "none" or p.sampling == "public":

@@ -38,7 +38,7 @@ from fedllm.client.runtime import HOOK
 from fedllm.client.sft import SFT
 from fedllm.protocol import ClientInfo
 from fedllm.reproduce import common
-from fedllm.server import Rules, Sampling, Server
+from fedllm.server import Sampling, Server, ServerPolicy
 
 NAME = "floral-linear"
 METHODS = ("fedavg", "local", "floral", "floral_oracle")
@@ -112,7 +112,7 @@ def strategy_for(method: str, clusters: int, args):
 
 
 def batches_for(x: torch.Tensor, y: torch.Tensor, batch_size: int):
-    """A client's epoch of shuffled batches each round, from the round's plan seed."""
+    """A client's epoch of shuffled batches each round, from the seed of the round's local work."""
 
     def batches(round_idx: int, seed: int):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
@@ -132,7 +132,7 @@ def run(method: str, args, seed: int) -> dict[str, Any]:
     model, dense, adapter = model_for(method, c, seed)
     strategy = strategy_for(method, c, args)
     steps = math.ceil(n_train / args.batch_size)  # one local epoch
-    plan = {
+    work = {
         "steps": steps,
         "lr": args.lr,
         "sgd_lr": args.lr,
@@ -140,7 +140,7 @@ def run(method: str, args, seed: int) -> dict[str, Any]:
         "scheduler": "constant",
         "max_grad_norm": 0.0,
     }
-    runtime = ModuleRuntime(model, SFT("sgd"), plan, dense, strategy.client_hook(), adapter, seed)
+    runtime = ModuleRuntime(model, SFT("sgd"), work, dense, strategy.client_hook(), adapter, seed)
     params = dict(model.named_parameters())
     server = Server(
         strategy=strategy,
@@ -148,7 +148,7 @@ def run(method: str, args, seed: int) -> dict[str, Any]:
         modules=runtime.module_shapes(),
         sampling=Sampling(seed=seed, clients_per_round=k),
         dense={name: params[name].detach().clone() for name in dense},
-        rules=Rules(clip_norm_ratio=0.0),
+        policy=ServerPolicy(clip_norm_ratio=0.0),
     )
     clients = {
         i: ModuleClient(i, n_train, batches_for(xs[i][:n_train], ys[i][:n_train], args.batch_size))

@@ -28,7 +28,7 @@ from fedllm.client.perfedavg import PerFedAvg
 from fedllm.client.sft import SFT
 from fedllm.protocol import ClientInfo
 from fedllm.reproduce import common
-from fedllm.server import Rules, Sampling, Server
+from fedllm.server import Sampling, Server, ServerPolicy
 
 NAME = "perfedavg-digits"
 METHODS = ("fedavg", "perfedavg_fo", "perfedavg_hf")
@@ -107,7 +107,7 @@ def run(method: str, args, seed: int) -> float:
     algorithm = (
         SFT("sgd") if method == "fedavg" else PerFedAvg(alpha=args.alpha, variant=method.split("_")[1])
     )
-    plan = {
+    work = {
         "steps": args.local_steps,
         "lr": args.beta,
         "sgd_lr": args.beta,
@@ -115,7 +115,7 @@ def run(method: str, args, seed: int) -> float:
         "scheduler": "constant",
         "max_grad_norm": 0.0,
     }
-    runtime = ModuleRuntime(model, algorithm, plan, dense, seed=seed)
+    runtime = ModuleRuntime(model, algorithm, work, dense, seed=seed)
     params = dict(model.named_parameters())
     server = Server(
         strategy=FedIT(),
@@ -123,7 +123,7 @@ def run(method: str, args, seed: int) -> float:
         modules={},
         sampling=Sampling(seed=seed, clients_per_round=max(1, round(args.fraction * args.users))),
         dense={k: params[k].detach().clone() for k in dense},
-        rules=Rules(clip_norm_ratio=0.0, weighting="uniform"),
+        policy=ServerPolicy(clip_norm_ratio=0.0, weighting="uniform"),
     )
     clients = {
         u: ModuleClient(u, len(tr), batches_for(x[tr], y[tr], args.batch_size))

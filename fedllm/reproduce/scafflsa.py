@@ -41,7 +41,7 @@ from fedllm.client.scaffold import Scaffold, ScaffoldServer
 from fedllm.client.sft import SFT
 from fedllm.protocol import AlgorithmServer, ClientInfo
 from fedllm.reproduce import common
-from fedllm.server import Rules, Sampling, Server
+from fedllm.server import Sampling, Server, ServerPolicy
 
 NAME = "scafflsa"
 METHODS = ("fedlsa", "scafflsa")
@@ -214,7 +214,7 @@ class LinearSA(torch.nn.Module):
 def batches_for(problem: Problem, agent: int, seed: int, local_steps: int):
     """Each round's H samples of ``agent`` from its own generator of (seed, agent, round)."""
 
-    def batches(round_idx: int, _plan_seed: int):
+    def batches(round_idx: int, _work_seed: int):
         rng = np.random.default_rng([seed, agent, round_idx])
         a, b = problem.samples(rng, agent, local_steps)
         a, b = torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(np.ascontiguousarray(b))
@@ -233,7 +233,7 @@ def federation(
     algorithm: ClientAlgorithm = Scaffold("sgd") if method == "scafflsa" else SFT("sgd")
     server_half = ScaffoldServer() if method == "scafflsa" else AlgorithmServer()
     n = problem.agents
-    plan = {
+    work = {
         "steps": local_steps,
         "lr": eta,
         "sgd_lr": eta,
@@ -241,7 +241,7 @@ def federation(
         "scheduler": "constant",
         "max_grad_norm": 0.0,
     }
-    runtime = ModuleRuntime(LinearSA(problem.dim), algorithm, plan, dense=["theta"], seed=seed)
+    runtime = ModuleRuntime(LinearSA(problem.dim), algorithm, work, dense=["theta"], seed=seed)
     server = Server(
         strategy=FedIT(),
         clients=[ClientInfo(c, 1, 1.0, 1) for c in range(n)],
@@ -249,7 +249,7 @@ def federation(
         algorithm=server_half,
         sampling=Sampling(seed=seed, clients_per_round=n),
         dense={"theta": torch.as_tensor(problem.theta0, dtype=torch.float32)},
-        rules=Rules(clip_norm_ratio=clip_norm_ratio, weighting="uniform"),
+        policy=ServerPolicy(clip_norm_ratio=clip_norm_ratio, weighting="uniform"),
     )
     clients = {c: ModuleClient(c, 1, batches_for(problem, c, seed, local_steps)) for c in range(n)}
     return server, runtime, clients
@@ -264,7 +264,7 @@ def control_variates(server: Server, runtime: ModuleRuntime, clients: dict[int, 
         download = server.algorithm.download(1, k)
         state = settle_pending(
             client.state,
-            server.accepted[k],
+            server.last_aggregated[k],
             lambda old, new, d=download: runtime.algorithm.settle(old, new, d),
         )
         out[k] = unprefix_theta(state, ALGO)

@@ -172,11 +172,11 @@ class SecureAggregationFeature(Feature):
         )
         return {"secure_aggregation": section, "guarantees": [line]}
 
-    def server_rules(self, rules, o: SecAggOptions, cfg):
+    def server_policy(self, policy, o: SecAggOptions, cfg):
         if not _on(cfg):
-            return rules
+            return policy
         # the median-relative clip needs each update's norm: the sites' own clip before masking replaces it
-        return dataclasses.replace(rules, clip_norm_ratio=0.0)
+        return dataclasses.replace(policy, clip_norm_ratio=0.0)
 
     def upload_transforms(self, o: SecAggOptions, cfg) -> list:
         if not _on(cfg):

@@ -156,7 +156,7 @@ class SecureExchange:
             }
             proxy = GridClientProxy(driver.nodes[k], driver.grid, run_id)
             fit_ins.append((proxy, FitIns(Parameters(tensors=[], tensor_type=""), config)))
-        uniform = server.rules.weighting == "uniform"
+        uniform = server.policy.weighting == "uniform"
         max_weight = 1.0 if uniform else float(max(c.num_examples for c in server.clients.values()))
         strategy = _round_strategy(fit_ins)
         context = LegacyContext(
@@ -173,7 +173,7 @@ class SecureExchange:
             log.warning("round %d: %s", plan.round, why)
             return SummedUpdates([], _empty(plan), 0, failures)
 
-        least = max(3, server.rules.min_clients)
+        least = max(3, server.policy.min_clients)
         if len(fit_ins) < least:  # never unmask a sum of fewer sites than that
             return fail(f"secure aggregation needs {least} connected sites (3, and federation.min_clients)")
         try:
@@ -226,7 +226,7 @@ def in_range(mean, bound: float, tolerance: float, norm_bound: float = math.inf)
 def _empty(plan):
     from fedllm.protocol import ClientUpdate
 
-    return ClientUpdate(-1, 0, {}, round=plan.round, plan=plan.token)
+    return ClientUpdate(-1, 0, {}, round=plan.round, token=plan.token)
 
 
 # ------------------------------------------------------------------ the sites' side

@@ -121,7 +121,7 @@ def from_vector(vec: np.ndarray, lay: Layout) -> dict[str, Tensor]:
 def protocol_weights(server, clients: list[int], max_weight: float, quantization: int) -> list[float]:
     """Each finishing site's weight as Flower's SecAgg+ applies it: the site's own example count (1 each
     under uniform weighting) over ``max_weight``, quantized to ``quantization`` levels (at most 1)."""
-    if server.rules.weighting == "uniform":
+    if server.policy.weighting == "uniform":
         return [1.0 for _ in clients]
     q = quantization
     return [round(server.clients[k].num_examples / max_weight * q) / q for k in clients]
@@ -176,5 +176,5 @@ def summed_update(
             for name in server.state.dense
         }
     dense = {name: t + scale_sum * tensors[f"dense.{name}"] for name, t in dense_start.items()}
-    update = ClientUpdate(-1, 0, factors, dense, round=plan.round, plan=plan.token)
+    update = ClientUpdate(-1, 0, factors, dense, round=plan.round, token=plan.token)
     return SummedUpdates(clients=list(clients), update=update, contributors=n, reference=base)

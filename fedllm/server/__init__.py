@@ -6,6 +6,6 @@ client's base misses; ``ledger.py`` the communication it counts. It holds no mod
 or accelerate).
 """
 
-from fedllm.server.server import RoundPlan, RoundReport, Rules, Sampling, Server, global_state
+from fedllm.server.server import RoundPlan, RoundReport, Sampling, Server, ServerPolicy, global_state
 
-__all__ = ["RoundPlan", "RoundReport", "Rules", "Sampling", "Server", "global_state"]
+__all__ = ["RoundPlan", "RoundReport", "Sampling", "Server", "ServerPolicy", "global_state"]

@@ -13,7 +13,7 @@ client sends can raise out of it. Every number it draws derives from
 ``(seed, round)``, so any driver (one process, several, Flower) gets the same
 rounds. Flower's Message-API strategies read the same way
 (``configure_train`` / ``aggregate_train``). A cross-cutting feature changes the
-server only from outside: it wraps the strategy, sets the rules, replaces the sampling.
+server only from outside: it wraps the strategy, sets the policy, replaces the sampling.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Sampling:
 
 
 @dataclass
-class Rules:
+class ServerPolicy:
     """What the server enforces on updates (``federation.*`` and ``aggregation.*``; see
     ``fedllm/server/trust.py``).
     """
@@ -148,7 +148,7 @@ class Server:
         algorithm: AlgorithmServer | None = None,
         sampling: Sampling | None = None,
         dense: dict[str, Tensor] | None = None,
-        rules: Rules | None = None,
+        policy: ServerPolicy | None = None,
     ) -> None:
         self.strategy = strategy
         self.hook = strategy.client_hook()  # to derive what each client starts from, as it does
@@ -156,7 +156,7 @@ class Server:
         self.modules = dict(modules)
         self.algorithm = algorithm or AlgorithmServer()
         self.sampling = sampling or Sampling()
-        self.rules = rules or Rules()
+        self.policy = policy or ServerPolicy()
         self.max_rank = max(strategy.adapter_rank(c.rank) for c in clients)
         self.state = GlobalState(
             strategy.initial_factors(
@@ -169,7 +169,9 @@ class Server:
         self._references: tuple[int | None, dict[int, tuple[ClientStart, Adapter]]] = (None, {})
         # a merging strategy's own option: the merges kept for catch-ups (beyond them: the whole residual)
         self.merges = MergeLog(list(self.clients), strategy.catchup_window)
-        self.accepted = {k: 0 for k in self.clients}  # the last round that aggregated each client's update
+        self.last_aggregated = {
+            k: 0 for k in self.clients
+        }  # the last round that aggregated each client's update
         self.updated_rounds = 0  # rounds whose aggregate changed the global state
         self.algorithm.bind(self.expected(next(iter(self.clients)), rank=self.max_rank).param_shapes())
 
@@ -190,8 +192,8 @@ class Server:
             dense=dict(self.state.dense),
             extras=self.strategy.client_extras(self.state, client_id),
             algo=self.algorithm.download(rank, client_id),
-            accepted=self.accepted[client_id],
-            plan=token,
+            last_aggregated=self.last_aggregated[client_id],
+            token=token,
         )
 
     def plan_round(self, round_idx: int) -> RoundPlan:
@@ -205,10 +207,10 @@ class Server:
             if k in dropped:
                 continue
             start = self.client_start(round_idx, k, plan.token)
-            if self.rules.download_transform is not None:
-                start = self.rules.download_transform(start)
+            if self.policy.download_transform is not None:
+                start = self.policy.download_transform(start)
             plan.starts[k] = start
-            nbytes = self.rules.download_bytes(start) if self.rules.download_bytes is not None else None
+            nbytes = self.policy.download_bytes(start) if self.policy.download_bytes is not None else None
             behind = self.merges.behind_newest(start.catchup) * self.ledger.bytes_per_param  # float32 only
             self.ledger.download(k, start.numel(), nbytes, behind)
         return plan
@@ -237,14 +239,14 @@ class Server:
             answered = {k for k in plan.active if not isinstance(results.get(k, "no reply"), str)}
             info = self._clip(plan, updates)
             valid = len(updates)
-        skipped = valid < self.rules.min_clients
+        skipped = valid < self.policy.min_clients
         merged: Adapter = {}
         if skipped:
             log.warning(
                 "round %d skipped: %d valid update(s) < federation.min_clients = %d",
                 plan.round,
                 valid,
-                self.rules.min_clients,
+                self.policy.min_clients,
             )
         else:
             merged, skipped = self._aggregate(plan, updates, info, replied, contributors=valid, summed=summed)
@@ -299,17 +301,17 @@ class Server:
             scale=c.scale,
             modules=self.modules,
             dense={k: v.shape for k, v in self.state.dense.items()},
-            timeout_s=self.rules.client_timeout_s,
+            timeout_s=self.policy.client_timeout_s,
             round=plan.round if plan is not None else None,
-            plan=plan.token if plan is not None else None,
+            token=plan.token if plan is not None else None,
             asked=dict(start.extras) if start is not None else {},
         )
 
     def _upload_bytes(self, update: ClientUpdate) -> int | None:
-        if self.rules.upload_bytes is None:
+        if self.policy.upload_bytes is None:
             return None
         try:
-            return self.rules.upload_bytes(update)
+            return self.policy.upload_bytes(update)
         except Exception:  # a malformed upload: counted by what can be read, in float32
             return None
 
@@ -363,9 +365,9 @@ class Server:
             raise ClientFailure(f"the reply is a {type(update).__name__}, not a client update")
         if update.client_id != exp.client_id:
             raise ClientFailure(f"it claims to be client {update.client_id!r}")
-        if exp.round is not None and (update.round != exp.round or update.plan != exp.plan):
+        if exp.round is not None and (update.round != exp.round or update.token != exp.token):
             raise ClientFailure(
-                f"it answers round {update.round!r} (plan {str(update.plan)[:16]!r}), not this round's plan "
+                f"it answers round {update.round!r} (plan {str(update.token)[:16]!r}), not this round's plan "
                 f"({exp.round}): a replayed or stale update"
             )
         if update.num_examples != exp.num_examples:
@@ -390,7 +392,7 @@ class Server:
             extras=accepted,
             metrics=metrics,
             round=update.round,
-            plan=update.plan,
+            token=update.token,
         )
 
     def reference(self, round_idx: int, client_id: int, start: ClientStart) -> Adapter:
@@ -416,7 +418,7 @@ class Server:
     def _clip(self, plan: RoundPlan, updates: list[ClientUpdate]) -> dict[str, Any]:
         """Scale each update's change (from the server's reference) to at most ``clip_norm_ratio`` x the
         round's median change: one client cannot move the model more than a few honest ones do."""
-        ratio = self.rules.clip_norm_ratio
+        ratio = self.policy.clip_norm_ratio
         if not (ratio and updates):
             return {}
         changes = [self.change(plan, u) for u in updates]
@@ -452,18 +454,18 @@ class Server:
 
     def weights(self, updates: list[ClientUpdate]) -> list[float]:
         """Each update's share of the round's average, from the server's own counts (or uniform), capped."""
-        if self.rules.weighting == "uniform":
+        if self.policy.weighting == "uniform":
             raw = [1.0] * len(updates)
         else:
             raw = [float(self.clients[u.client_id].num_examples) for u in updates]
         total = sum(raw)
         base = [w / total for w in raw] if total > 0 else [1 / len(updates)] * len(updates)
-        return cap_weights(base, self.rules.max_client_weight)
+        return cap_weights(base, self.policy.max_client_weight)
 
     def population_weights(self) -> dict[int, float]:
         """Every client's share of the objective ``sum_k p_k f_k`` (SCAFFOLD's control variate keeps
         ``c = sum_k p_k c_k`` with these)."""
-        if self.rules.weighting == "uniform":
+        if self.policy.weighting == "uniform":
             return {k: 1 / len(self.clients) for k in self.clients}
         total = sum(c.num_examples for c in self.clients.values())
         return {k: c.num_examples / total for k, c in self.clients.items()}
@@ -478,7 +480,7 @@ class Server:
             fresh=lambda: init_factors(
                 self.modules, self.max_rank, 1.0, self.hook.fresh_seed(self.sampling.seed, plan.round)
             ),
-            max_weight=self.rules.max_client_weight,
+            max_weight=self.policy.max_client_weight,
         )
 
     def _aggregate(
@@ -519,7 +521,7 @@ class Server:
         self.updated_rounds += 1
         info.update(result.info)
         for k in replied:
-            self.accepted[k] = round_idx
+            self.last_aggregated[k] = round_idx
         return result.merged, False
 
     # ------------------------------------------------------ the global model
@@ -556,7 +558,7 @@ class Server:
             counters[k] = v
         meta = {
             "extras": counters,
-            "accepted": {str(k): v for k, v in self.accepted.items()},
+            "last_aggregated": {str(k): v for k, v in self.last_aggregated.items()},
             "scales": scales,
             "ledger": self.ledger.state(),
             "strategy": self.strategy.name,
@@ -564,7 +566,7 @@ class Server:
             **merges,
         }
         if not self.sampling.public:  # each client's last round would name who took part in which round
-            del meta["accepted"], meta["synced"]
+            del meta["last_aggregated"], meta["synced"]
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
@@ -573,7 +575,9 @@ class Server:
         self.merges.load_state_dict(tensors, meta)
         self.algorithm.load_state_dict(unprefixed(tensors, "algo."))
         self.ledger = Ledger.from_state(meta["ledger"])
-        self.accepted.update({int(k): v for k, v in meta.get("accepted", {}).items()})
+        # "accepted": its name in checkpoints written before 2026-12-03
+        rounds = meta.get("last_aggregated", meta.get("accepted", {}))
+        self.last_aggregated.update({int(k): v for k, v in rounds.items()})
         self.updated_rounds = meta.get("updated", 0)
 
 

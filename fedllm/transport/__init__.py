@@ -193,18 +193,18 @@ class TransportFeature(Feature):
         on = o.upload != "float32" or o.download != "float32"
         return TransportCodec(o.upload) if on else None
 
-    def server_rules(self, rules, o: TransportOptions, cfg):
+    def server_policy(self, policy, o: TransportOptions, cfg):
         if o.download != "float32":
             down = QuantizedDownload(o.download, o.block_size)
-            rules.download_transform, rules.download_bytes = down, down.nbytes
+            policy.download_transform, policy.download_bytes = down, down.nbytes
         if o.upload == "float32":
-            return rules
+            return policy
 
         def upload_bytes(update: ClientUpdate) -> int:
             return sum(wire_bytes(t.numel(), o.upload, o.block_size) for t in _tensors(update))
 
-        rules.upload_bytes = upload_bytes
-        return rules
+        policy.upload_bytes = upload_bytes
+        return policy
 
 
 TRANSPORT = TransportFeature()

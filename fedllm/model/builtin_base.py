@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep import builtin
+from data_prep import builtin_skills
 from data_prep.prompts import TokenizedExample, collate, tokenize_examples
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def _vocabulary(suite: str) -> list[str]:
         from data_prep import testbed
 
         return testbed.vocabulary()
-    return builtin.vocabulary()
+    return builtin_skills.vocabulary()
 
 
 def build_tokenizer(suite: str = "builtin"):
@@ -197,13 +197,13 @@ def pretraining_examples(seed: int, n_per_skill: int = 1500, suite: str = "built
         from data_prep import testbed
 
         return testbed.pretraining_examples(seed)
-    return builtin.instruction_examples(
+    return builtin_skills.instruction_examples(
         n_per_skill=n_per_skill,
         seed=10_000 + seed,
-        skills=(*builtin.SKILLS, "match"),
-        mc_skills=builtin.PRETRAIN_MC_SKILLS,
+        skills=(*builtin_skills.SKILLS, "match"),
+        mc_skills=builtin_skills.PRETRAIN_MC_SKILLS,
         mc_only=("match",),
-        exclude_prompts=builtin.benchmark_prompts(builtin.benchmark()),
+        exclude_prompts=builtin_skills.benchmark_prompts(builtin_skills.benchmark()),
     )
 
 

@@ -199,9 +199,9 @@ def load_questions(
     """
     source = resolve_source(source)
     if source == "builtin":
-        from data_prep import builtin
+        from data_prep import builtin_skills
 
-        qs = _from_records(builtin.benchmark(split=split), f"builtin:{split}")
+        qs = _from_records(builtin_skills.benchmark(split=split), f"builtin:{split}")
     elif source == "testbed":
         from data_prep import testbed
 
@@ -242,7 +242,7 @@ def _hub(source: str, split: str) -> list[Question]:
 def subject_category_map(source: str) -> dict[str, str]:
     """Categories of non-MMLU subjects (the built-in benchmark's skills)."""
     if source == "builtin":
-        from data_prep.builtin import SKILL_CATEGORY
+        from data_prep.builtin_skills import SKILL_CATEGORY
 
         return dict(SKILL_CATEGORY)
     if source == "testbed":

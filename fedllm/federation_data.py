@@ -89,7 +89,7 @@ def load_partitions(cfg) -> Partitions:
             if d.dataset == "testbed":
                 from data_prep.testbed import shift_labels
             else:
-                from data_prep.builtin import shift_labels
+                from data_prep.builtin_skills import shift_labels
 
             mine = [shift_labels(e, k % d.label_shift_groups) for e in mine]
         clients.append(mine)
@@ -127,7 +127,7 @@ def max_seq_len(cfg, context: int | None) -> int:
 
 def token_cache_dir() -> Path:
     """Where tokenized data is cached: ``$FEDLLM_CACHE/tokens`` (default ``~/.cache/fedllm/tokens``)."""
-    from fedllm.model.builtin import default_cache_dir
+    from fedllm.model.builtin_base import default_cache_dir
 
     return default_cache_dir() / "tokens"
 
