@@ -156,7 +156,7 @@ def model_only(k: int, args) -> dict:
                     row,
                     batch["input_ids"].shape[0],
                     batch["input_ids"].shape[1],
-                    _Masks(job.plan.seed, device),
+                    _Masks(job.work.seed, device),
                 )
             )
             row += batch["input_ids"].shape[0]

@@ -182,33 +182,95 @@ def test_a_key_that_moved_into_its_methods_options_loads_there_with_a_warning(ow
     assert flat_config(load_config(None, [*base, owner, f"{new}={value}"]))[new] == value
 
 
-def test_a_run_folder_written_before_the_move_loads_as_it_ran(tmp_path):
-    """A config.yaml of the old layout holds every moved key at its default, for every strategy and algorithm:
-    it loads without a warning, as the run it was written by."""
-    import warnings
-
+def _old_layout(name: str, algorithm: str, preset: str = "llm", **old: object) -> dict:
+    """A resolved config.yaml as the version before the move wrote it: the moved keys in their general
+    sections (at their defaults unless ``old`` says), no section for the methods that had no options."""
     import yaml
 
-    from fedllm.config import Config, config_to_text, flat_config
+    from fedllm.config import config_to_text
 
-    for name, algorithm in (
-        ("fedit", "scaffold"),
-        ("flora", "fedprox"),
-        ("florist", "sft"),
-        ("fedit", "perfedavg"),
-    ):
-        data = yaml.safe_load(config_to_text(Config()))
-        data["aggregation"].update(name=name, robust="none", trim_fraction=0.1, download_budget_mb=0.0)
-        data["federation"]["catchup_window"] = 8
-        data["client"].update(algorithm=algorithm, optimizer="adamw")
-        data["lora"]["trainable_modules"] = []
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            cfg = load_config(path)
-        assert flat_config(cfg) == flat_config(load_config(None, [f"aggregation.name={name}",
-            f"client.algorithm={algorithm}", "lora.trainable_modules=[]"]))  # fmt: skip
+    today = [f"aggregation.name={name}", f"client.algorithm={algorithm}", f"client.preset={preset}"]
+    data = yaml.safe_load(config_to_text(load_config(None, [*today, "lora.trainable_modules=[]"])))
+    for section, method in (("aggregation", "fedit"), ("aggregation", "fedex"), ("aggregation", "flora"),
+                            ("client", "sft")):  # fmt: skip
+        del data[section][method]
+    for section, method, field in (("aggregation", "florist", "download_budget_mb"),
+                                   ("aggregation", "florist", "catchup_window"),
+                                   ("aggregation", "flexlora", "download_budget_mb"),
+                                   ("client", "fedprox", "optimizer")):  # fmt: skip
+        del data[section][method][field]
+    data["aggregation"].update(name=name, robust="none", trim_fraction=0.1, download_budget_mb=0.0)
+    data["federation"]["catchup_window"] = 8
+    # the old paper preset wrote plain SGD into every algorithm's resolved config (perfedavg's too)
+    optimizer = "sgd" if preset == "paper" else "adamw"
+    data["client"]["optimizer"] = optimizer
+    for key, value in old.items():
+        section, field = key.split("__")
+        data[section][field] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("name", "algorithm", "preset"),
+    [("fedit", "scaffold", "llm"), ("flora", "fedprox", "paper"), ("florist", "sft", "llm"),
+     ("fedit", "perfedavg", "paper"), ("fedex", "scaffold", "paper")],
+)  # fmt: skip
+def test_a_run_folder_written_before_the_move_loads_as_it_ran(tmp_path, name, algorithm, preset):
+    """A config.yaml of the old layout (no fedit/flora/fedex/sft sections, the moved keys in the general ones)
+    loads as the run it was written by, and a run folder's loads without a warning (its keys are not the
+    user's to fix): the same config as today's keys give."""
+    import yaml
+
+    from fedllm.config import flat_config
+    from fedllm.run.reader import RunFolder
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_old_layout(name, algorithm, preset)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = RunFolder(tmp_path).config()
+    today = load_config(
+        None, [f"aggregation.name={name}", f"client.algorithm={algorithm}", f"client.preset={preset}",
+               "lora.trainable_modules=[]"],
+    )  # fmt: skip
+    assert flat_config(cfg) == flat_config(today)
+
+
+def test_an_old_layouts_own_values_reach_the_method_that_used_them(tmp_path):
+    import yaml
+
+    path = tmp_path / "config.yaml"
+    old = _old_layout(
+        "florist", "fedprox", aggregation__download_budget_mb=0.25, federation__catchup_window=3,
+        client__optimizer="sgd",
+    )  # fmt: skip
+    path.write_text(yaml.safe_dump(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(path, written=True)
+    assert (cfg.aggregation.florist.download_budget_mb, cfg.aggregation.florist.catchup_window) == (0.25, 3)
+    assert cfg.client.fedprox.optimizer == "sgd"
+    with pytest.warns(FutureWarning, match="'aggregation.download_budget_mb' is now"):
+        load_config(path)  # a file the user gives: said
+
+
+def test_an_old_key_in_a_file_follows_the_method_an_override_chooses(tmp_path):
+    """The chosen method is the one every layer together chooses (fedllm compare's --variant), and a later
+    layer's new key wins over a file's old one; in one file, an old key left at its default gives way."""
+    path = tmp_path / "base.yaml"
+    path.write_text("aggregation:\n  download_budget_mb: 0.5\nclient:\n  optimizer: sgd\n"
+                    "lora:\n  trainable_modules: []\n")  # fmt: skip
+    with pytest.warns(FutureWarning):
+        cfg = load_config(path, ["aggregation.name=flexlora", "client.algorithm=fedprox"])
+    assert cfg.aggregation.flexlora.download_budget_mb == 0.5 and cfg.client.fedprox.optimizer == "sgd"
+    with pytest.warns(FutureWarning):
+        cfg = load_config(path, ["aggregation.fedit.download_budget_mb=0.1"])
+    assert cfg.aggregation.fedit.download_budget_mb == 0.1  # the override's new key wins
+    both = tmp_path / "both.yaml"
+    both.write_text("aggregation:\n  robust: none\n  fedit:\n    robust: median\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(both).aggregation.fedit.robust == "median"
 
 
 @pytest.mark.parametrize(
@@ -244,7 +306,9 @@ def test_a_moved_key_that_did_nothing_for_the_chosen_method_is_ignored_with_a_wa
 
 def test_an_old_key_counts_as_set_by_the_config_under_a_preset():
     """client.preset=paper fills what the config does not set: an old key the config does set is its own."""
-    cfg = load_config(None, ["client.preset=paper", "client.optimizer=adamw"])  # the default: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default: no warning
+        cfg = load_config(None, ["client.preset=paper", "client.optimizer=adamw"])
     assert cfg.client.sft.optimizer == "adamw" and cfg.client.scheduler == "constant"
     assert load_config(None, ["client.preset=paper"]).client.sft.optimizer == "sgd"
     assert (
@@ -334,3 +398,53 @@ def test_a_type_checker_reads_every_section(tmp_path):
     errors = [line for line in out.stdout.splitlines() if ": error:" in line]
     assert [line.split(":")[1] for line in errors] == ["7", "8"], out.stdout
     assert "router_lrr" in errors[0] and '"bool"' in errors[1]
+
+
+@pytest.mark.parametrize(
+    ("name", "option", "value", "attribute"),
+    [("fedit", "robust", "median", "robust"), ("fedit", "trim_fraction", 0.25, "trim_fraction"),
+     ("fedit", "download_budget_mb", 0.5, "budget_mb"), ("flexlora", "download_budget_mb", 0.5, "budget_mb"),
+     ("florist", "download_budget_mb", 0.5, "budget_mb"), ("fedex", "catchup_window", 3, "catchup_window"),
+     ("flora", "catchup_window", 3, "catchup_window"), ("florist", "catchup_window", 3, "catchup_window")],
+)  # fmt: skip
+def test_each_moved_option_reaches_its_strategy(name, option, value, attribute):
+    from fedllm.aggregation import strategy_from_config
+
+    cfg = load_config(
+        None,
+        [f"aggregation.name={name}", f"aggregation.{name}.{option}={value}", "lora.trainable_modules=[]"],
+    )
+    assert getattr(strategy_from_config(cfg.aggregation), attribute) == value
+
+
+def test_a_feature_without_its_typed_section_fails_at_import():
+    from types import SimpleNamespace
+
+    from fedllm.config import Config, _check_features
+    from fedllm.features import FEATURES
+
+    _check_features(Config, FEATURES)
+    with pytest.raises(TypeError, match="feature section 'newcomer'"):
+        _check_features(Config, [*FEATURES, SimpleNamespace(section="newcomer", options=dict)])
+
+
+def test_a_merging_strategy_must_keep_a_catchup_window():
+    """A strategy that merges into the base without MergingOptions would leave the server no merges for the
+    clients that missed some (every returning client would download the whole residual): refused at import."""
+    from fedllm.aggregation import STRATEGIES
+    from fedllm.aggregation.flora import FLoRA
+
+    with pytest.raises(TypeError, match="must subclass MergingOptions"):
+
+        class Merger(FLoRA):
+            name = "merger_without_window"
+            options = None
+
+    assert "merger_without_window" not in STRATEGIES
+
+
+def test_an_option_of_other_methods_names_them():
+    with pytest.raises(ConfigError, match=re.escape(
+        "flora has no option 'download_budget_mb'; it is an option of aggregation.fedit.download_budget_mb, "
+        "aggregation.flexlora.download_budget_mb, aggregation.florist.download_budget_mb")):  # fmt: skip
+        load_config(None, ["aggregation.name=flora", "aggregation.flora.download_budget_mb=1"])

@@ -293,6 +293,7 @@ def test_what_a_client_may_send(gen, extras, why):
         (["client.algorithm=scaffold"], "needs a strategy that averages parameters"),
         (["client.algorithm=perfedavg"], "take one plain optimizer step in some rounds"),
         (["client.sft.optimizer=sgd"], "client.sft.optimizer=adamw"),
+        (["client.algorithm=fedprox", "client.fedprox.optimizer=sgd"], "client.fedprox.optimizer=adamw"),
         (["aggregation.server_opt=fedadam"], None),
         (["privacy.mode=central", "lora.trainable_modules=[]"], None),
         (["aggregation.fedsb.init_examples=0"], "aggregation.fedsb.init_examples"),

@@ -133,6 +133,11 @@ class Strategy(abc.ABC):
             raise TypeError(f"strategy name {cls.name!r} is registered twice")
         if cls.options is not None and not dataclasses.is_dataclass(cls.options):
             raise TypeError(f"strategy {cls.name}: options must be a dataclass, got {cls.options!r}")
+        if cls.merges_into_base and not (cls.options is not None and issubclass(cls.options, MergingOptions)):
+            raise TypeError(
+                f"strategy {cls.name} merges into the base: its options must subclass MergingOptions (the "
+                "catch-up window the server keeps its merges for)"
+            )
         STRATEGIES[cls.name] = cls
 
     @classmethod

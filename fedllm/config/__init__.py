@@ -162,12 +162,20 @@ def _check_owned(section: type, registry: dict[str, Any], where: str) -> None:
 
 _check_owned(AggregationConfig, {**STRATEGIES, **SERVER_OPTIMIZERS}, "aggregation")
 _check_owned(ClientConfig, ALGORITHMS, "client")
-for _feature in FEATURES:
-    if typing.get_type_hints(Config).get(_feature.section) is not _feature.options:
-        raise TypeError(
-            f"feature section '{_feature.section}' ({_feature.options!r}) has no field in Config "
-            "(fedllm/config/__init__.py); add it"
-        )
+
+
+def _check_features(config: type, features: list[Any]) -> None:
+    """Every feature's section is a field of ``config`` of its options' type (as :func:`_check_owned`)."""
+    hints = typing.get_type_hints(config)
+    for feature in features:
+        if hints.get(feature.section) is not feature.options:
+            raise TypeError(
+                f"feature section '{feature.section}' ({feature.options!r}) has no field in Config "
+                "(fedllm/config/__init__.py); add it"
+            )
+
+
+_check_features(Config, FEATURES)
 
 _SECTIONS: list[tuple[str, type]] = list(typing.get_type_hints(Config).items())
 
@@ -223,9 +231,13 @@ MOVED: dict[str, Moved] = {
 }
 
 
-def _moved_to(cfg: Config, old: str, value: Any, settings: dict[str, Any]) -> str | None:
-    """The key an old, moved key's ``value`` now sets under ``cfg``'s chosen method (None: nothing to set),
-    warning that it moved; refuses it where the chosen method cannot take it."""
+class MovedKeyWarning(FutureWarning):
+    """A config set a key that moved into its method's options (:data:`MOVED`); it was read as the new key."""
+
+
+def _moved_to(cfg: Config, old: str, value: Any, warn: bool) -> tuple[str, Any] | None:
+    """The key an old, moved key's ``value`` now sets under ``cfg``'s chosen method, and the value (None:
+    nothing to set); refuses it where the chosen method cannot take it, and says when it is ignored."""
     m = MOVED[old]
     name = old.rsplit(".", 1)[1]
     try:
@@ -236,30 +248,29 @@ def _moved_to(cfg: Config, old: str, value: Any, settings: dict[str, Any]) -> st
     method = sec.name if m.section == "aggregation" else sec.algorithm
     chooser = "aggregation.name" if m.section == "aggregation" else "client.algorithm"
     owners = ", ".join(f"{m.section}.{o}.{name}" for o in m.owners)
-    if method not in m.owners:
-        if value == m.default:
-            return None
-        if m.refused_elsewhere:
-            raise ConfigError(
-                f"config key '{old}' = {value!r} is now {owners}; {chooser} = {method} has no such option"
-            )
+    if method in m.owners:
+        return f"{m.section}.{method}.{name}", value
+    if value == m.default:
+        return None
+    if m.refused_elsewhere:
+        raise ConfigError(
+            f"config key '{old}' = {value!r} is now {owners}; {chooser} = {method} has no such option"
+        )
+    if warn:
         warnings.warn(
             f"config key '{old}' = {value!r} did nothing for {chooser} = {method} and is ignored; it is now "
             f"{owners}",
-            FutureWarning,
+            MovedKeyWarning,
             stacklevel=4,
         )
-        return None
-    new = f"{m.section}.{method}.{name}"
-    if new in settings:
-        if settings[new] != value:
-            raise ConfigError(
-                f"config keys '{old}' = {value!r} and '{new}' = {settings[new]!r}: set only '{new}'"
-            )
-        return None
-    if value != m.default:
-        warnings.warn(f"config key '{old}' is now '{new}'; it was read as that", FutureWarning, stacklevel=4)
-    return new
+    return None
+
+
+def _get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def legacy_keys() -> dict[str, str]:
@@ -353,6 +364,20 @@ def _unknown(key: str) -> ConfigError:
             + ", ".join(f"{m.section}.{o}.{name}" for o in m.owners)
             + " (the option of the methods that use it)"
         )
+    section, _, rest = key.partition(".")
+    method, _, name = rest.partition(".")
+    registry = {"aggregation": {**STRATEGIES, **SERVER_OPTIMIZERS}, "client": ALGORITHMS}.get(section, {})
+    if method in registry and name and "." not in name:
+        owners = [
+            m
+            for m, c in sorted(registry.items())
+            if c.options and name in {f.name for f in dataclasses.fields(c.options)}
+        ]
+        if owners:
+            return ConfigError(
+                f"unknown config key '{key}': {method} has no option '{name}'; it is an option of "
+                + ", ".join(f"{section}.{o}.{name}" for o in owners)
+            )
     moved = legacy_keys().get(key)
     if moved is not None:
         return ConfigError(
@@ -385,37 +410,66 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
 
 
 def apply_settings(cfg: Config, settings: dict[str, Any]) -> set[str]:
-    """Set every dotted key of ``settings`` on ``cfg``; returns the keys set. A key that moved into its
-    method's options (:data:`MOVED`) is set last, under the method the settings choose."""
-    done = set()
-    for key, value in settings.items():
-        if key not in MOVED:
-            set_key(cfg, key, value)
-            done.add(RENAMED.get(key, key))
-    for key, value in settings.items():
-        if key in MOVED and (new := _moved_to(cfg, key, value, settings)) is not None:
-            set_key(cfg, new, value)
-            done.add(new)
-    return done
+    """Set every dotted key of ``settings`` on ``cfg``; returns the keys set (see :func:`_apply_layers`)."""
+    return _apply_layers(cfg, [(settings, False)])
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def _apply_layers(cfg: Config, layers: list[tuple[dict[str, Any], bool]]) -> set[str]:
+    """Each layer's settings in order (a config file, then the overrides: a later layer's value wins); returns
+    the keys set. A key that moved into its method's options (:data:`MOVED`) is resolved last, under the
+    method every layer together chooses (an old key in a file follows an ``aggregation.name`` given as an
+    override). Where a layer also sets the new key, the later layer wins; within one layer an old key at its
+    default gives way, and two different values are refused. A layer marked ``True`` is a config fedllm wrote
+    itself (a run folder's ``config.yaml``): its old keys load without a warning."""
+    layer_of: dict[str, int] = {}
+    moved: list[tuple[int, str, Any, bool]] = []
+    for i, (settings, written) in enumerate(layers):
+        for key, value in settings.items():
+            if key in MOVED:
+                moved.append((i, key, value, written))
+            else:
+                set_key(cfg, key, value)
+                layer_of[RENAMED.get(key, key)] = i
+    for i, old, raw, written in moved:
+        if (got := _moved_to(cfg, old, raw, warn=not written)) is None:
+            continue
+        new, value = got
+        j = layer_of.get(new)
+        if j is not None and (j > i or (j == i and value == MOVED[old].default)):
+            continue  # the new key, set by a later layer (or beside the old one left at its default)
+        if j == i and value != _get(cfg, new):
+            raise ConfigError(
+                f"config keys '{old}' = {value!r} and '{new}' = {_get(cfg, new)!r}: set only '{new}'"
+            )
+        if value != MOVED[old].default and not written:
+            warnings.warn(
+                f"config key '{old}' is now '{new}'; it was read as that", MovedKeyWarning, stacklevel=3
+            )
+        set_key(cfg, new, value)
+        layer_of[new] = i
+    return set(layer_of)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, written: bool = False
+) -> Config:
     """Build a validated config from an optional YAML file and ``key=value`` overrides (then the client
-    algorithm's preset, ``client.preset``, for the keys neither sets)."""
+    algorithm's preset, ``client.preset``, for the keys neither sets). ``written``: the file is a config
+    fedllm wrote itself (a run folder's resolved ``config.yaml``), whose keys of an older layout load
+    silently (the user did not type them)."""
     cfg = Config()
-    explicit: set[str] = set()
+    layers: list[tuple[dict[str, Any], bool]] = []
     if path is not None:
         from data_prep.schema import read_text
 
         path = Path(path)
         text = read_text(path, "a YAML config file (see configs/)", ConfigError)
-        explicit |= _apply_yaml(cfg, text, str(path))
+        layers.append((_yaml_settings(text, str(path)), written))
     try:
-        settings = dict(parse_override(text) for text in overrides or [])
+        layers.append((dict(parse_override(text) for text in overrides or []), False))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    explicit |= apply_settings(cfg, settings)
-    apply_preset(cfg, explicit)
+    apply_preset(cfg, _apply_layers(cfg, layers))
     validate(cfg)
     return cfg
 
@@ -433,7 +487,7 @@ def apply_preset(cfg: Config, explicit: set[str]) -> None:
 def config_from_text(text: str, name: str = "<resolved config>") -> Config:
     """A validated config from YAML text (e.g. the resolved config a Flower site receives)."""
     cfg = Config()
-    apply_preset(cfg, _apply_yaml(cfg, text, name))
+    apply_preset(cfg, _apply_layers(cfg, [(_yaml_settings(text, name), True)]))
     validate(cfg)
     return cfg
 
@@ -472,14 +526,14 @@ def _settings_of(data: dict[str, Any], cls: type, prefix: str, where: str) -> di
     return out
 
 
-def _apply_yaml(cfg: Config, text: str, name: str) -> set[str]:
-    """The settings of config file ``name`` (its YAML ``text``) applied to ``cfg``; returns their keys."""
+def _yaml_settings(text: str, name: str) -> dict[str, Any]:
+    """The dotted settings of config file ``name`` (its YAML ``text``)."""
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {name} is not valid YAML: {e}") from None
     if not data:
-        return set()
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {name} must hold a mapping of sections")
     sections = dict(_SECTIONS)
@@ -490,7 +544,7 @@ def _apply_yaml(cfg: Config, text: str, name: str) -> set[str]:
         if section not in sections:
             raise _unknown(f"{section}.{next(iter(values), '')}")
         settings.update(_settings_of(values, sections[section], f"{section}.", f"{name}: "))
-    return apply_settings(cfg, settings)
+    return settings
 
 
 def validate(cfg: Config) -> None:

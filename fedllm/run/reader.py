@@ -56,7 +56,7 @@ class RunFolder:
 
         if not self.is_run():
             raise RunReadError(f"{self.path} is not a fedllm run directory (no {CONFIG})")
-        return load_config(self.path / CONFIG, overrides)
+        return load_config(self.path / CONFIG, overrides, written=True)
 
     @cached_property
     def raw_config(self) -> dict:

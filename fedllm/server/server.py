@@ -367,8 +367,8 @@ class Server:
             raise ClientFailure(f"it claims to be client {update.client_id!r}")
         if exp.round is not None and (update.round != exp.round or update.token != exp.token):
             raise ClientFailure(
-                f"it answers round {update.round!r} (plan {str(update.token)[:16]!r}), not this round's plan "
-                f"({exp.round}): a replayed or stale update"
+                f"it answers round {update.round!r} (token {str(update.token)[:16]!r}), not this round's "
+                f"plan ({exp.round}): a replayed or stale update"
             )
         if update.num_examples != exp.num_examples:
             raise ClientFailure(
