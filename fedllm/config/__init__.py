@@ -366,7 +366,11 @@ def _unknown(key: str) -> ConfigError:
         )
     section, _, rest = key.partition(".")
     method, _, name = rest.partition(".")
-    registry = {"aggregation": {**STRATEGIES, **SERVER_OPTIMIZERS}, "client": ALGORITHMS}.get(section, {})
+    registries: dict[str, dict[str, Any]] = {
+        "aggregation": {**STRATEGIES, **SERVER_OPTIMIZERS},
+        "client": ALGORITHMS,
+    }
+    registry = registries.get(section, {})
     if method in registry and name and "." not in name:
         owners = [
             m
