@@ -331,7 +331,7 @@ def train_together(
 ) -> list[tuple[LocalResult, float]]:
     """Train ``jobs`` (switched in by the runtime, each in its own slot of ``model``) side by side; each one's
     result and seconds. The runtime calls this and never the reverse: each job carries the per-client
-    session state (its parameters, work, algorithm state, batches), and nothing here reads the runtime.
+    session state (its parameters, local work, algorithm state, batches), and nothing here reads the runtime.
 
     Clients with fewer local steps leave the batch when theirs are done; gradient accumulation takes
     ``client.grad_accum`` stacked micro-batches per step.

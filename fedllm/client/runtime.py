@@ -411,7 +411,7 @@ class ClientRuntime:
         self, client: ClientData, start: ClientStart, stack: contextlib.ExitStack, slot: str | None = None
     ) -> TrainingJob:
         """``client`` switched into its adapter (or ``slot``) with the strategy's training hooks open on
-        ``stack``: its trainable parameters, work, algorithm state and batches."""
+        ``stack``: its trainable parameters, local work, algorithm state and batches."""
         params, started = self.switch_in(client, start, slot)
         work = self.work_for(client, start.round)
         algo_state = unprefixed(client.state, ALGO)
