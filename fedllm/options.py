@@ -44,19 +44,25 @@ def nonneg(x: Any) -> bool:
     return bool(x >= 0)
 
 
+CHOOSERS = {"aggregation": "name", "client": "algorithm"}  # the key of each section that names its method
+
+
+def chosen_method(cfg: Any, section: str) -> str:
+    """The method a config chooses in ``section``: ``aggregation.name``'s strategy, ``client.algorithm``'s
+    algorithm."""
+    return str(getattr(getattr(cfg, section), CHOOSERS[section]))
+
+
 def chosen_option(cfg: Any, section: str, name: str, default: Any) -> Any:
-    """Option ``name`` of the method a config chooses in ``section`` (``aggregation``: ``aggregation.name``'s
-    strategy; ``client``: ``client.algorithm``'s), or ``default`` where that method has no such option: what
-    a rule or a check that spans methods reads (``aggregation.fedit.robust`` when the strategy is fedit)."""
-    sec = getattr(cfg, section)
-    method = sec.name if section == "aggregation" else sec.algorithm
-    return getattr(getattr(sec, method, None), name, default)
+    """Option ``name`` of the method a config chooses in ``section`` (:func:`chosen_method`), or ``default``
+    where that method has no such option: what a rule or a check that spans methods reads
+    (``aggregation.fedit.robust`` when the strategy is fedit)."""
+    return getattr(getattr(getattr(cfg, section), chosen_method(cfg, section), None), name, default)
 
 
 def chosen_key(cfg: Any, section: str, name: str) -> str:
     """The dotted key of :func:`chosen_option` (``aggregation.fedit.robust``), for messages."""
-    sec = getattr(cfg, section)
-    return f"{section}.{sec.name if section == 'aggregation' else sec.algorithm}.{name}"
+    return f"{section}.{chosen_method(cfg, section)}.{name}"
 
 
 @dataclass(frozen=True)

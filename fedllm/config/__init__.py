@@ -51,6 +51,7 @@ from fedllm.config.sections import (
     OutputConfig,
 )
 from fedllm.features import FEATURES
+from fedllm.options import CHOOSERS, chosen_key, chosen_method
 from fedllm.privacy.options import PrivacyOptions
 from fedllm.secagg.options import SecAggOptions
 from fedllm.transport import TransportOptions
@@ -244,12 +245,11 @@ def _moved_to(cfg: Config, old: str, value: Any, warn: bool) -> tuple[str, Any] 
         value = coerce(old, value, type(m.default))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    sec = getattr(cfg, m.section)
-    method = sec.name if m.section == "aggregation" else sec.algorithm
-    chooser = "aggregation.name" if m.section == "aggregation" else "client.algorithm"
+    method = chosen_method(cfg, m.section)
+    chooser = f"{m.section}.{CHOOSERS[m.section]}"
     owners = ", ".join(f"{m.section}.{o}.{name}" for o in m.owners)
     if method in m.owners:
-        return f"{m.section}.{method}.{name}", value
+        return chosen_key(cfg, m.section, name), value
     if value == m.default:
         return None
     if m.refused_elsewhere:
@@ -267,6 +267,7 @@ def _moved_to(cfg: Config, old: str, value: Any, warn: bool) -> tuple[str, Any] 
 
 
 def _get(cfg: Config, key: str) -> Any:
+    """The value of dotted ``key`` in ``cfg``."""
     obj: Any = cfg
     for part in key.split("."):
         obj = getattr(obj, part)
@@ -505,13 +506,7 @@ def config_to_text(cfg: Config) -> str:
 def flat_config(cfg: Config) -> dict[str, Any]:
     """``{"section.key": value}`` (``section.method.key`` for a method's options) of a config: what resumes
     compare, trackers log and digests cover."""
-    out = {}
-    for key, _, _ in _leaves(type(cfg), ""):
-        obj = cfg
-        for part in key.split("."):
-            obj = getattr(obj, part)
-        out[key] = obj
-    return out
+    return {key: _get(cfg, key) for key, _, _ in _leaves(type(cfg), "")}
 
 
 def _settings_of(data: dict[str, Any], cls: type, prefix: str, where: str) -> dict[str, Any]:
@@ -556,9 +551,7 @@ def validate(cfg: Config) -> None:
     combinations (``fedllm/config/rules.py``) and each method's own checks."""
     for key, _, f in _leaves(type(cfg), ""):
         check = f.metadata.get("check")
-        obj = cfg
-        for part in key.split("."):
-            obj = getattr(obj, part)
+        obj = _get(cfg, key)
         if check is not None and not check(obj):
             raise ConfigError(f"{key} = {obj!r} is invalid: expected {f.metadata['expect']}")
     _check_fields_together(cfg)
