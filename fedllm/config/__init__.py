@@ -68,7 +68,6 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "OutputConfig",
-    "apply_settings",
     "config_from_text",
     "config_to_text",
     "flat_config",
@@ -203,10 +202,6 @@ def _leaves(cls: type, prefix: str) -> typing.Iterator[tuple[str, Any, dataclass
 def valid_keys() -> list[str]:
     """Every dotted key a config may set."""
     return [key for name, cls in _SECTIONS for key, _, _ in _leaves(cls, f"{name}.")]
-
-
-# keys renamed after runs were written with them: read under the new name (run folders must keep loading)
-RENAMED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -396,9 +391,7 @@ def _unknown(key: str) -> ConfigError:
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
     """Set one dotted key (type-checked; an unknown key is refused with the closest known one, an old flat
-    key with the key that replaced it; a key renamed since a run was made is read under its new name, so
-    that older run folders still load)."""
-    key = RENAMED.get(key, key)
+    key with the key that replaced it; a key that moved into a method's options: :func:`_apply_layers`)."""
     *path, name = key.split(".")
     obj = cfg
     for part in path:
@@ -412,11 +405,6 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
         setattr(obj, name, coerce(key, value, fields[name][0]))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def apply_settings(cfg: Config, settings: dict[str, Any]) -> set[str]:
-    """Set every dotted key of ``settings`` on ``cfg``; returns the keys set (see :func:`_apply_layers`)."""
-    return _apply_layers(cfg, [(settings, False)])
 
 
 def _apply_layers(cfg: Config, layers: list[tuple[dict[str, Any], bool]]) -> set[str]:
@@ -434,7 +422,7 @@ def _apply_layers(cfg: Config, layers: list[tuple[dict[str, Any], bool]]) -> set
                 moved.append((i, key, value, written))
             else:
                 set_key(cfg, key, value)
-                layer_of[RENAMED.get(key, key)] = i
+                layer_of[key] = i
     for i, old, raw, written in moved:
         if (got := _moved_to(cfg, old, raw, warn=not written)) is None:
             continue
