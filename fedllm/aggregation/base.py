@@ -272,6 +272,25 @@ class Strategy(abc.ABC):
         return {}
 
 
+class MergingStrategy(Strategy, register=False):
+    """A strategy that merges each round's update into the base (FedEx-LoRA, FLoRA, FLoRIST): its global state
+    is the merged residual, and the server keeps its newest ``catchup_window`` merges (its options subclass
+    :class:`MergingOptions`) so that a client that missed some downloads one exact catch-up."""
+
+    merges_into_base = True
+    global_state = "merged"
+    options: ClassVar[type | None] = MergingOptions
+
+    def __init__(self, catchup_window: int = 8) -> None:
+        self.catchup_window = catchup_window
+
+    @classmethod
+    def from_options(cls, options: Any) -> Strategy:
+        """The strategy with its window (``options``: a :class:`MergingOptions`; a strategy with more options
+        builds itself from them)."""
+        return cls(options.catchup_window)
+
+
 class StrategyWrapper(Strategy, register=False):
     """A strategy around another (as Flower's DP wrappers subclass ``Strategy`` and delegate each call): every
     call and capability is the inner strategy's, delegated explicitly, unless the wrapper overrides it. It is

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from fedllm.aggregation.base import (
     GlobalState,
     MergingOptions,
+    MergingStrategy,
     RoundContext,
     RoundResult,
-    Strategy,
     leading_factors,
 )
 from fedllm.factors import Adapter, LoraFactors, add_to_residual, concat, pad_rank, smallest_exact, stack
@@ -43,7 +43,7 @@ class FedExOptions(MergingOptions):
     """FedEx-LoRA's options: the merges kept for catch-ups."""
 
 
-class FedExLoRA(Strategy):
+class FedExLoRA(MergingStrategy):
     """Average A and B (weights p_k), merge the exact remainder into the base.
 
     Client: merges the downloaded residual into its base, loads the leading
@@ -51,16 +51,8 @@ class FedExLoRA(Strategy):
     """
 
     name = "fedex"
-    merges_into_base = True  # the remainder: under a quantized base it stays a frozen residual adapter
-    global_state = "merged"
+    # it merges the remainder (under a quantized base it stays a frozen residual adapter)
     options = FedExOptions
-
-    def __init__(self, catchup_window: int = 8) -> None:
-        self.catchup_window = catchup_window
-
-    @classmethod
-    def from_options(cls, options: FedExOptions) -> FedExLoRA:
-        return cls(options.catchup_window)
 
     def aggregate_factors(
         self,

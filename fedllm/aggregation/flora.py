@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedllm.aggregation.base import GlobalState, MergingOptions, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, MergingOptions, MergingStrategy, RoundContext, RoundResult
 from fedllm.factors import add_to_residual, stack
 from fedllm.protocol import ClientUpdate
 
@@ -22,7 +22,7 @@ class FloraOptions(MergingOptions):
     """FLoRA's options: the merges kept for catch-ups."""
 
 
-class FLoRA(Strategy):
+class FLoRA(MergingStrategy):
     """Stack the clients' factors and merge the exact weighted sum into the base.
 
     Client: merges the broadcast stacked update into its base weights, then
@@ -30,17 +30,8 @@ class FLoRA(Strategy):
     """
 
     name = "flora"
-    merges_into_base = True
-    global_state = "merged"
     averages_parameters = False
     options = FloraOptions
-
-    def __init__(self, catchup_window: int = 8) -> None:
-        self.catchup_window = catchup_window
-
-    @classmethod
-    def from_options(cls, options: FloraOptions) -> FLoRA:
-        return cls(options.catchup_window)
 
     def aggregate_factors(
         self,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fedllm.aggregation.base import GlobalState, MergingOptions, RoundContext, RoundResult, Strategy
+from fedllm.aggregation.base import GlobalState, MergingOptions, MergingStrategy, RoundContext, RoundResult
 from fedllm.factors import (
     Adapter,
     add_to_residual,
@@ -49,7 +49,7 @@ class FloristOptions(MergingOptions):
     )
 
 
-class FLoRIST(Strategy):
+class FLoRIST(MergingStrategy):
     """Threshold the singular values by energy (or keep a fixed rank) and merge.
 
     Client: merges the broadcast rank-``p`` update into its base weights and
@@ -57,8 +57,6 @@ class FLoRIST(Strategy):
     """
 
     name = "florist"
-    merges_into_base = True
-    global_state = "merged"
     averages_parameters = False
     options = FloristOptions
 
@@ -69,8 +67,8 @@ class FLoRIST(Strategy):
             raise ValueError(f"tau = {tau} is invalid: expected a value in (0, 1]")
         if fixed_rank < 0:
             raise ValueError(f"fixed_rank = {fixed_rank} is invalid: expected >= 1 (or 0 to use tau)")
+        super().__init__(catchup_window)
         self.tau, self.fixed_rank, self.budget_mb = tau, fixed_rank, download_budget_mb
-        self.catchup_window = catchup_window
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
