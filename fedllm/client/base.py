@@ -194,15 +194,19 @@ class ClientAlgorithm:
     def from_config(cls, client_cfg) -> ClientAlgorithm:
         """The algorithm from the client section: its general settings, and its own options under
         ``client_cfg.<name>`` (an instance of :attr:`options`; its ``optimizer`` where it declares one)."""
-        own = cls.own_options(client_cfg)
-        return cls(optimizer=own.optimizer) if hasattr(own, "optimizer") else cls()
+        return cls(optimizer=cls.own_options(client_cfg).optimizer) if cls.chooses_optimizer() else cls()
+
+    @classmethod
+    def chooses_optimizer(cls) -> bool:
+        """Whether its options choose the local optimizer (``client.<name>.optimizer``: SFT, FedProx,
+        SCAFFOLD)."""
+        return cls.options is not None and "optimizer" in {f.name for f in dataclasses.fields(cls.options)}
 
     @classmethod
     def paper_settings(cls) -> dict[str, object]:
         """What ``client.preset=paper`` sets: plain SGD where the algorithm's options choose an optimizer,
         then its :attr:`paper_preset` (schedule, clip)."""
-        fields = {f.name for f in dataclasses.fields(cls.options)} if cls.options is not None else set()
-        sgd = {f"client.{cls.name}.optimizer": "sgd"} if "optimizer" in fields else {}
+        sgd = {f"client.{cls.name}.optimizer": "sgd"} if cls.chooses_optimizer() else {}
         return {**sgd, **cls.paper_preset}
 
     @classmethod
