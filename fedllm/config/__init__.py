@@ -227,6 +227,11 @@ MOVED: dict[str, Moved] = {
 }
 
 
+def _keys(section: str, methods: typing.Iterable[str], name: str) -> str:
+    """``section.<method>.name`` of each method, for a message."""
+    return ", ".join(f"{section}.{m}.{name}" for m in methods)
+
+
 class MovedKeyWarning(FutureWarning):
     """A config set a key that moved into its method's options (:data:`MOVED`); it was read as the new key."""
 
@@ -242,7 +247,7 @@ def _moved_to(cfg: Config, old: str, value: Any, warn: bool) -> tuple[str, Any] 
         raise ConfigError(str(e)) from None
     method = chosen_method(cfg, m.section)
     chooser = f"{m.section}.{CHOOSERS[m.section]}"
-    owners = ", ".join(f"{m.section}.{o}.{name}" for o in m.owners)
+    owners = _keys(m.section, m.owners, name)
     if method in m.owners:
         return chosen_key(cfg, m.section, name), value
     if value == m.default:
@@ -357,7 +362,7 @@ def _unknown(key: str) -> ConfigError:
         name = key.rsplit(".", 1)[1]
         return ConfigError(
             f"config key '{key}' is now "
-            + ", ".join(f"{m.section}.{o}.{name}" for o in m.owners)
+            + _keys(m.section, m.owners, name)
             + " (the option of the methods that use it)"
         )
     section, _, rest = key.partition(".")
@@ -376,7 +381,7 @@ def _unknown(key: str) -> ConfigError:
         if owners:
             return ConfigError(
                 f"unknown config key '{key}': {method} has no option '{name}'; it is an option of "
-                + ", ".join(f"{section}.{o}.{name}" for o in owners)
+                + _keys(section, owners, name)
             )
     moved = legacy_keys().get(key)
     if moved is not None:
