@@ -197,13 +197,29 @@ def test_the_equivalence_test_fails_on_a_broken_batch(builtin_base, monkeypatch,
     assert worst > 1e-2, (fault, where, worst)
 
 
-@pytest.mark.parametrize("strategy", ["fedit", pytest.param("hetlora", marks=pytest.mark.slow)])
-def test_batched_with_gradient_checkpointing_and_dropout_gets_lone_updates(builtin_base, strategy):
+@pytest.mark.parametrize(
+    "strategy, flag",
+    [
+        ("fedit", "as-transformers-says"),
+        ("fedit", "flag-gone"),
+        pytest.param("hetlora", "as-transformers-says", marks=pytest.mark.slow),
+    ],
+)
+def test_batched_with_gradient_checkpointing_and_dropout_gets_lone_updates(
+    builtin_base, strategy, flag, monkeypatch
+):
     """Gradient checkpointing recomputes each block's forward in the backward: each client's dropout masks
     must be drawn again as the forward drew them (its own generator, which torch's checkpoint does not
-    restore), else dx sees one mask and dA, dB another (HetLoRA: a hooked layer's path)."""
+    restore), else dx sees one mask and dA, dB another (HetLoRA: a hooked layer's path). ``flag-gone``: the
+    model's ``is_gradient_checkpointing`` / ``is_activation_checkpointing`` report False (the deprecated
+    property removed, as transformers 6 does): the replay is decided from the modules and still happens."""
+    from transformers import PreTrainedModel
+
     from fedllm.client import batched
 
+    if flag == "flag-gone":
+        for name in ("is_gradient_checkpointing", "is_activation_checkpointing"):
+            monkeypatch.setattr(PreTrainedModel, name, property(lambda self: False), raising=False)
     noise, replayed = batched.Routing._noise, []
 
     def counted(self, m, x, dtype):

@@ -172,6 +172,15 @@ class _Layer:
     dtype: torch.dtype
 
 
+def checkpointed(model) -> bool:
+    """Whether any module of ``model`` recomputes its forward in the backward: the modules' own
+    ``gradient_checkpointing`` flags, which ``gradient_checkpointing_enable`` sets on each block. Not the
+    model's ``is_gradient_checkpointing`` property, deprecated in transformers 5 and gone in 6: had the replay
+    keyed on it, its removal would silently switch the replay off and batched gradients under checkpointing
+    and dropout would be wrong again (1.42 relative)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 class Routing:
     """Every LoRA layer's forward replaced, while open, by one that routes each row through its client's
     adapter (see module docstring); :attr:`spans` says whose rows are where for the next forward."""
@@ -179,7 +188,7 @@ class Routing:
     def __init__(self, model, adapter: str) -> None:
         self.modules = list(lora_modules(model, adapter).values())
         # gradient checkpointing recomputes a layer's forward in the backward: its masks are then replayed
-        self.replays = bool(getattr(model, "is_gradient_checkpointing", False))
+        self.replays = checkpointed(model)
         self._spans: list[_Span] = []
         # per layer: each client's generator state when the layer drew its masks in this forward
         self._drawn: dict[int, list[Tensor | None]] = {}
