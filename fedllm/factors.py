@@ -305,6 +305,17 @@ def pad_rank(f: LoraFactors, rank: int) -> LoraFactors:
     return LoraFactors(A, B, f.scale)
 
 
+def pad_with(f: LoraFactors, g: LoraFactors) -> LoraFactors:
+    """Folded ``f`` at ``g``'s rank, its components beyond its own rank taken from folded ``g``: an upload
+    that trained only its leading components, seen as unchanged elsewhere (its change padded with zeros)."""
+    if f.rank > g.rank:
+        raise ValueError(f"cannot pad rank {f.rank} down to {g.rank}")
+    A, B = g.A.clone(), g.B.clone()
+    A[: f.rank] = f.A
+    B[:, : f.rank] = f.B
+    return LoraFactors(A, B, f.scale)
+
+
 def truncate_rank(f: LoraFactors, rank: int) -> LoraFactors:
     """The leading ``rank`` rows of A and columns of B."""
     return LoraFactors(f.A[:rank], f.B[:, :rank], f.scale)

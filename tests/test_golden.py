@@ -14,6 +14,18 @@ from tests.golden import CASES, FIXTURE, ON_FLOWER, random_base, run_case, run_c
 # float rounding differs between CPUs, thread counts and summation orders; 2 rounds of 3 steps on a small
 # random base keep that far below this
 RTOL = 2e-4
+# an encoded case (comm.upload / comm.download int8 or int4) rounds each value to a code: a float difference
+# of 1e-7 at a rounding boundary flips a code by one step (1/127 of its row's range at int8), and the next
+# round trains from it; on a 2-core AMD EPYC (2026-12-04) fedit_int8 differed from the fixture by 2.1e-4
+# relative through such flips alone. A change of the computation moves the adapter by far more than this.
+RTOL_ENCODED = 2e-3
+
+
+def tolerance(case: str) -> float:
+    encoded = any(
+        o.startswith(("comm.upload=", "comm.download=")) and not o.endswith("float32") for o in CASES[case]
+    )
+    return RTOL_ENCODED if encoded else RTOL
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +44,7 @@ def assert_golden(case: str, got: dict, golden: dict) -> None:
     assert sorted(got) == sorted(want)
     for key, w in want.items():
         distance = float((got[key] - w).norm())
-        assert distance <= RTOL * max(float(w.norm()), 1e-12), (key, distance, float(w.norm()))
+        assert distance <= tolerance(case) * max(float(w.norm()), 1e-12), (key, distance, float(w.norm()))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -51,8 +51,11 @@ def test_rounds_alternate_and_each_average_is_exact(gen):
         hook = rolora.client_hook().for_round(t)
         assert hook.uploads == (("B",) if t % 2 else ("A",)) and hook.frozen == (("A",) if t % 2 else ("B",))
         ups = _clients(gen, rolora, state, t)
-        dense = sum(p * u.factors[KEY].delta() for p, u in zip(example_weights(ups), ups, strict=True))
         before = state.factors[KEY]
+        dense = before.delta() + sum(  # the old product plus the weighted mean of the clients' changes
+            p * (u.factors[KEY].delta() - truncate_rank(before, u.factors[KEY].rank).delta())
+            for p, u in zip(example_weights(ups), ups, strict=True)
+        )
         ctx = RoundContext(t, 3, [{}] * 3, RMAX, lambda: {})
         state = rolora.aggregate(ups, state, None, ctx).state
         g = state.factors[KEY]

@@ -211,6 +211,15 @@ class Strategy(abc.ABC):
         """The weighted mean (FedIT's options can make it a robust one)."""
         return weighted_mean(tensors, weights)
 
+    def at_rank(self, upload: LoraFactors, current: LoraFactors) -> LoraFactors:
+        """How an upload of a smaller rank (folded) enters the average at the global rank (``current``: the
+        global factors the round started from, folded): zero-padded by default (FedIT's and HetLoRA's
+        heterogeneous-rank rule, which averages each client's own product). A strategy whose clients train
+        the leading part of one shared global adapter (FedSVD, RoLoRA) pads with the global's own components
+        instead, so that its round is the old global plus the weighted mean of the clients' changes: a
+        client that changed nothing leaves the product as it was."""
+        return pad_rank(upload, current.rank)
+
     def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         """The extras this strategy expects in an update, checked against ``exp``
         (``fedllm.checks.Expected``) and cast; raises ``ClientFailure``.
@@ -377,6 +386,9 @@ class StrategyWrapper(Strategy, register=False):
 
     def average(self, tensors: list[Tensor], weights: list[float]) -> Tensor:
         return self.inner.average(tensors, weights)
+
+    def at_rank(self, upload: LoraFactors, current: LoraFactors) -> LoraFactors:
+        return self.inner.at_rank(upload, current)
 
     def accept_extras(self, extras: dict[str, Tensor], exp: Expected) -> dict[str, Tensor]:
         return self.inner.accept_extras(extras, exp)

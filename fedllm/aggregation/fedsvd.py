@@ -14,8 +14,9 @@ Here: the SVD from a QR of the factors and an ``r x r`` core (never the dense ma
 Round 1's A is the shared seeded initialization (a client derives it from the run's seed, as FFA-LoRA's,
 and downloads B alone); from round 2 on a client downloads its leading ``r_k`` rows of A and columns of B
 (counted). Heterogeneous ranks: the singular directions are ordered by energy, so a client of rank ``r_k``
-trains B against the ``r_k`` most energetic directions, and its ``B_k`` zero-padded to ``r_max`` columns
-enters the average (its ``A_k`` is the leading rows of the common A, so the average stays exact). Clients
+trains B against the ``r_k`` most energetic directions; its ``B_k`` enters the average beside the global B's
+columns it did not hold (its change, zero beyond its rank, is what is averaged), so the round is the old
+product plus the weighted mean of the clients' changes, exactly, at any mix of ranks. Clients
 upload B only. The global factors are re-made every round, so a server optimizer or a client algorithm that
 keeps state per parameter is refused (``global_state = "refactored"``).
 """
@@ -34,7 +35,7 @@ from fedllm.aggregation.base import (
     leading_factors,
 )
 from fedllm.aggregation.ffa import Frozen, frozen_factor
-from fedllm.factors import Adapter, LoraFactors, init_factors, low_rank_svd, pad_rank, svd_factors
+from fedllm.factors import Adapter, LoraFactors, init_factors, low_rank_svd, pad_rank, pad_with, svd_factors
 from fedllm.protocol import ClientHook, ClientUpdate
 
 ROUNDS = "fedsvd_rounds"  # rounds re-factored so far (0: A is still the seed's, never sent)
@@ -84,13 +85,19 @@ class FedSVD(Strategy):
     ) -> RoundResult:
         out: Adapter = {}
         for key, g in state.factors.items():
-            rmax = g.rank
             A = frozen_factor(g, updates, key, "A")
-            B = self.average([pad_rank(u.factors[key].folded(), rmax).B for u in updates], weights)
+            B = self.average([self.at_rank(u.factors[key].folded(), g.folded()).B for u in updates], weights)
             out[key] = LoraFactors(A, B, 1.0)
         extras = dict(state.extras)
         extras[ROUNDS] = int(extras.get(ROUNDS, 0)) + 1
         return RoundResult(GlobalState(out, dict(state.residual), extras=extras))
+
+    def at_rank(self, upload: LoraFactors, current: LoraFactors) -> LoraFactors:
+        """A client's B beside the global B's columns it did not hold (:meth:`Strategy.at_rank`): the round
+        is the old product plus the weighted mean of the clients' changes, so a client that changed nothing
+        moves nothing, whatever its rank (zero-padded, a rank-2 client of ranks 6/4/2 moved the product by
+        13 %)."""
+        return pad_with(upload, current)
 
     def release(self, state: GlobalState) -> GlobalState:
         """``B A = U S V^T`` re-factored as ``A = V^T``, ``B = U S`` at the same rank (the same product)."""

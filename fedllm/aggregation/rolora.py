@@ -10,11 +10,11 @@ learn. The paper's claim: better than FedIT and FFA-LoRA, and more robust as the
 
 Here: odd rounds train B (round 1 starts from LoRA's init, B = 0, so training A first would get no
 gradient), even rounds A. Round 1's A is the run's shared seeded initialization, as FFA-LoRA's. Mixed
-ranks: the zero-padded generalization (a client of rank ``r_k`` trains the leading ``r_k`` components; its
-factor zero-padded to ``r_max`` enters the average, which stays exact because its frozen factor is the
-leading part of the shared one). The global factors persist between rounds, so a server optimizer may step
-them (``global_state = "parameters"``; it steps the round's trained factor only); central DP noises the
-round's trained factor (``linear``).
+ranks: a client of rank ``r_k`` trains the leading ``r_k`` components; its factor enters the average beside
+the global's components it did not hold, so the round is the old global plus the weighted mean of the
+clients' changes (exact: its frozen factor is the leading part of the shared one). The global factors
+persist between rounds, so a server optimizer may step them (``global_state = "parameters"``; it steps the
+round's trained factor only); central DP noises the round's trained factor (``linear``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from fedllm.aggregation.base import (
     leading_factors,
 )
 from fedllm.aggregation.ffa import Frozen, frozen_factor
-from fedllm.factors import Adapter, LoraFactors, init_factors, pad_rank
+from fedllm.factors import Adapter, LoraFactors, init_factors, pad_with
 from fedllm.protocol import ClientHook, ClientUpdate
 
 ROUNDS = "rolora_rounds"  # rounds aggregated so far (the phase when no context says the round)
@@ -98,8 +98,7 @@ class RoLoRA(Strategy):
         factor = trains(round_idx)
         out: Adapter = {}
         for key, g in state.factors.items():
-            rmax = g.rank
-            folded = [pad_rank(u.factors[key].folded(), rmax) for u in updates]
+            folded = [self.at_rank(u.factors[key].folded(), g.folded()) for u in updates]
             if factor == "B":
                 A = frozen_factor(g, updates, key, "A")
                 out[key] = LoraFactors(A, self.average([f.B for f in folded], weights), 1.0)
@@ -109,6 +108,12 @@ class RoLoRA(Strategy):
         extras = dict(state.extras)
         extras[ROUNDS] = int(extras.get(ROUNDS, 0)) + 1
         return RoundResult(GlobalState(out, dict(state.residual), extras=extras))
+
+    def at_rank(self, upload: LoraFactors, current: LoraFactors) -> LoraFactors:
+        """A client's trained factor beside the global's components it did not hold
+        (:meth:`Strategy.at_rank`): the round is the old global plus the weighted mean of the changes
+        (zero-padded, rank-2 clients of a rank-6 federation zeroed B's columns 2-5)."""
+        return pad_with(upload, current)
 
     def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
         return leading_factors(state, rank, scale)

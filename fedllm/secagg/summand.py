@@ -28,7 +28,7 @@ from torch import Tensor
 
 from fedllm.aggregation.base import base_point
 from fedllm.checks import clip_
-from fedllm.factors import Adapter, LoraFactors, pad_rank
+from fedllm.factors import Adapter, LoraFactors
 from fedllm.protocol import ClientUpdate, SummedUpdates, UploadContext, UploadTransform, upload_changes
 
 KEY = "secagg"  # the embedded changes in an update's ``attachments`` (what its masked vector carries)
@@ -152,7 +152,7 @@ def summed_update(
         for k, w in zip(clients, weights, strict=True):
             ref = server.reference(plan.round, k, plan.starts[k])
             for key, f in ref.items():
-                padded = pad_rank(f.folded(), server.max_rank)
+                padded = server.strategy.at_rank(f.folded(), base[key])
                 start[key]["A"] += w * padded.A
                 start[key]["B"] += w * padded.B
         scale_sum = 1.0
