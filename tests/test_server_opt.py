@@ -391,3 +391,40 @@ def test_a_download_budget_is_refused_with_a_server_optimizer():
                 "lora.trainable_modules=[]",
             ],
         )
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+@pytest.mark.parametrize("strategy", ["fedit", "ffa", "rolora"])
+def test_what_no_client_of_a_round_trained_keeps_its_value_and_moments_at_a_later_step(method, strategy):
+    """Ranks 4, 4, 8, 8: round 1 every client (non-zero moments everywhere), rounds 2 and 3 the rank-4 clients
+    only. Components 4-7 of what the round's clients upload are not moved by the optimizer's second and
+    third steps, nor are their moments (before, FedAvgM's momentum moved them by 0.1, and FFA-LoRA's and
+    RoLoRA's padded aggregates let FedAdagrad step them); components 0-3 do move."""
+    from tests.test_trust import honest, make_server
+
+    server = make_server(strategy, clip_norm_ratio=0)
+    server.strategy = with_server_opt(
+        server.strategy,
+        load_config(None, [f"aggregation.name={strategy}", f"aggregation.server_opt={method}"]).aggregation,
+    )
+    for r, finishing in ((1, (0, 1, 2, 3)), (2, (0, 1)), (3, (0, 1))):
+        before = {k: LoraFactors(f.A.clone(), f.B.clone(), f.scale) for k, f in server.state.factors.items()}
+        moments = {k: v.clone() for k, v in server.state.extras.items() if k.startswith(PREFIX)}
+        plan = server.plan_round(r)
+        updates = {k: honest(server, plan, k, size=0.05, seed=r) for k in finishing}
+        report = server.finish_round(plan, {**{k: "no reply" for k in plan.active}, **updates})
+        assert not report.row["skipped"]
+        if r == 1:
+            continue
+        uploads = server.strategy.client_hook().for_round(r).uploads
+        for key, f in server.state.factors.items():
+            for name in uploads:
+                new, old = getattr(f, name), getattr(before[key], name)
+                tail = (slice(4, None),) if name == "A" else (slice(None), slice(4, None))
+                head = (slice(None, 4),) if name == "A" else (slice(None), slice(None, 4))
+                assert torch.equal(new[tail], old[tail]), (r, key, name)
+                assert not torch.equal(new[head], old[head]), (r, key, name)
+                for m, v in server.state.extras.items():
+                    if m.endswith(f".{key}.{name}") and m in moments:
+                        assert torch.equal(v[tail], moments[m][tail]), (r, m)
+                        assert torch.count_nonzero(v[tail]) > 0 or (r == 2 and strategy == "rolora"), (r, m)

@@ -60,7 +60,8 @@ class RoundContext:
     the updates); ``sampled``: how many clients the round sampled; ``max_rank``: the largest adapter rank
     of the federation; ``fresh()``: the round's shared fresh initialization at that rank (computed on
     demand); ``max_weight``: the server's cap on one client's share of an average; ``contributors``: how many
-    clients the updates stand for (secure aggregation hands one update, the sum of several).
+    clients the updates stand for (secure aggregation hands one update, the sum of several);
+    ``trained_rank``: the largest rank those clients train (components beyond it nobody trained this round).
     """
 
     round: int
@@ -71,6 +72,9 @@ class RoundContext:
     max_weight: float = 1.0
     # how many clients' uploads the updates carry (a secure sum is one update of several; None: one each)
     contributors: int | None = None
+    # the largest adapter rank among the clients the updates stand for (the server's registry, never an
+    # update's shape: FFA-LoRA's and RoLoRA's aggregates are padded to the global rank); None: max_rank
+    trained_rank: int | None = None
 
 
 @dataclass

@@ -33,8 +33,13 @@ round into the base (their clients restart from fresh adapters: no global adapte
 global factors are a new SVD of the averaged product every round (their difference is no step in a fixed
 parameter); FLoRAL and local-only keep every client's own adapter or router.
 
-Components of the global factors that no client of a round had (no client of the largest rank was sampled)
-are not stepped: the inner strategy's zero padding there is no one's change. A round without updates takes no
+Components of the global factors that no client of a round trained (beyond the largest rank of the round's
+clients, which the server knows from its registry: ``RoundContext.trained_rank``) are neither stepped nor
+are their moments changed, as torch's ``SparseAdam`` leaves the rows a batch did not touch: the inner
+strategy's padding there (zeros for FedIT and FFA-LoRA, the old global for RoLoRA) is no one's change, and
+a zero pseudo-gradient would let a momentum keep moving them (after a full-rank round, a round of rank-2/1
+clients moved rows 2-3 of A by 0.1 under FedAvgM before this rule). Flower's strategies step the whole
+vector: they see one array per parameter, not which parts were trained. A round without updates takes no
 step, and the bias correction still counts it (Flower's ``server_round``). RoLoRA trains each factor every
 other round, so its factors' moments age by two rounds per step and FedAdam's bias correction counts rounds,
 not steps: the optimizer is defined for it, not tuned to it. A download budget (clients start from part of
@@ -150,18 +155,20 @@ class ServerOptimizer(StrategyWrapper, register=False):
         new = result.state
         uploads = self.inner.client_hook().for_round(context.round).uploads
         moments = {k: v for k, v in state.extras.items() if k.startswith(PREFIX)}
+        trained = context.trained_rank if context.trained_rank is not None else context.max_rank
         factors = {}
         for key, f in new.factors.items():
             rank = max(f.rank, start[key].rank) if key in start else f.rank
             g = pad_rank(f.folded(), rank)
             x = pad_rank(start[key], rank) if key in start else None
-            if x is not None and f.rank < rank:  # components no client of this round had: not stepped
-                g.A[f.rank :], g.B[:, f.rank :] = x.A[f.rank :], x.B[:, f.rank :]
+            lead = min(f.rank, trained)  # the components a client of this round trained
+            if x is not None and lead < rank:  # the others: neither stepped nor their moments moved
+                g.A[lead:], g.B[:, lead:] = x.A[lead:], x.B[:, lead:]
             A, B = g.A, g.B
             if x is not None and "A" in uploads:
-                A = self._step(f"{key}.A", x.A, g.A, moments, context.round)
+                A = self._step(f"{key}.A", x.A, g.A, moments, context.round, (slice(lead, None),))
             if x is not None and "B" in uploads:
-                B = self._step(f"{key}.B", x.B, g.B, moments, context.round)
+                B = self._step(f"{key}.B", x.B, g.B, moments, context.round, (slice(None), slice(lead, None)))
             factors[key] = LoraFactors(A, B, 1.0)
         dense = {
             k: self._step(f"dense.{k}", state.dense[k], t, moments, context.round) if k in state.dense else t
@@ -177,14 +184,33 @@ class ServerOptimizer(StrategyWrapper, register=False):
         result.state = GlobalState(factors, new.residual, dense, extras)
         return result
 
-    def _step(self, name: str, x: Tensor, target: Tensor, moments: dict[str, Any], t: int) -> Tensor:
-        """``x`` stepped with the pseudo-gradient ``target - x``; the moments of ``name`` updated in place."""
+    def _step(
+        self,
+        name: str,
+        x: Tensor,
+        target: Tensor,
+        moments: dict[str, Any],
+        t: int,
+        untrained: tuple[slice, ...] | None = None,
+    ) -> Tensor:
+        """``x`` stepped with the pseudo-gradient ``target - x``; the moments of ``name`` updated in place.
+        ``untrained``: the part no client of the round trained, left as it was, its moments too (lazily, as
+        torch's ``SparseAdam`` treats the rows a batch did not touch): a momentum there would otherwise keep
+        moving what nobody trained, and a zero pseudo-gradient would decay its moments as if observed."""
         delta = target - x
         state = {}
         for m in self.moments:
             prev = moments.get(f"{PREFIX}{m}.{name}")
             state[m] = None if prev is None or prev.shape != delta.shape else prev
         new_x, new_state = self.update(x, delta, state, t)
+        if untrained is not None:
+            new_x = new_x.clone()
+            new_x[untrained] = x[untrained]
+            for m, v in new_state.items():
+                prev = state.get(m)
+                v = v.clone()
+                v[untrained] = 0.0 if prev is None else prev[untrained]
+                new_state[m] = v
         for m, v in new_state.items():
             moments[f"{PREFIX}{m}.{name}"] = v
         return new_x

@@ -500,6 +500,8 @@ class Server:
         before = self.algorithm.state_dict()
         context = self.context(plan, [] if summed else updates)
         context.contributors = contributors
+        if replied:
+            context.trained_rank = max(self.strategy.adapter_rank(self.clients[k].rank) for k in replied)
         if summed is not None:
             context.references = [summed.reference]
         try:
