@@ -402,7 +402,7 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
     return app, sf, fake_train
 
 
-def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True):
+def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True, deviating=False):
     """One SecAgg+ round of Flower's workflow as fedllm configures it (clipping range from the clip, the
     quantization bits from the field), on plain vectors; returns (mean, finishing nodes, grid)."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
@@ -427,6 +427,10 @@ def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True):
     sf._secure_train = fake_train
     try:
         ex.workflow(max_weight, 10.0)(grid, ctx)
+    except Exception:  # the workflow's own failure on replies a deviating server provoked
+        if not deviating:
+            raise
+        return None, [], grid
     finally:
         sf._secure_train = original
     if strategy.results is None:
@@ -556,6 +560,255 @@ def test_too_many_sites_gone_halts_the_round_without_a_result(secure_cfg):
     assert mean is None and nodes == []
 
 
+# ------------------------------------------------------------------ a server that deviates from the protocol
+def server_sends(monkeypatch, edit) -> None:
+    """From now on the server edits each protocol message before it leaves (``edit(stage, node, configs)``,
+    in place): a server that deviates from SecAgg+'s messages."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    original = VectorGrid.send_and_receive
+
+    def deviating(self, messages, timeout=None):
+        for m in messages:
+            records = m.content.config_records
+            if RECORD_KEY_CONFIGS in records:
+                configs = records[RECORD_KEY_CONFIGS]
+                edit(configs["stage"], m.metadata.dst_node_id, configs)
+        return original(self, messages, timeout)
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", deviating)
+
+
+def rebuild(grid, target: int, cfg) -> np.ndarray | None:
+    """What the server can make of the target's masked vector with the shares the sites returned: both kinds
+    of the target's shares (its private mask seed's and its key-agreement secret's) remove every mask. None
+    when it holds fewer than the threshold of either kind (or no masked vector)."""
+    from flwr.common import bytes_to_ndarray
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.common.secure_aggregation.ndarrays_arithmetic import (
+        factor_extract,
+        get_parameters_shape,
+        parameters_addition,
+        parameters_mod,
+        parameters_subtraction,
+    )
+    from flwr.common.secure_aggregation.quantization import dequantize
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+    from fedllm.secagg.bounds import clipping_range, quantization_bits
+
+    pk1, masked, seeds, keys = {}, None, [], []
+    for node, stage, content in grid.received:
+        c = content.config_records[RECORD_KEY_CONFIGS]
+        if stage == "setup":
+            pk1[node] = c[Key.PUBLIC_KEY_1]
+        elif stage == "collect_masked_vectors" and node == target:
+            masked = [bytes_to_ndarray(b) for b in c[Key.MASKED_PARAMETERS]]
+        elif stage == "unmask":
+            hits = [
+                share for n, share in zip(c[Key.NODE_ID_LIST], c[Key.SHARE_LIST], strict=True) if n == target
+            ]
+            seeds += hits[:1]
+            keys += hits[1:2]
+    threshold = max(round(cfg.secagg.reconstruction_threshold * len(pk1)), 2)
+    if masked is None or min(len(seeds), len(keys)) < threshold:
+        return None
+    mod, q = 2**cfg.secagg.modulus_bits, 2 ** quantization_bits(cfg)
+    shapes = get_parameters_shape(masked)
+    vec = parameters_subtraction(masked, pseudo_rand_gen(combine_shares(seeds), mod, shapes))
+    secret = bytes_to_private_key(combine_shares(keys))
+    for node, pk in pk1.items():
+        if node != target:
+            mask = pseudo_rand_gen(generate_shared_key(secret, bytes_to_public_key(pk)), mod, shapes)
+            vec = parameters_subtraction(vec, mask) if target > node else parameters_addition(vec, mask)
+    _, arrays = factor_extract(parameters_mod(vec, mod))
+    return dequantize(arrays, clipping_range(cfg), q)[0]
+
+
+def unguarded(monkeypatch) -> None:
+    """Flower's own mod alone, as fedllm's sites ran it before their guard."""
+    import fedllm.secagg.flower as sf
+
+    monkeypatch.setattr(sf, "_guard", lambda msg, context: None)
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
+def test_a_server_listing_a_site_as_surviving_and_dropped_cannot_rebuild_its_update(
+    secure_cfg, monkeypatch, guarded
+):
+    """An ordinary 5-site round whose server adds site 102 to the dropped list of every unmask message. Under
+    Flower's mod alone every site returns both kinds of 102's shares and the server rebuilds 102's exact
+    vector (the attack is real: within the quantization); fedllm's sites refuse that message, so the server
+    holds no share of either kind, nor a sum."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    vectors = clipped_vectors(5, 300, seed=8)
+    if not guarded:
+        unguarded(monkeypatch)
+
+    def both_lists(stage, node, configs):
+        if stage == "unmask":
+            configs[Key.DEAD_NODE_ID_LIST] = [*configs[Key.DEAD_NODE_ID_LIST], 102]
+
+    server_sends(monkeypatch, both_lists)
+    mean, _, grid = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    got = rebuild(grid, 102, secure_cfg)
+    if not guarded:
+        assert got is not None
+        assert np.abs(got - vectors[102]).max() <= quantization_error(secure_cfg)
+        assert np.corrcoef(got, vectors[102])[0, 1] > 0.999
+    else:
+        assert got is None and mean is None
+        assert not [r for r in grid.received if r[1] == "unmask"]  # no site answered the unmask message
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        ("self-dropped", "does not list this site among the survivors"),
+        ("stranger", "shared no keys with"),
+        ("repeated", "repeats a node"),
+        ("too-few-survivors", "below the round's quorum"),
+    ],
+)
+def test_each_site_refuses_an_unmask_message_that_is_not_the_protocols(secure_cfg, monkeypatch, edit, says):
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    def deviate(stage, node, configs):
+        if stage != "unmask":
+            return
+        active = list(configs[Key.ACTIVE_NODE_ID_LIST])
+        if edit == "self-dropped":
+            configs[Key.ACTIVE_NODE_ID_LIST] = [n for n in active if n != node]
+            configs[Key.DEAD_NODE_ID_LIST] = [*configs[Key.DEAD_NODE_ID_LIST], node]
+        elif edit == "stranger":
+            configs[Key.DEAD_NODE_ID_LIST] = [*configs[Key.DEAD_NODE_ID_LIST], 999]
+        elif edit == "repeated":
+            configs[Key.ACTIVE_NODE_ID_LIST] = [*active, active[0]]
+        else:  # only itself and one other survive, by the server's word
+            configs[Key.ACTIVE_NODE_ID_LIST] = [node, next(n for n in active if n != node)]
+
+    server_sends(monkeypatch, deviate)
+    errors = []
+    original = VectorGrid.send_and_receive
+
+    def recording(self, messages, timeout=None):
+        replies = original(self, messages, timeout)
+        errors.extend(r.error.reason for r in replies if r.has_error())
+        return replies
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
+    vectors = clipped_vectors(5, 50, seed=9)
+    mean, _, grid = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    assert mean is None and not [r for r in grid.received if r[1] == "unmask"]
+    assert len(errors) == 5 and all(says in e for e in errors), errors
+
+
+def setup_message(node: int, sample: int, share: int, threshold: int):
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.app.message_type import MessageType
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    configs = {
+        Key.STAGE: Stage.SETUP,
+        Key.SAMPLE_NUMBER: sample,
+        Key.SHARE_NUMBER: share,
+        Key.THRESHOLD: threshold,
+        Key.CLIPPING_RANGE: 1.0,
+        Key.TARGET_RANGE: 2**20,
+        Key.MOD_RANGE: 2**32,
+        Key.MAX_WEIGHT: 1.0,
+    }
+    content = RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(configs)})
+    return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN, group_id="1")
+
+
+@pytest.mark.parametrize(
+    "sample, share, threshold, node_config, says",
+    [
+        (1, 1, 1, {}, "a secure round of 1 site"),  # the one-site round: its vector in the clear
+        (2, 2, 2, {}, "a secure round of 2 site"),
+        (5, 5, 2, {}, "not a strict majority"),
+        (6, 6, 3, {}, "not a strict majority"),
+        (4, 4, 3, {"secagg-min-sites": "5"}, "at least 5"),
+        (4, 4, 3, {"secagg-min-sites": "1"}, None),  # a floor below 3 is 3
+        (5, 5, 3, {"secagg-min-threshold": "0.8"}, "below this site's floor"),
+        (5, 5, 4, {"secagg-min-threshold": "0.8"}, None),
+        (5, 2, 2, {}, "a neighbourhood of 2"),
+    ],
+)
+def test_a_site_refuses_a_setup_it_was_not_configured_to_accept(sample, share, threshold, node_config, says):
+    """Whatever the server sends at setup, even with the site pinned to secure aggregation: a round too small
+    to hide a site, a threshold two disjoint halves of the neighbours could each reach, or below the site's
+    own floors (``--node-config secagg-min-sites`` / ``secagg-min-threshold``)."""
+    from flwr.app import Context, RecordDict
+
+    app, _, _ = vector_app({100: np.zeros(3)}, {100: 1})
+    config = {"secure-aggregation": "required", **node_config}
+    ctx = Context(run_id=1, node_id=100, node_config=config, state=RecordDict(), run_config={})
+    grid = VectorGrid(app, {100: ctx})
+    (reply,) = grid.send_and_receive([setup_message(100, sample, share, threshold)])
+    if says is None:
+        assert not reply.has_error()
+    else:
+        assert reply.has_error() and says in reply.error.reason, (
+            reply.error.reason if reply.has_error() else ""
+        )
+
+
+@pytest.mark.parametrize(
+    "sample, threshold, says",
+    [(5, 3, None), (3, 2, "below federation.min_clients=4"), (5, 2, "gives 3 for 5 neighbours")],
+)
+def test_the_protocols_parameters_must_be_those_the_runs_config_promises(tmp_path, sample, threshold, says):
+    """At the collect stage the site reads the run's config the server sent (min_clients 4, reconstruction
+    threshold 0.67): a round smaller than that quorum, or a threshold below what the config gives, is
+    refused before the site masks anything; the quorum is what its unmask check then requires."""
+    from fedllm.secagg import guard
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            "federation.num_clients=6",
+            "federation.min_clients=4",
+            "flower.secure_aggregation=true",
+            "secagg.clip_norm=1",
+        ),
+    )
+    if says is None:
+        assert guard.check_round_config(sample, sample, threshold, cfg, guard.Floor()) == 4
+    else:
+        with pytest.raises(guard.Refused, match=says):
+            guard.check_round_config(sample, sample, threshold, cfg, guard.Floor())
+
+
+def test_a_round_that_loses_its_quorum_before_the_unmask_is_never_unmasked(tmp_path_factory, monkeypatch):
+    """3 sites, federation.min_clients=3, one vanishing before it sends its masked vector: Flower's workflow
+    would unmask the other two's sum (the threshold, 2 of 3, still holds); fedllm's stops before the unmask
+    stage, so no unmask message is sent and no sum exists."""
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path_factory.mktemp("quorum") / "run",
+            "federation.num_clients=3",
+            "federation.min_clients=3",
+            "flower.secure_aggregation=true",
+            "secagg.clip_norm=1.0",
+        ),
+    )
+    vectors = clipped_vectors(3, 40, seed=10)
+    mean, nodes, grid = protocol_round(
+        cfg, vectors, {n: 1 for n in vectors}, dead_at={101: "collect_masked_vectors"}
+    )
+    assert mean is None and nodes == []
+    assert [r for r in grid.received if r[1] == "collect_masked_vectors"]  # the others did send theirs
+    assert not [r for r in grid.received if r[1] == "unmask"]
+
+
 # ------------------------------------------------------------------ the refusals
 @pytest.mark.parametrize(
     "extra, says",
@@ -575,6 +828,7 @@ def test_too_many_sites_gone_halts_the_round_without_a_result(secure_cfg):
         (["federation.max_client_weight=0.5"], "federation.max_client_weight"),
         (["federation.clients_per_round=2"], "at least 3 clients per round"),
         (["secagg.quantization_bits=30"], "secagg.quantization_bits=30"),
+        (["secagg.reconstruction_threshold=0.4"], "not a strict majority"),
     ],
 )
 def test_what_secure_aggregation_cannot_run_is_refused_in_one_line(tmp_path, extra, says):

@@ -35,6 +35,7 @@ import math
 
 from fedllm.options import Rule, chosen_option
 from fedllm.protocol import Feature, TrainExchange
+from fedllm.secagg import guard
 from fedllm.secagg.bounds import clip_of, clipping_range, per_round, private, quantization_bits
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import SecureSummand
@@ -59,6 +60,15 @@ WHY_NOT = {
 
 def _on(cfg) -> bool:
     return bool(cfg.flower.secure_aggregation)
+
+
+def neighbourhood(num_shares: float, m: int) -> int:
+    """The neighbourhood Flower's ``SecAggPlusWorkflow`` derives from a fractional ``num_shares`` for ``m``
+    sites (odd when it is not all of them, all of them when it would be 2 or fewer)."""
+    share = round(num_shares * m)
+    if share < m and share % 2 == 0:
+        share += 1
+    return m if share <= 2 else share
 
 
 class SecureAggregationFeature(Feature):
@@ -144,6 +154,14 @@ class SecureAggregationFeature(Feature):
             raise ValueError(
                 f"flower.secure_aggregation=true needs at least 3 clients per round (SecAgg+ shares each "
                 f"site's secrets among the others); this config samples {m}"
+            )
+        share = neighbourhood(o.num_shares, m)
+        if not guard.majority(guard.flower_threshold(o.reconstruction_threshold, share), share):
+            raise ValueError(
+                f"secagg.reconstruction_threshold={o.reconstruction_threshold:g}: "
+                f"{guard.flower_threshold(o.reconstruction_threshold, share)} of {share} neighbours is not a "
+                "strict majority, which every site refuses (a server could ask two halves of the neighbours "
+                "for the two kinds of one site's shares); use a value above 0.5"
             )
 
     def wrap_strategy(self, strategy, o: SecAggOptions, cfg):

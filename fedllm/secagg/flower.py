@@ -21,6 +21,7 @@ import numpy as np
 
 from fedllm.checks import one_line
 from fedllm.protocol import SummedUpdates, seeded_generator
+from fedllm.secagg import guard
 from fedllm.secagg.bounds import (
     clip_of,
     clipping_range,
@@ -106,6 +107,7 @@ class SecureExchange:
         self.quantization = 2 ** quantization_bits(cfg)
         self.last: dict[str, Any] = {}  # the last round's protocol outcome (tests and the row read it)
         self.size = 0  # values in the round's layout
+        self.least = max(3, int(cfg.federation.min_clients))  # never unmask a sum of fewer sites
         self.workflow(1.0, None)  # Flower checks its parameters here, once, not in every round
 
     def tolerances(self, server, clients: list[int], max_weight: float) -> tuple[float, float]:
@@ -119,9 +121,26 @@ class SecureExchange:
         return per_value, clip_of(self.cfg) + math.sqrt(d) * per_value + noise
 
     def workflow(self, max_weight: float, timeout: float):
+        """Flower's SecAgg+ workflow, with the quorum checked before the unmask stage: when fewer than
+        ``self.least`` sites sent their masked vectors, the round ends there and no sum of fewer is unmasked
+        (Flower's own checks ask only for the threshold of each neighbourhood)."""
         from flwr.server.workflow import SecAggPlusWorkflow
 
-        return SecAggPlusWorkflow(
+        least = self.least
+
+        class QuorumWorkflow(SecAggPlusWorkflow):
+            def unmask_stage(self, grid, context, state) -> bool:
+                if len(state.active_node_ids) < least:
+                    log.warning(
+                        "secure aggregation: %d site(s) sent their masked vectors, fewer than the quorum of "
+                        "%d: the sum is not unmasked",
+                        len(state.active_node_ids),
+                        least,
+                    )
+                    return False
+                return bool(super().unmask_stage(grid, context, state))
+
+        return QuorumWorkflow(
             num_shares=float(self.o.num_shares),
             reconstruction_threshold=float(self.o.reconstruction_threshold),
             max_weight=max_weight,
@@ -173,7 +192,7 @@ class SecureExchange:
             log.warning("round %d: %s", plan.round, why)
             return SummedUpdates([], _empty(plan), 0, failures)
 
-        least = max(3, server.policy.min_clients)
+        least = max(self.least, server.policy.min_clients)
         if len(fit_ins) < least:  # never unmask a sum of fewer sites than that
             return fail(f"secure aggregation needs {least} connected sites (3, and federation.min_clients)")
         try:
@@ -241,9 +260,41 @@ def secure_mod(sites):
 
         if RECORD_KEY_CONFIGS not in msg.content.config_records:
             return call_next(msg, context)
+        _guard(msg, context)
         return secaggplus_mod(msg, context, lambda m, c: _secure_train(m, c, sites))
 
     return mod
+
+
+def _protocol_state(context):
+    """The site's SecAgg+ state as Flower's mod keeps it between the stages (its parameters, keys, shares)."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+
+    record = context.state.config_records.get(RECORD_KEY_STATE)
+    return SecAggPlusState(**dict(record)) if record is not None else SecAggPlusState()
+
+
+def _guard(msg, context) -> None:
+    """The site's checks of a protocol message before Flower's mod answers it (:mod:`fedllm.secagg.guard`)."""
+    from flwr.app import ConfigRecord
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    stage = configs.get(Key.STAGE)
+    floor = guard.Floor.of(context.node_config)
+    if stage == Stage.SETUP:
+        guard.check_setup(configs, floor)
+        context.state.config_records[guard.STATE] = ConfigRecord({"least": floor.sites})
+        return
+    state = _protocol_state(context)
+    if stage == Stage.SHARE_KEYS:
+        guard.check_share_keys(configs, int(state.share_num), floor)
+    elif stage == Stage.UNMASK:
+        record = context.state.config_records.get(guard.STATE)
+        least = int(record["least"]) if record is not None else floor.sites
+        neighbours = {int(n) for n in state.public_keys_dict}
+        guard.check_unmask(configs, int(state.nid), neighbours, int(state.share_num), least)
 
 
 def _secure_train(msg, context, sites):
@@ -261,6 +312,15 @@ def _secure_train(msg, context, sites):
     site = sites.site(context, config_text)
     if not site.cfg.flower.secure_aggregation or clip_of(site.cfg) <= 0:
         raise RuntimeError("a secure aggregation message under a config without it (or without a clip)")
+    protocol = _protocol_state(context)  # the parameters the server set at setup, against its own config
+    least = guard.check_round_config(
+        int(protocol.sample_num),
+        int(protocol.share_num),
+        int(protocol.threshold),
+        site.cfg,
+        guard.Floor.of(context.node_config),
+    )
+    context.state.config_records[guard.STATE] = ConfigRecord({"least": least})
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
     start = read_start(content, site.codecs)

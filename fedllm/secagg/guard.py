@@ -1,0 +1,161 @@
+"""What a site refuses of a server's SecAgg+ messages: the protocol's guarantee held against the server it
+hides from, not only against one that follows it.
+
+Flower 1.42's ``secaggplus_mod`` believes the parameters and lists the server sends. A server that deviates
+from the protocol's messages could then read a site's exact update without any site colluding (reproduced
+on fedllm's main of 2026-12-03, ``tests/test_secagg.py``):
+
+* list the target as both surviving and dropped in the unmask message: every site returns the share of the
+  target's private mask seed *and* of its key-agreement secret, which together remove every mask from the
+  target's masked vector;
+* run a round of one site (``sample_num=1``, ``threshold=1``): the masks cancel over nobody;
+* set the threshold at or below half the neighbourhood and send different sites different lists: one half
+  returns the seed shares, the other half the secret-key shares.
+
+So a site refuses, before it answers (a refusal is the site's error reply; nothing of the round leaves it):
+
+* at **setup**: a round of fewer sites than its floor (``--node-config secagg-min-sites=N``, never below 3),
+  a neighbourhood of fewer than 3, a threshold that is not a strict majority of the neighbourhood (below it,
+  two disjoint sets of honest neighbours can each answer one kind of share), or below the site's own floor
+  (``secagg-min-threshold=F``, a fraction of the neighbourhood);
+* at **share keys**: fewer neighbours' keys than that floor of sites;
+* at **collect masked vectors** (:func:`check_round_config`, when the site reads the run's config): a round
+  smaller than ``federation.min_clients`` of the config the server sent, or a threshold below what that
+  config's ``secagg.reconstruction_threshold`` gives (the server's parameters must be the ones it promised);
+* at **unmask**: surviving and dropped lists that overlap, repeat a node, name a node the site shared no keys
+  with, list the site itself as dropped or omit it from the survivors, or hold fewer survivors than the
+  round's quorum (the sum of fewer sites than the floor is never unmasked).
+
+What no check here can stop: a server that invents sites. SecAgg+'s public keys in Flower 1.42 are not bound
+to the SuperNodes' identities, so a server that answers the protocol for nodes that do not exist (its own key
+pairs in the share-keys message) holds the shares sent to them; with as many invented neighbours as the
+threshold it rebuilds a real site's masks. docs/trust.md says so; binding the keys to the registered node
+keys would need a change of Flower's workflow messages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+STATE = "fedllm-secagg-guard"  # the site's record of the round's quorum, between the protocol's stages
+
+
+class Refused(ValueError):
+    """A protocol message the site will not answer (its error reply names why)."""
+
+
+@dataclass(frozen=True)
+class Floor:
+    """What the site's operator set it to accept (its node config), whatever the server sends."""
+
+    sites: int = 3
+    threshold: float = 0.0
+
+    @classmethod
+    def of(cls, node_config: Any) -> Floor:
+        def get(key: str, default: Any) -> Any:
+            value = node_config.get(key, default) if node_config else default
+            return default if value in ("", None) else value
+
+        try:
+            sites = int(get("secagg-min-sites", 3))
+            threshold = float(get("secagg-min-threshold", 0.0))
+        except (TypeError, ValueError) as e:
+            raise Refused(
+                "node config secagg-min-sites / secagg-min-threshold: expected an integer and a fraction "
+                f"({e})"
+            ) from None
+        if not 0.0 <= threshold <= 1.0:
+            raise Refused(f"node config secagg-min-threshold={threshold}: expected a fraction in [0, 1]")
+        return cls(max(3, sites), threshold)
+
+
+def flower_threshold(reconstruction_threshold: float, share_num: int) -> int:
+    """The threshold Flower's ``SecAggPlusWorkflow`` derives from a fractional
+    ``reconstruction_threshold``."""
+    return max(round(reconstruction_threshold * share_num), 2)
+
+
+def majority(threshold: int, share_num: int) -> bool:
+    """Whether ``threshold`` shares are a strict majority of a neighbourhood of ``share_num``: then no two
+    disjoint sets of neighbours can each hand the server one kind of a site's shares."""
+    return 2 * threshold > share_num
+
+
+def check_setup(configs: Any, floor: Floor) -> None:
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    sample, share, threshold = (int(configs[k]) for k in (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD))
+    if sample < floor.sites:
+        raise Refused(
+            f"a secure round of {sample} site(s): this site takes part only in rounds of at least "
+            f"{floor.sites} (node config secagg-min-sites, never below 3): the sum of fewer would reveal too "
+            "much of each"
+        )
+    if not 3 <= share <= sample:
+        raise Refused(f"a neighbourhood of {share} in a round of {sample}: expected 3 to {sample}")
+    if not majority(threshold, share) or threshold > share:
+        raise Refused(
+            f"threshold {threshold} of {share} neighbours: not a strict majority, so two disjoint sets of "
+            "neighbours could hand the server both kinds of one site's shares"
+        )
+    if threshold < math.ceil(floor.threshold * share - 1e-9):
+        raise Refused(
+            f"threshold {threshold} of {share} neighbours is below this site's floor "
+            f"(node config secagg-min-threshold={floor.threshold:g})"
+        )
+
+
+def check_share_keys(configs: Any, share_num: int, floor: Floor) -> None:
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    keys = [k for k in configs if k != Key.STAGE]
+    if len(keys) < min(floor.sites, share_num):
+        raise Refused(
+            f"{len(keys)} neighbours' keys: fewer than the {min(floor.sites, share_num)} sites this site "
+            "shares its secrets among"
+        )
+
+
+def check_round_config(sample_num: int, share_num: int, threshold: int, cfg: Any, floor: Floor) -> int:
+    """At the collect stage, against the run's config the server sent: the round's quorum, which the unmask
+    stage then requires of the survivors (returned)."""
+    least = max(floor.sites, int(cfg.federation.min_clients))
+    if sample_num < least:
+        raise Refused(
+            f"a secure round of {sample_num} sites, below federation.min_clients="
+            f"{cfg.federation.min_clients} of the run's own config"
+        )
+    promised = flower_threshold(float(cfg.secagg.reconstruction_threshold), share_num)
+    if threshold < promised:
+        raise Refused(
+            f"threshold {threshold}: the run's config (secagg.reconstruction_threshold="
+            f"{cfg.secagg.reconstruction_threshold:g}) gives {promised} for {share_num} neighbours"
+        )
+    return least
+
+
+def check_unmask(configs: Any, nid: int, neighbours: set[int], share_num: int, least: int) -> None:
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    active = [int(n) for n in configs[Key.ACTIVE_NODE_ID_LIST]]
+    dead = [int(n) for n in configs[Key.DEAD_NODE_ID_LIST]]
+    if len(set(active)) != len(active) or len(set(dead)) != len(dead):
+        raise Refused("the unmask message repeats a node")
+    if set(active) & set(dead):
+        raise Refused(
+            f"the unmask message lists node(s) {sorted(set(active) & set(dead))} as both surviving and "
+            "dropped: both kinds of their shares would unmask their update"
+        )
+    if nid in dead or nid not in active:
+        raise Refused("the unmask message does not list this site among the survivors")
+    strangers = (set(active) | set(dead)) - neighbours
+    if strangers:
+        raise Refused(f"the unmask message names node(s) {sorted(strangers)} this site shared no keys with")
+    if len(active) < min(least, share_num):
+        raise Refused(
+            f"{len(active)} surviving site(s): below the round's quorum of {min(least, share_num)}; the sum "
+            "of fewer is never unmasked"
+        )
