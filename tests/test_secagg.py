@@ -541,6 +541,45 @@ def test_a_hostile_site_moves_the_mean_by_at_most_what_the_field_lets_it(secure_
         assert moved <= 2 * r
 
 
+def test_under_distributed_dp_a_hostile_shift_of_two_clips_is_refused(tmp_path):
+    """50 sites, d = 5,000, sigma 1, clip 1: an honest mean (every site's change at the clip, all in one
+    direction: the largest honest norm) passes the L2 check on 5 noise draws; a site that moves the mean by 2
+    clips (100x what an honest site can: C / n) is refused on each. The bound that added the whole noise
+    norm to the clip (1 + tau (sqrt(d) + 7) = 2.55) accepted that shift."""
+    from fedllm.secagg.bounds import noise_std
+    from fedllm.secagg.flower import SecureExchange, in_range
+
+    n, d, clip = 50, 5000, 1.0
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"federation.num_clients={n}",
+            "flower.secure_aggregation=true",
+            "privacy.mode=distributed",
+            "privacy.noise_multiplier=1.0",
+            f"privacy.clip_norm={clip}",
+        ),
+    )
+    ex = SecureExchange(cfg.secagg, cfg)
+    ex.size = d
+    server = SimpleNamespace(policy=SimpleNamespace(weighting="uniform"))
+    per_value, norm_bound = ex.tolerances(server, list(range(n)), 1.0)
+    tau = noise_std(cfg) / math.sqrt(n)
+    assert norm_bound < clip + tau * (math.sqrt(d) + 7)  # tighter than the whole noise norm
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        direction = rng.normal(size=d)
+        direction /= np.linalg.norm(direction)
+        noise = rng.normal(size=(n, d)) * noise_std(cfg)
+        honest = (clip * direction + noise).mean(axis=0)  # each site's clipped change + its noise share
+        in_range(honest, ex.range, per_value, norm_bound)
+        shift = rng.normal(size=d)
+        shift *= 2 * clip / np.linalg.norm(shift)  # one site's vector moved by n x 2C: the mean by 2C
+        with pytest.raises(ValueError, match="norm passes"):
+            in_range(honest + shift, ex.range, per_value, norm_bound)
+
+
 @pytest.mark.parametrize("stage", ["collect_masked_vectors", "unmask"])
 def test_a_site_that_drops_after_sharing_its_keys_is_recovered(secure_cfg, stage):
     """Site 102 vanishes after the key exchange: before sending its masked vector (its pairwise masks are
