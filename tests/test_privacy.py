@@ -183,6 +183,7 @@ def dp_overrides(run_dir, *extra: str) -> list[str]:
         "privacy.clip_norm=0.5",
         "privacy.noise_multiplier=1.2",
         "privacy.noise_seed=0",
+        "privacy.delta=1e-5",
         "lora.trainable_modules=[]",
         *extra,
     )
@@ -191,7 +192,6 @@ def dp_overrides(run_dir, *extra: str) -> list[str]:
 @pytest.mark.parametrize("strategy", ["fedit", pytest.param("ffa", marks=pytest.mark.slow)])
 def test_a_dp_run_reports_epsilon_and_a_resumed_run_spends_the_same(tmp_path, builtin_base, strategy, capsys):
     from fedllm.cli import main
-    from fedllm.privacy import default_delta
 
     assert main(["run", *dp_overrides(tmp_path / "a", f"aggregation.name={strategy}")]) == 0
     assert main(["run", "--resume", str(tmp_path / "a"), "federation.rounds=3"]) == 0
@@ -203,7 +203,7 @@ def test_a_dp_run_reports_epsilon_and_a_resumed_run_spends_the_same(tmp_path, bu
     assert "-DP at the user level after 3 rounds, central" in out
     resumed = json.loads((tmp_path / "a" / "summary.json").read_text())["privacy"]
     straight = json.loads((tmp_path / "b" / "summary.json").read_text())["privacy"]
-    assert resumed["epsilon"] == straight["epsilon"] == epsilon("central", 8, 4, 1.2, 3, default_delta(8))
+    assert resumed["epsilon"] == straight["epsilon"] == epsilon("central", 8, 4, 1.2, 3, 1e-5)
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()][1:]
     eps = [r["epsilon"] for r in rows]
     assert eps == sorted(eps) and eps[-1] == straight["epsilon"]
@@ -290,7 +290,6 @@ def test_the_sample_is_secret_and_the_run_folder_never_names_it(tmp_path, builti
     reported epsilon is the amplified one. privacy.sampling=public: the seeded sample is written, and the
     epsilon is the unamplified Gaussian over the most-sampled client's rounds, replayed from the seed."""
     from fedllm.cli import main
-    from fedllm.privacy import default_delta
     from fedllm.privacy.accountant import unamplified
     from fedllm.run import checkpoint as ckpt
     from fedllm.server import Sampling
@@ -304,7 +303,7 @@ def test_the_sample_is_secret_and_the_run_folder_never_names_it(tmp_path, builti
     assert "per_client" not in summary["communication"]  # how often each client uploaded: not kept
     _, _, meta = ckpt.load_latest(tmp_path / "secret")
     assert set(meta["ledger"]["up"]) == {"-1"}
-    assert summary["privacy"]["epsilon"] == pytest.approx(epsilon("central", 8, 4, 1.2, 3, default_delta(8)))
+    assert summary["privacy"]["epsilon"] == pytest.approx(epsilon("central", 8, 4, 1.2, 3, 1e-5))
 
     public = dp_overrides(tmp_path / "public", "federation.rounds=3", "privacy.sampling=public")
     assert main(["run", *public]) == 0
@@ -314,7 +313,7 @@ def test_the_sample_is_secret_and_the_run_folder_never_names_it(tmp_path, builti
     assert [r["sampled"] for r in rows] == replay  # the adversary's replay of federation.seed
     most = max(sum(k in s for s in replay) for k in range(8))
     eps = json.loads((tmp_path / "public" / "summary.json").read_text())["privacy"]["epsilon"]
-    assert eps == pytest.approx(unamplified(1.2, most, default_delta(8)))
+    assert eps == pytest.approx(unamplified(1.2, most, 1e-5))
 
 
 def test_under_local_dp_everything_that_leaves_a_site_is_clipped_and_noised(tmp_path, builtin_base):
@@ -500,3 +499,29 @@ def test_a_secret_sample_run_writes_no_trace_of_who_was_sampled(tmp_path, builti
             assert not _per_client_rounds(obj), (path, _per_client_rounds(obj))
         if path.suffix == ".json":
             assert not _per_client_rounds(json.loads(text)), (path, _per_client_rounds(json.loads(text)))
+
+
+@pytest.mark.parametrize("n, delta, guarantee", [(5, 0.0, False), (5, 1e-5, True), (1000, 0.0, True)])
+def test_a_delta_above_one_in_a_thousand_is_never_printed_as_a_guarantee(tmp_path, n, delta, guarantee):
+    """With 5 clients the default delta 1 / N^1.1 is 0.17: the config warns (naming privacy.delta) and the
+    summary's line says there is no guarantee; an explicit small delta, or 1,000 clients' default (5e-4),
+    is a guarantee line."""
+    import warnings
+
+    from fedllm.privacy import PRIVACY, DeltaWarning
+
+    over = tiny_overrides(
+        tmp_path, f"federation.num_clients={n}", "federation.clients_per_round=3", "privacy.mode=central"
+    )
+    over += [f"privacy.delta={delta}"] if delta else []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(None, over)
+    warned = [w for w in caught if issubclass(w.category, DeltaWarning)]
+    assert bool(warned) == (not guarantee)
+    assert not warned or "privacy.delta" in str(warned[0].message)
+    (line,) = PRIVACY.summary(cfg, 2)["guarantees"]
+    if guarantee:
+        assert line.startswith("(") and "-DP at the user level" in line
+    else:
+        assert line.startswith("no differential-privacy guarantee: delta 0.17 > 0.001"), line

@@ -263,7 +263,7 @@ def dp(inner_name: str, mode: str, sigma: float, seed: int = 0):
         noise_multiplier=sigma,
         noise_seed=seed,
         epsilon_after=lambda rounds: 0.0,
-        summary=lambda rounds: {},
+        summary=lambda rounds: {"privacy": {}, "metrics": {}, "guarantees": []},
     )
 
 
@@ -289,6 +289,43 @@ def test_distributed_dp_without_noise_is_central_dp_and_tops_up_a_dropped_sites_
     )
     want = 3.0 * 0.5 * math.sqrt(len(dropped) / 4) / 4
     assert float(moved.std()) == pytest.approx(want, rel=0.25)  # 96 values of B
+
+
+def test_distributed_dps_epsilon_against_the_server_counts_only_the_sites_noise_and_no_amplification():
+    """Three rounds of 4 sampled sites at sigma 2, the second with one site dropped: the epsilon against the
+    server is dp-accounting's unamplified Gaussian composed over every round with each round's finishing
+    sites' noise (sigma sqrt(n / m): the server's own top-up protects no one from it), larger than without
+    the dropout, and far above the model observers' amplified number (8 clients, 4 a round)."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    from fedllm.privacy import against_server, spent
+
+    sigma, delta = 2.0, 1e-5
+    cfg = SimpleNamespace(
+        privacy=SimpleNamespace(mode="distributed", delta=delta, noise_multiplier=sigma, sampling="secret"),
+        federation=SimpleNamespace(num_clients=8, clients_per_round=4, client_fraction=0.0, seed=0),
+    )
+    strategy = dp("fedit", "distributed", sigma)
+    strategy.against_server = against_server(cfg)
+    server = make_server(strategy, clip_norm_ratio=0, weighting="uniform")
+    finishing = {1: (0, 1, 2, 3), 2: (0, 1, 2), 3: (0, 1, 2, 3)}
+    for r, sites in finishing.items():
+        plan = server.plan_round(r)
+        updates = {k: honest(server, plan, k, size=0.3) for k in sites}
+        report = secure_round(server, plan, updates, distributed=True, clip=0.5)
+    accountant = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    for sites in finishing.values():  # sensitivity 2C: the multiplier over 2
+        accountant.compose(dp_accounting.GaussianDpEvent(sigma * math.sqrt(len(sites) / 4) / 2))
+    want = accountant.get_epsilon(delta)
+    assert report.row["epsilon_server"] == pytest.approx(want, rel=1e-6)
+    no_dropout = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    no_dropout.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma / 2), 3))
+    assert want > no_dropout.get_epsilon(delta)
+    assert want > spent(cfg, 3)  # the amplified central number holds only against the released models
+    summary = strategy.run_summary(3)
+    assert summary["privacy"]["against_server"]["epsilon"] == pytest.approx(want, rel=1e-6)
+    assert any("against the server itself" in line for line in summary["guarantees"])
 
 
 # ------------------------------------------------------------------ Flower's protocol on plain vectors
@@ -1172,6 +1209,7 @@ def test_the_run_summary_names_secure_aggregation_beside_dps_guarantee(tmp_path)
             "flower.secure_aggregation=true",
             "privacy.mode=distributed",
             "privacy.noise_multiplier=1.0",
+            "privacy.delta=1e-5",
         ),
     )
     strategy = strategy_from_config(cfg.aggregation)
@@ -1182,5 +1220,8 @@ def test_the_run_summary_names_secure_aggregation_beside_dps_guarantee(tmp_path)
         summary["privacy"]["mode"] == "distributed"
         and summary["secure_aggregation"]["quantization_bits"] == 29
     )
-    assert len(summary["guarantees"]) == 2 and "SecAgg+" in summary["guarantees"][1]
+    # the model observers' guarantee, the server's (no round released yet: epsilon 0), secure aggregation's
+    assert len(summary["guarantees"]) == 3 and "SecAgg+" in summary["guarantees"][2]
+    assert "released models" in summary["guarantees"][0]
+    assert "against the server itself" in summary["guarantees"][1]
     assert strategy.name == "fedit" and strategy.sums_uploads(cfg)

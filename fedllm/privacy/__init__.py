@@ -34,11 +34,20 @@ command; the server, the runtime and the round loop do not know it exists.
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 from typing import Any
 
 from fedllm.aggregation.base import STRATEGIES
 from fedllm.options import Rule, chosen_option
-from fedllm.privacy.accountant import default_delta, epsilon, noise_for_epsilon, round_up, unamplified
+from fedllm.privacy.accountant import (
+    MEANINGFUL_DELTA,
+    default_delta,
+    epsilon,
+    noise_for_epsilon,
+    round_up,
+    unamplified,
+)
 from fedllm.privacy.options import PrivacyOptions
 from fedllm.privacy.sampling import SecretSampling, max_participation
 from fedllm.privacy.strategy import DPStrategy
@@ -84,6 +93,49 @@ def spent(cfg, rounds: int) -> float:
 
 def _on(cfg) -> bool:
     return cfg.privacy.mode != "none"
+
+
+class DeltaWarning(UserWarning):
+    """The default delta (1 / N^1.1) of a small federation is too large to be a guarantee."""
+
+
+def guarantee_line(eps: float, delta: float, what: str) -> str:
+    """One line of the run's guarantees: ``(eps, delta)-DP ...``, or, where delta passes
+    :data:`MEANINGFUL_DELTA`, a line that says there is none (never such a delta printed as a guarantee)."""
+    if delta > MEANINGFUL_DELTA:
+        return (
+            f"no differential-privacy guarantee: delta {delta:.2g} > {MEANINGFUL_DELTA:g} (epsilon {eps:.4g} "
+            f"{what}); set privacy.delta"
+        )
+    return f"({eps:.4g}, {delta:.2g})-DP {what}"
+
+
+def server_epsilon(precision: float, delta: float) -> float:
+    """Epsilon of a site's update against the server under distributed DP: the Gaussians of the rounds
+    (multiplier ``sigma sqrt(n_r / m_r)``, the finishing sites' noise) compose into one Gaussian whose
+    ``1 / multiplier^2`` is their sum, ``precision``; no amplification (the server draws the sample)."""
+    if precision <= 0:
+        return 0.0
+    if not math.isfinite(precision):
+        return math.inf
+    return unamplified(1.0 / math.sqrt(precision), 1, delta)
+
+
+def against_server(cfg):
+    """Distributed DP's guarantee against the server, from the precision of the rounds so far (see
+    :func:`server_epsilon`): what ``DPStrategy`` reports beside the model observers' epsilon."""
+    delta = delta_of(cfg)
+
+    def report(precision: float) -> dict[str, Any]:
+        eps = server_epsilon(precision, delta)
+        what = (
+            "of each site's update against the server itself (no amplification: it draws the sample and "
+            "SecAgg+ names each round's sites; only the sites' own noise, every round counted as if the site "
+            "took part; a site that colludes with it removes its share)"
+        )
+        return {"epsilon": eps, "delta": delta, "line": guarantee_line(eps, delta, what)}
+
+    return report
 
 
 class PrivacyFeature(Feature):
@@ -177,6 +229,14 @@ class PrivacyFeature(Feature):
                     + ": the run would not be private; set privacy.mode=central or local, or leave them out"
                 )
             return
+        if not p.delta and default_delta(cfg.federation.num_clients) > MEANINGFUL_DELTA:
+            warnings.warn(
+                f"privacy.delta: the default 1/N^1.1 = {default_delta(cfg.federation.num_clients):.2g} for "
+                f"{cfg.federation.num_clients} clients is above {MEANINGFUL_DELTA:g} and no guarantee (the "
+                "run reports none); set privacy.delta explicitly (e.g. 1e-5)",
+                DeltaWarning,
+                stacklevel=2,
+            )
         if cfg.flower.secure_aggregation and cfg.secagg.clip_norm not in (0.0, p.clip_norm):
             raise ValueError(
                 f"secagg.clip_norm={cfg.secagg.clip_norm}: with privacy.mode={p.mode} the sites clip to "
@@ -218,6 +278,7 @@ class PrivacyFeature(Feature):
             epsilon_after=lambda rounds: spent(cfg, rounds),
             summary=lambda rounds: self.summary(cfg, rounds),
             report_clip_stats=p.report_clip_stats,
+            against_server=against_server(cfg) if p.mode == "distributed" else None,
         )
 
     def server_policy(self, policy, p: PrivacyOptions, cfg):
@@ -281,8 +342,18 @@ class PrivacyFeature(Feature):
             },
             "metrics": {"epsilon": eps},
             "guarantees": [
-                f"({eps:.4g}, {delta:.2g})-DP at the user level after {rounds} rounds, {p.mode} (clip "
-                f"{p.clip_norm:g}, noise multiplier {p.noise_multiplier:g}; {sample})"
+                guarantee_line(
+                    eps,
+                    delta,
+                    f"at the user level after {rounds} rounds, {p.mode} (clip {p.clip_norm:g}, noise "
+                    f"multiplier {p.noise_multiplier:g}; {sample})"
+                    + (
+                        "; against whoever sees only the released models, provided the server follows the "
+                        "protocol (keeps the sample secret, adds the noise of sites that drop)"
+                        if p.mode == "distributed"
+                        else ""
+                    ),
+                )
             ],
         }
 

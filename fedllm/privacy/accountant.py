@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+MEANINGFUL_DELTA = 1e-3  # a delta above this is no guarantee (it lets 1 record in 1,000 out whole)
+
 
 def default_delta(num_clients: int) -> float:
     return 1.0 / num_clients**1.1

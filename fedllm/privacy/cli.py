@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from fedllm.privacy.accountant import default_delta, epsilon, noise_for_epsilon, round_up
+from fedllm.privacy.accountant import (
+    MEANINGFUL_DELTA,
+    default_delta,
+    epsilon,
+    noise_for_epsilon,
+    round_up,
+)
 
 
 def add_privacy_command(sub) -> None:
@@ -47,5 +53,10 @@ def cmd_privacy(args: argparse.Namespace) -> int:
         sigma = args.noise_multiplier
         eps = epsilon(args.mode, args.clients, args.per_round, sigma, args.rounds, delta)
         print(f"noise multiplier {sigma:g} spends epsilon {eps:.6g} at delta {delta:.3g}")
+    if delta > MEANINGFUL_DELTA:
+        print(
+            f"delta {delta:.2g} is above {MEANINGFUL_DELTA:g}: no guarantee at that delta; pass --delta "
+            "(e.g. 1e-5)"
+        )
     print(json.dumps({"mode": args.mode, "noise_multiplier": sigma, "epsilon": eps, "delta": delta}))
     return 0

@@ -17,7 +17,11 @@ Local mode: the sites noised their own updates; the inner strategy aggregates th
 Distributed mode (with secure aggregation, ``fedllm/secagg``): each site clips its change to C and adds
 its share ``N(0, (sigma C)^2 / m)`` of the noise; the server sees only the sum, which carries
 ``N(0, (sigma C)^2)`` when all ``m`` sampled sites finish; the wrapper divides by ``m`` and adds the shares
-of the sites that did not (:meth:`DPStrategy._distributed`). Accounted as central mode.
+of the sites that did not (:meth:`DPStrategy._distributed`). Accounted twice: as central mode against
+whoever sees only the released models (the server following the protocol: its sample secret, its top-up
+added), and against the server itself, which draws the sample and sees who took part (no amplification) and
+whose top-up protects no one from itself: the Gaussian of the finishing sites' noise composed over every
+round (``against_server``, ``epsilon_server`` in each row).
 
 In both modes the wrapper accounts: ``round_report`` gives the epsilon spent after a round, and
 ``run_summary`` the run's guarantee, which the round row, the summary, the printed summary, the model card
@@ -26,6 +30,7 @@ and ``fedllm compare`` show without knowing what they show.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +49,8 @@ from fedllm.checks import clip_
 from fedllm.factors import LoraFactors
 from fedllm.protocol import seeded_generator as generator
 
+SERVER_PRECISION = "dp_server_precision"  # distributed DP: sum of 1 / (sigma^2 n_r / m_r) over the rounds
+
 
 class DPStrategy(StrategyWrapper):
     """``inner`` with user-level DP (see module docstring); everything but aggregation and reporting is the
@@ -61,11 +68,16 @@ class DPStrategy(StrategyWrapper):
         epsilon_after: Callable[[int], float],
         summary: Callable[[int], dict[str, Any]],
         report_clip_stats: bool = False,
+        against_server: Callable[[float], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(inner)
         self.mode = mode
         self.clip_norm, self.noise_multiplier, self.noise_seed = clip_norm, noise_multiplier, noise_seed
         self.epsilon_after, self.summary, self.report_clip_stats = epsilon_after, summary, report_clip_stats
+        # distributed mode: the guarantee against the server, from the sites' own noise of the rounds so far
+        # (``SERVER_PRECISION``: sum over rounds of 1 / (sigma^2 n_r / m_r), the composed Gaussian)
+        self.against_server = against_server
+        self.server_precision = 0.0
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(
@@ -123,6 +135,13 @@ class DPStrategy(StrategyWrapper):
             self._add_noise(result.state, context.round, m, share**0.5)
         result.state = self.inner.release(result.state)
         result.info["dp_server_noise_share"] = share
+        # against the server only the n finishing sites' noise counts (its top-up is its own): this round is
+        # a Gaussian of multiplier sigma sqrt(n / m) on the site's change, composed with the earlier rounds
+        prev = float(state.extras.get(SERVER_PRECISION, 0.0))
+        z2 = self.noise_multiplier**2 * n / m
+        self.server_precision = prev + (1.0 / z2 if z2 > 0 else math.inf)
+        if math.isfinite(self.server_precision):
+            result.state.extras[SERVER_PRECISION] = self.server_precision
         return result
 
     def _clipped(
@@ -178,8 +197,18 @@ class DPStrategy(StrategyWrapper):
 
     # ------------------------------------------------------------------ reporting
     def round_report(self, round_idx: int) -> dict[str, Any]:
-        """The epsilon spent once round ``round_idx``'s result is released (skipped rounds count)."""
-        return {"epsilon": self.epsilon_after(round_idx)}
+        """The epsilon spent once round ``round_idx``'s result is released (skipped rounds count); under
+        distributed DP also the epsilon against the server (``epsilon_server``)."""
+        out = {"epsilon": self.epsilon_after(round_idx)}
+        if self.against_server is not None:
+            out["epsilon_server"] = self.against_server(self.server_precision)["epsilon"]
+        return out
 
     def run_summary(self, rounds: int) -> dict[str, Any]:
-        return self.summary(rounds)
+        out = self.summary(rounds)
+        if self.against_server is not None:  # the run's own rounds (dropouts count), not the plan's
+            server = self.against_server(self.server_precision)
+            out["privacy"] = {**out["privacy"], "against_server": server}
+            out["metrics"] = {**out["metrics"], "epsilon_server": server["epsilon"]}
+            out["guarantees"] = [*out["guarantees"], server["line"]]
+        return out
