@@ -282,6 +282,27 @@ def codecs(cfg: Config) -> list[Codec]:
     return [c for c in out if c is not None]
 
 
+def server_policy(cfg: Config) -> ServerPolicy:
+    """The server's policy under the run's features (``Feature.server_policy``): what a site may also ask,
+    e.g. whether the weighting needs its example count."""
+    fed = cfg.federation
+    policy = ServerPolicy(
+        min_clients=fed.min_clients,
+        clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
+        client_timeout_s=fed.client_timeout_s,
+        weighting=fed.weighting,
+        max_client_weight=fed.max_client_weight,
+    )
+    for feature in FEATURES:
+        policy = feature.server_policy(policy, getattr(cfg, feature.section), cfg)
+    return policy
+
+
+def site_figures_hidden(cfg: Config) -> str:
+    """Why the run's sites keep their own figures (``Feature.hides_site_figures``); empty: they send them."""
+    return "; ".join(w for f in FEATURES if (w := f.hides_site_figures(getattr(cfg, f.section), cfg)))
+
+
 def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runtime: ClientRuntime) -> Server:
     """The server over ``infos``, starting from the base's dense modules (warns when they are large)."""
     fed = cfg.federation
@@ -294,18 +315,11 @@ def build_server(cfg: Config, strategy: Strategy, infos: list[ClientInfo], runti
             cfg.lora.trainable_modules,
             n_dense / 1e6,
         )
-    policy = ServerPolicy(
-        min_clients=fed.min_clients,
-        clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
-        client_timeout_s=fed.client_timeout_s,
-        weighting=fed.weighting,
-        max_client_weight=fed.max_client_weight,
-    )
+    policy = server_policy(cfg)
     sampling = Sampling(fed.seed, fed.clients_per_round, fed.client_fraction, fed.dropout)
     for feature in FEATURES:  # each cross-cutting feature hooks the server from outside
         options = getattr(cfg, feature.section)
         strategy = feature.wrap_strategy(strategy, options, cfg)
-        policy = feature.server_policy(policy, options, cfg)
         sampling = feature.sampling(sampling, options, cfg)
     # outermost: a server optimizer steps with what the features release (under central DP, the noised
     # aggregate: post-processing)

@@ -622,6 +622,12 @@ class Feature:
         config_text)``) and keeps its state (``keep(context, site)``), so that a mod needs no import of it."""
         return []
 
+    def hides_site_figures(self, options: Any, cfg: Any) -> str:
+        """Why this feature keeps each site's own figures (its evaluation's loss and accuracy, its example
+        count where the weighting does not need it) on the site, as one clause naming how a user lifts it;
+        empty when it does not (then a site sends them, as a plain run does)."""
+        return ""
+
     def hidden_sample(self, options: Any, cfg: Any) -> str:
         """Why this feature needs each round's sample kept secret and how a user lifts that, as one clause
         (e.g. an accountant's amplification by sampling); empty when it needs no such thing."""

@@ -1061,6 +1061,57 @@ def test_a_secure_run_with_encoded_downloads_is_the_plain_run_with_them(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("site_metrics", [False, True], ids=["default", "site-metrics"])
+def test_a_secure_run_sends_no_per_site_figures_by_default(tmp_path, monkeypatch, site_metrics):
+    """Two secure rounds under uniform weighting with eval.personalized=true. By default the server asks no
+    site for an evaluation, each masked reply's plain example count is 0, each handshake says 1 (uniform
+    weights need none), and neither metrics.jsonl nor summary.json nor partition.json holds a per-site
+    figure; with secagg.site_metrics=true the sites' evaluations and handshake counts are there (the check
+    sees them), and the masked replies' plain count is still 0 (never needed: the weight is masked)."""
+    from flwr.app.message_type import MessageType
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    types, counts = [], []
+    original = VectorGrid.send_and_receive
+
+    def recording(self, messages, timeout=None):
+        types.extend(m.metadata.message_type for m in messages)
+        replies = original(self, messages, timeout)
+        for r in replies:
+            if not r.has_error() and RECORD_KEY_CONFIGS in r.content.config_records:
+                record = r.content.metric_records.get("fitres.num_examples")
+                if record is not None:
+                    counts.append(record["num_examples"])
+        return replies
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
+    name = "figures" if site_metrics else "plain"
+    flower_run(
+        tmp_path,
+        name,
+        "flower.secure_aggregation=true",
+        "secagg.clip_norm=10",
+        "federation.weighting=uniform",
+        "eval.personalized=true",
+        f"secagg.site_metrics={str(site_metrics).lower()}",
+    )
+    run = tmp_path / name
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = (run / "summary.json").read_text()
+    sizes = [c["train"] for c in json.loads((run / "partition.json").read_text())]
+    assert (
+        counts == [0] * 8
+    )  # 4 sites' masked replies in each of 2 rounds: the weight is in the masked vector
+    if site_metrics:
+        assert MessageType.EVALUATE in types and any("personal" in r for r in rows[1:])
+        assert min(sizes) > 1
+    else:
+        assert MessageType.EVALUATE not in types
+        assert not any("personal" in r for r in rows) and '"personal"' not in summary
+        assert sizes == [1, 1, 1, 1]
+
+
+@pytest.mark.slow
 def test_a_site_vanishing_mid_protocol_leaves_the_round_to_the_others(tmp_path):
     """Of 5 sites, site 2 vanishes after round 1's key exchange: round 1 is the other four's sum (the protocol
     rebuilds its masks from their shares), round 2 runs without it, each row names its failure."""

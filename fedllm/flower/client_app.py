@@ -29,7 +29,7 @@ from fedllm.flower.records import (
     start_config,
     update_record,
 )
-from fedllm.flower.site import Site, node_setting, signing_key, site_for
+from fedllm.flower.site import Site, pinned_secure, signing_key, site_for
 from fedllm.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ SITES = SimpleNamespace(
 
 @app.train(mods=[mod for feature in FEATURES for mod in feature.client_mods(SITES)])  # secure aggregation's
 def train(message: Message, context: Context) -> Message:
-    if str(node_setting(context.node_config, "secure-aggregation", "")).lower() in ("required", "true", "1"):
+    if pinned_secure(context.node_config):
         # the site's own pin: a server that asks for a plain round would get its update in the clear
         raise RuntimeError(
             "this site requires secure aggregation (node-config secure-aggregation=required): it refuses a "

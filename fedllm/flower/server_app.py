@@ -315,6 +315,10 @@ class FlowerDriver(RoundLoop):
         return {**failures, **replies}
 
     def personalized(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
+        """Each visited site's evaluation of its personalized model; none asked where the sites keep their
+        figures (``assembly.site_figures_hidden``: a secure run by default)."""
+        if assembly.site_figures_hidden(self.cfg):
+            return {}
         starts = {k: self.server.client_start(round_idx + 1, k) for k in clients}
         replies, _ = self._exchange(
             starts,

@@ -91,8 +91,14 @@ def site_for(config_text: str, node_config, run_id: int) -> Site:
             state_dir,
             node_setting(node_config, "data-path"),
             node_setting(node_config, "model-path"),
+            pinned_secure(node_config),
         )
     return _SITES[key]
+
+
+def pinned_secure(node_config) -> bool:
+    """Whether the SuperNode's operator pinned it to secure aggregation (``secure-aggregation=required``)."""
+    return str(node_setting(node_config, "secure-aggregation", "")).lower() in ("required", "true", "1")
 
 
 class Site:
@@ -105,6 +111,7 @@ class Site:
         state_dir: Path,
         data_path: str | None = None,
         model_path: str | None = None,
+        pinned: bool = False,
     ) -> None:
         from accelerate import Accelerator
 
@@ -117,6 +124,7 @@ class Site:
                 f"client-id {client_id}: the run has clients 0..{cfg.federation.num_clients - 1}"
             )
         self.cfg, self.client_id, self.state_dir = cfg, client_id, Path(state_dir)
+        self.pinned = pinned  # the SuperNode's own secure-aggregation=required
         self.codecs = codecs(cfg)  # how the run's features change what travels (Feature.codec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if data_path:
@@ -201,10 +209,24 @@ class Site:
             self.client.state = dict(state)
 
     # ----------------------------------------------------------- the work
+    def keeps_figures(self) -> bool:
+        """Whether this site keeps its own figures (its evaluation, an example count the weighting does not
+        need): a feature says so (``assembly.site_figures_hidden``: secure aggregation by default), or the
+        site is pinned to secure aggregation (its node config), whatever the server's config says."""
+        from fedllm.assembly import site_figures_hidden
+
+        return bool(site_figures_hidden(self.cfg)) or self.pinned
+
     def info(self) -> dict:
-        """The handshake: the client id and the example count weighting needs; the category histogram and
-        the test size only with ``flower.share_data_stats``."""
-        out = {"client-id": self.client_id, "num-examples": self.client.num_examples}
+        """The handshake: the client id and the example count weighting needs (1 where the weighting is
+        uniform and the site keeps its figures); the category histogram and the test size only with
+        ``flower.share_data_stats``."""
+        from fedllm.assembly import server_policy
+
+        count = self.client.num_examples
+        if self.keeps_figures() and server_policy(self.cfg).weighting == "uniform":
+            count = 1  # uniform weights need no count: the server learns none
+        out = {"client-id": self.client_id, "num-examples": count}
         if self.cfg.flower.share_data_stats:
             out.update({"num-test": len(self.client.test), "categories": json.dumps(self.categories)})
         return out
@@ -219,9 +241,11 @@ class Site:
         return update
 
     def personalized(self, start: ClientStart) -> dict:
+        """The site's personalized evaluation, or nothing where it keeps its figures
+        (:meth:`keeps_figures`)."""
         row = (
             self.runtime.personalized(self.client, start, self.cfg.eval.batch_size)
-            if self.client.test
+            if self.client.test and not self.keeps_figures()
             else {}
         )
         self.save_state(start.round - 1)  # the merges it applied

@@ -35,8 +35,8 @@ import math
 
 from fedllm.options import Rule, chosen_option
 from fedllm.protocol import Feature, TrainExchange
-from fedllm.secagg import guard
 from fedllm.secagg.bounds import clip_of, clipping_range, per_round, private, quantization_bits
+from fedllm.secagg.guard import flower_threshold, majority
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import SecureSummand
 
@@ -156,13 +156,21 @@ class SecureAggregationFeature(Feature):
                 f"site's secrets among the others); this config samples {m}"
             )
         share = neighbourhood(o.num_shares, m)
-        if not guard.majority(guard.flower_threshold(o.reconstruction_threshold, share), share):
+        if not majority(flower_threshold(o.reconstruction_threshold, share), share):
             raise ValueError(
                 f"secagg.reconstruction_threshold={o.reconstruction_threshold:g}: "
-                f"{guard.flower_threshold(o.reconstruction_threshold, share)} of {share} neighbours is not a "
+                f"{flower_threshold(o.reconstruction_threshold, share)} of {share} neighbours is not a "
                 "strict majority, which every site refuses (a server could ask two halves of the neighbours "
                 "for the two kinds of one site's shares); use a value above 0.5"
             )
+
+    def hides_site_figures(self, o: SecAggOptions, cfg) -> str:
+        if not _on(cfg) or o.site_metrics:
+            return ""
+        return (
+            "flower.secure_aggregation=true keeps each site's own evaluation and example count on the site "
+            "(secagg.site_metrics=true sends them)"
+        )
 
     def wrap_strategy(self, strategy, o: SecAggOptions, cfg):
         if not _on(cfg):

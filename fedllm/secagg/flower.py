@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+import fedllm.secagg.guard as guard
 from fedllm.checks import one_line
 from fedllm.protocol import SummedUpdates, seeded_generator
-from fedllm.secagg import guard
 from fedllm.secagg.bounds import (
     clip_of,
     clipping_range,
@@ -281,7 +281,13 @@ def secure_mod(sites):
         if RECORD_KEY_CONFIGS not in msg.content.config_records:
             return call_next(msg, context)
         _guard(msg, context)
-        return secaggplus_mod(msg, context, lambda m, c: _secure_train(m, c, sites))
+        reply = secaggplus_mod(msg, context, lambda m, c: _secure_train(m, c, sites))
+        counts = None if reply.has_error() else reply.content.metric_records.get("fitres.num_examples")
+        if counts is not None:
+            # the weight is masked into the vector (Flower's factor); the plain copy beside it would tell the
+            # server the site's example count, which the weighting takes from the handshake where it needs it
+            counts["num_examples"] = 0
+        return reply
 
     return mod
 

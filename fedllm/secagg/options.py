@@ -63,6 +63,13 @@ class SecAggOptions:
         positive,
         "> 0",
     )
+    site_metrics: bool = opt(
+        False,
+        "let the sites of a secure run send their own figures in the clear: each site's personalized "
+        "evaluation (loss and accuracy per client id, in metrics.jsonl and summary.json) and, under uniform "
+        "weighting, its example count (false: none of it leaves a site; a site pinned to "
+        "secure-aggregation=required never sends it)",
+    )
     timeout_s: float = opt(
         0.0,
         "seconds each of the protocol's four stages waits for the sites (0: flower.round_timeout_s)",
