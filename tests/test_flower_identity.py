@@ -159,17 +159,31 @@ def test_token_indexed_modules_are_refused_on_flower_unless_acknowledged():
 
 def test_a_site_shares_its_count_only_unless_asked():
     """The handshake carries the client id and the example count; the histogram and test size only with
-    flower.share_data_stats."""
+    flower.share_data_stats. Under secure aggregation with uniform weights the count is 1 (the weighting needs
+    none; secagg.site_metrics=true sends it), as it is for a site pinned to secure aggregation; with example
+    weights it is the count the weighting needs."""
+    import types
 
-    def site(share: bool):
-        cfg = load_config(None, [f"flower.share_data_stats={str(share).lower()}"])
-        return SimpleNamespace(
+    def site(*over: str, pinned: bool = False):
+        cfg = load_config(None, list(over))
+        out = SimpleNamespace(
             cfg=cfg,
             client_id=3,
             client=SimpleNamespace(num_examples=40, test=[1, 2]),
             categories={"math": 30, "qa": 12},
+            pinned=pinned,
         )
+        out.keeps_figures = types.MethodType(Site.keeps_figures, out)
+        return out
 
-    assert Site.info(site(False)) == {"client-id": 3, "num-examples": 40}
-    shared = Site.info(site(True))
+    assert Site.info(site("flower.share_data_stats=false")) == {"client-id": 3, "num-examples": 40}
+    shared = Site.info(site("flower.share_data_stats=true"))
     assert shared["num-test"] == 2 and "math" in shared["categories"]
+    secure = ("flower.secure_aggregation=true", "secagg.clip_norm=1", "federation.num_clients=4")
+    assert Site.info(site(*secure, "federation.weighting=uniform"))["num-examples"] == 1
+    assert (
+        Site.info(site(*secure, "federation.weighting=uniform", "secagg.site_metrics=true"))["num-examples"]
+        == 40
+    )
+    assert Site.info(site(*secure))["num-examples"] == 40  # example weights need the count
+    assert Site.info(site("federation.weighting=uniform", pinned=True))["num-examples"] == 1
