@@ -382,10 +382,15 @@ class VectorGrid:
         return out
 
 
-def bare_contexts(nodes) -> dict:
+def bare_contexts(nodes, node_config=None) -> dict:
     from flwr.app import Context, RecordDict
 
-    return {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={}) for n in nodes}
+    return {
+        n: Context(
+            run_id=1, node_id=n, node_config=dict(node_config or {}), state=RecordDict(), run_config={}
+        )
+        for n in nodes
+    }
 
 
 def masking_lies(monkeypatch, node: int, edit) -> None:
@@ -439,7 +444,7 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
     return app, sf, fake_train
 
 
-def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True, deviating=False):
+def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True, deviating=False, node_config=None):
     """One SecAgg+ round of Flower's workflow as fedllm configures it (clipping range from the clip, the
     quantization bits from the field), on plain vectors; returns (mean, finishing nodes, grid)."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
@@ -450,7 +455,7 @@ def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True, deviating=
     from fedllm.secagg.flower import SecureExchange, _round_strategy
 
     app, sf, fake_train = vector_app(vectors, weights)
-    grid = VectorGrid(app, bare_contexts(vectors), dead_at)
+    grid = VectorGrid(app, bare_contexts(vectors, node_config), dead_at)
     ex = SecureExchange(cfg.secagg, cfg)
     ins = [(GridClientProxy(n, grid, 1), FitIns(Parameters([], ""), {})) for n in vectors]
     strategy = _round_strategy(ins)
@@ -764,8 +769,8 @@ def test_each_site_refuses_an_unmask_message_that_is_not_the_protocols(secure_cf
             configs[Key.DEAD_NODE_ID_LIST] = [*configs[Key.DEAD_NODE_ID_LIST], 999]
         elif edit == "repeated":
             configs[Key.ACTIVE_NODE_ID_LIST] = [*active, active[0]]
-        else:  # only itself and one other survive, by the server's word
-            configs[Key.ACTIVE_NODE_ID_LIST] = [node, next(n for n in active if n != node)]
+        else:  # three survive by the server's word: Flower's threshold (3 of 5) holds, the floor (4) not
+            configs[Key.ACTIVE_NODE_ID_LIST] = [node, *[n for n in active if n != node][:2]]
 
     server_sends(monkeypatch, deviate)
     errors = []
@@ -778,9 +783,218 @@ def test_each_site_refuses_an_unmask_message_that_is_not_the_protocols(secure_cf
 
     monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
     vectors = clipped_vectors(5, 50, seed=9)
-    mean, _, grid = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    floor = {"secagg-min-sites": "4"} if edit == "too-few-survivors" else None
+    mean, _, grid = protocol_round(
+        secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True, node_config=floor
+    )
     assert mean is None and not [r for r in grid.received if r[1] == "unmask"]
     assert len(errors) == 5 and all(says in e for e in errors), errors
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
+def test_a_server_showing_sites_different_lists_cannot_rebuild_a_site(tmp_path, monkeypatch, guarded):
+    """7 sites, threshold 4 (a strict majority). The server hands site 100 the key shares of 3 neighbours
+    only (so it masks with those 3), then asks the others for 100's seed shares and for the 3's secret-key
+    shares, each site's lists consistent on their own. Under Flower's mod alone it rebuilds 100's vector;
+    fedllm's site 100 refuses a collect message without every neighbour's key shares, so nothing of it
+    leaves (found by review on this change's first version, which checked each list alone)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run",
+            "federation.num_clients=7",
+            "flower.secure_aggregation=true",
+            "secagg.clip_norm=1.0",
+            "secagg.reconstruction_threshold=0.6",
+        ),
+    )
+    target, partners = 100, [101, 102, 103]
+    lists = {
+        104: ([104, 100, 105, 106], [101, 102, 103]),
+        105: ([105, 100, 104, 106], [101, 102, 103]),
+        106: ([106, 100, 104, 105], [101, 102, 103]),
+        101: ([101, 100, 104, 105], [102, 103]),
+        102: ([102, 100, 104, 105], [101, 103]),
+        103: ([103, 100, 104, 105], [101, 102]),
+        100: ([100, 101, 102, 103], []),
+    }
+
+    def deviate(stage, node, c):
+        if stage == "collect_masked_vectors" and node == target:
+            keep = [i for i, src in enumerate(c[Key.SOURCE_LIST]) if src in partners]
+            c[Key.SOURCE_LIST] = [c[Key.SOURCE_LIST][i] for i in keep]
+            c[Key.CIPHERTEXT_LIST] = [c[Key.CIPHERTEXT_LIST][i] for i in keep]
+        if stage == "unmask":
+            c[Key.ACTIVE_NODE_ID_LIST], c[Key.DEAD_NODE_ID_LIST] = list(lists[node][0]), list(lists[node][1])
+
+    if not guarded:
+        unguarded(monkeypatch)
+    server_sends(monkeypatch, deviate)
+    vectors = clipped_vectors(7, 200, seed=3)
+    _, _, grid = protocol_round(cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    got = rebuild_from_partners(grid, target, partners, lists, cfg)
+    if guarded:
+        assert got is None
+    else:
+        assert np.abs(got - vectors[target]).max() <= quantization_error(cfg)
+
+
+def rebuild_from_partners(grid, target: int, partners: list[int], lists: dict, cfg) -> np.ndarray | None:
+    """The different-lists attack's rebuild: the target's seed from the sites that listed it as surviving,
+    its partners' secret keys from those that listed them as dropped; None without a masked vector from the
+    target or without a threshold of either kind of share."""
+    from flwr.common import bytes_to_ndarray
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.common.secure_aggregation.ndarrays_arithmetic import (
+        factor_extract,
+        get_parameters_shape,
+        parameters_addition,
+        parameters_mod,
+        parameters_subtraction,
+    )
+    from flwr.common.secure_aggregation.quantization import dequantize
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+    from fedllm.secagg.bounds import clipping_range, quantization_bits
+
+    threshold = max(round(cfg.secagg.reconstruction_threshold * len(lists)), 2)
+    pk1, masked, seeds, keys = {}, None, [], {j: [] for j in partners}
+    for node, stage, content in grid.received:
+        c = content.config_records[RECORD_KEY_CONFIGS]
+        if stage == "setup":
+            pk1[node] = c[Key.PUBLIC_KEY_1]
+        elif stage == "collect_masked_vectors" and node == target:
+            masked = [bytes_to_ndarray(b) for b in c[Key.MASKED_PARAMETERS]]
+        elif stage == "unmask":
+            alive = len(lists[node][0])
+            for i, (n, share) in enumerate(zip(c[Key.NODE_ID_LIST], c[Key.SHARE_LIST], strict=True)):
+                if i < alive and n == target:
+                    seeds.append(share)
+                if i >= alive and n in keys:
+                    keys[n].append(share)
+    if masked is None or len(seeds) < threshold or min(len(v) for v in keys.values()) < threshold:
+        return None
+    mod, q = 2**cfg.secagg.modulus_bits, 2 ** quantization_bits(cfg)
+    shapes = get_parameters_shape(masked)
+    vec = parameters_subtraction(masked, pseudo_rand_gen(combine_shares(seeds[:threshold]), mod, shapes))
+    for j in partners:
+        secret = bytes_to_private_key(combine_shares(keys[j][:threshold]))
+        mask = pseudo_rand_gen(generate_shared_key(secret, bytes_to_public_key(pk1[target])), mod, shapes)
+        vec = parameters_subtraction(vec, mask) if target > j else parameters_addition(vec, mask)
+    _, arrays = factor_extract(parameters_mod(vec, mod))
+    return dequantize(arrays, clipping_range(cfg), q)[0]
+
+
+def test_a_site_refuses_share_keys_without_every_announced_neighbour(secure_cfg, monkeypatch):
+    """The server hands every site the keys of 3 of the 5 announced neighbours (the others "dropped" at
+    setup): each refuses, so no site masks with a chosen few."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    def cut(stage, node, c):
+        if stage == "share_keys":
+            for k in [k for k in c if k not in (Key.STAGE, str(node))][2:]:
+                del c[k]
+
+    server_sends(monkeypatch, cut)
+    errors = []
+    original = VectorGrid.send_and_receive
+
+    def recording(self, messages, timeout=None):
+        replies = original(self, messages, timeout)
+        errors.extend(r.error.reason for r in replies if r.has_error())
+        return replies
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
+    vectors = clipped_vectors(5, 30, seed=11)
+    mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    assert mean is None and len(errors) == 5 and all("where the setup announced 5" in e for e in errors)
+
+
+def test_a_protocol_message_of_another_type_is_refused_not_trained_unmasked():
+    """Flower's ClientApp hands ``train.default`` to the train handler and its mods, and Flower's SecAgg+ mod
+    passes any type but ``train`` straight to the training step: without the check the site would answer a
+    ``train.default`` message carrying the protocol's record with its vector, unmasked, even when pinned."""
+    from flwr.app import Context, RecordDict
+
+    app, _, _ = vector_app({100: np.arange(3.0)}, {100: 1})
+    ctx = Context(
+        run_id=1,
+        node_id=100,
+        node_config={"secure-aggregation": "required"},
+        state=RecordDict(),
+        run_config={},
+    )
+    grid = VectorGrid(app, {100: ctx})
+    msg = setup_message(100, 5, 5, 3)
+    msg.metadata.__dict__["_message_type"] = "train.default"
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.has_error() and "of type 'train.default'" in reply.error.reason
+
+
+def test_a_site_trains_once_per_round_and_a_pinned_site_refuses_a_known_noise_seed(tmp_path, monkeypatch):
+    """The collect stage's training step on a site whose runtime is replaced by a counter: a second secure
+    training for the same round (a server that restarts the protocol to get two sums differing by one site)
+    is refused before the site trains; under distributed DP a pinned site refuses privacy.noise_seed >= 0
+    (the server that sent the seed could remove its noise)."""
+    from flwr.app import ConfigRecord, Context, RecordDict
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+
+    import fedllm.secagg.flower as sf
+    from fedllm.secagg import guard
+
+    def run(cfg, pinned, rounds):
+        trained = []
+        site = SimpleNamespace(
+            cfg=cfg,
+            client_id=0,
+            pinned=pinned,
+            codecs=[],
+            client=SimpleNamespace(num_examples=5),
+            train=lambda start: trained.append(start.round) or SimpleNamespace(attachments={}),
+        )
+        sites = SimpleNamespace(site=lambda context, text: site, keep=lambda c, s: None)
+        monkeypatch.setattr(sf, "_from_bytes", len)  # bytes(r) stands for round r's start record
+        monkeypatch.setattr("fedllm.flower.records.start_config", lambda content: ("cfg", 0))
+        monkeypatch.setattr(
+            "fedllm.flower.records.read_start", lambda content, codecs: SimpleNamespace(round=content)
+        )
+        state = RecordDict()
+        state.config_records[RECORD_KEY_STATE] = ConfigRecord(
+            SecAggPlusState(sample_num=4, share_num=4, threshold=3, nid=100).to_dict()
+        )
+        ctx = Context(run_id=1, node_id=100, node_config={}, state=state, run_config={})
+        errors = []
+        for r in rounds:
+            msg = SimpleNamespace(
+                content=SimpleNamespace(config_records={"fitins.config": {sf.START: r, sf.LAYOUT: "[]"}})
+            )
+            try:
+                sf._secure_train(msg, ctx, sites)
+            except guard.Refused as e:
+                errors.append(str(e))
+            except RuntimeError:  # the counter's update carries no summand: training happened
+                pass
+        return trained, errors
+
+    base = ("federation.num_clients=4", "flower.secure_aggregation=true")
+    cfg = load_config(None, tiny_overrides(tmp_path / "a", *base, "secagg.clip_norm=1"))
+    trained, errors = run(cfg, False, [1, 1, 2])
+    assert trained == [1, 2] and len(errors) == 1 and "a second secure training for round 1" in errors[0]
+    dp_cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "b", *base, "privacy.mode=distributed", "privacy.noise_seed=0", "privacy.delta=1e-5"
+        ),
+    )
+    assert run(dp_cfg, False, [1])[0] == [1]  # an unpinned site trusts the server's config
+    trained, errors = run(dp_cfg, True, [1])
+    assert trained == [] and "privacy.noise_seed" in errors[0]
 
 
 def setup_message(node: int, sample: int, share: int, threshold: int):
@@ -876,13 +1090,28 @@ def test_a_round_that_loses_its_quorum_before_the_unmask_is_never_unmasked(tmp_p
             "secagg.clip_norm=1.0",
         ),
     )
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    unguarded(monkeypatch)  # the sites would refuse too: this is the server's own stop
+    stages = []
+    original = VectorGrid.send_and_receive
+
+    def recording(self, messages, timeout=None):
+        stages.extend(
+            m.content.config_records[RECORD_KEY_CONFIGS]["stage"]
+            for m in messages
+            if RECORD_KEY_CONFIGS in m.content.config_records
+        )
+        return original(self, messages, timeout)
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
     vectors = clipped_vectors(3, 40, seed=10)
     mean, nodes, grid = protocol_round(
         cfg, vectors, {n: 1 for n in vectors}, dead_at={101: "collect_masked_vectors"}
     )
     assert mean is None and nodes == []
     assert [r for r in grid.received if r[1] == "collect_masked_vectors"]  # the others did send theirs
-    assert not [r for r in grid.received if r[1] == "unmask"]
+    assert "collect_masked_vectors" in stages and "unmask" not in stages  # no unmask message was sent
 
 
 # ------------------------------------------------------------------ the refusals

@@ -428,3 +428,27 @@ def test_what_no_client_of_a_round_trained_keeps_its_value_and_moments_at_a_late
                     if m.endswith(f".{key}.{name}") and m in moments:
                         assert torch.equal(v[tail], moments[m][tail]), (r, m)
                         assert torch.count_nonzero(v[tail]) > 0 or (r == 2 and strategy == "rolora"), (r, m)
+
+
+@pytest.mark.parametrize("public", [True, False], ids=["public-sample", "secret-sample"])
+def test_the_trained_rank_is_told_only_where_the_sample_is_public(public):
+    """Under a secret sample (DP) which ranks took part is secret too: a model whose components beyond the
+    round's largest rank stayed exactly unchanged would tell whether a top-rank client was sampled, so the
+    server tells the strategy no trained rank there (everything is stepped, as Flower's strategies do)."""
+    from fedllm.server import Sampling
+    from tests.test_trust import honest, make_server
+
+    server = make_server("fedit", clip_norm_ratio=0)
+    server.sampling = Sampling(seed=0, clients_per_round=0, public=public)
+    seen = []
+    aggregate = server.strategy.aggregate
+
+    def spying(updates, state, weights=None, context=None):
+        seen.append(context.trained_rank)
+        return aggregate(updates, state, weights, context)
+
+    server.strategy.aggregate = spying
+    plan = server.plan_round(1)
+    updates = {k: honest(server, plan, k) for k in (0, 1)}  # the rank-4 clients only
+    server.finish_round(plan, {**{k: "no reply" for k in plan.active}, **updates})
+    assert seen == ([4] if public else [None])

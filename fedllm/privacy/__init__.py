@@ -121,21 +121,32 @@ def server_epsilon(precision: float, delta: float) -> float:
     return unamplified(1.0 / math.sqrt(precision), 1, delta)
 
 
-def against_server(cfg):
-    """Distributed DP's guarantee against the server, from the precision of the rounds so far (see
-    :func:`server_epsilon`): what ``DPStrategy`` reports beside the model observers' epsilon."""
-    delta = delta_of(cfg)
+class AgainstServer:
+    """Distributed DP's guarantee against the server (see :func:`server_epsilon`): each round's precision
+    from the sites that finished it, and the report of a run's composed precision."""
 
-    def report(precision: float) -> dict[str, Any]:
-        eps = server_epsilon(precision, delta)
+    def __init__(self, cfg) -> None:
+        self.delta = delta_of(cfg)
+        self.noise_multiplier = cfg.privacy.noise_multiplier
+        self.per_round = per_round(cfg)  # each site's share of the noise is sigma C / sqrt(per_round)
+
+    def precision(self, finished: int) -> float:
+        """``1 / multiplier^2`` of a round in which ``finished`` sites' noise reached the server."""
+        z2 = self.noise_multiplier**2 * finished / self.per_round
+        return 1.0 / z2 if z2 > 0 else math.inf
+
+    def report(self, precision: float) -> dict[str, Any]:
+        eps = server_epsilon(precision, self.delta)
         what = (
             "of each site's update against the server itself (no amplification: it draws the sample and "
             "SecAgg+ names each round's sites; only the sites' own noise, every round counted as if the site "
             "took part; a site that colludes with it removes its share)"
         )
-        return {"epsilon": eps, "delta": delta, "line": guarantee_line(eps, delta, what)}
+        return {"epsilon": eps, "delta": self.delta, "line": guarantee_line(eps, self.delta, what)}
 
-    return report
+
+def against_server(cfg) -> AgainstServer:
+    return AgainstServer(cfg)
 
 
 class PrivacyFeature(Feature):

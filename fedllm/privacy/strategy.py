@@ -68,7 +68,7 @@ class DPStrategy(StrategyWrapper):
         epsilon_after: Callable[[int], float],
         summary: Callable[[int], dict[str, Any]],
         report_clip_stats: bool = False,
-        against_server: Callable[[float], dict[str, Any]] | None = None,
+        against_server: Any = None,
     ) -> None:
         super().__init__(inner)
         self.mode = mode
@@ -137,10 +137,12 @@ class DPStrategy(StrategyWrapper):
         result.info["dp_server_noise_share"] = share
         # against the server only the n finishing sites' noise counts (its top-up is its own): this round is
         # a Gaussian of multiplier sigma sqrt(n / m) on the site's change, composed with the earlier rounds
-        prev = float(state.extras.get(SERVER_PRECISION, 0.0))
-        z2 = self.noise_multiplier**2 * n / m
-        self.server_precision = prev + (1.0 / z2 if z2 > 0 else math.inf)
-        if math.isfinite(self.server_precision):
+        if self.against_server is not None:
+            # the larger of the state's count and this process's: a round the server rolled back (an
+            # aggregate that failed) was still unmasked, so it stays counted
+            prev = max(float(state.extras.get(SERVER_PRECISION, 0.0)), self.server_precision)
+            self.server_precision = prev + self.against_server.precision(n)
+        if math.isfinite(self.server_precision) and self.server_precision > 0:
             result.state.extras[SERVER_PRECISION] = self.server_precision
         return result
 
@@ -201,13 +203,13 @@ class DPStrategy(StrategyWrapper):
         distributed DP also the epsilon against the server (``epsilon_server``)."""
         out = {"epsilon": self.epsilon_after(round_idx)}
         if self.against_server is not None:
-            out["epsilon_server"] = self.against_server(self.server_precision)["epsilon"]
+            out["epsilon_server"] = self.against_server.report(self.server_precision)["epsilon"]
         return out
 
     def run_summary(self, rounds: int) -> dict[str, Any]:
         out = self.summary(rounds)
         if self.against_server is not None:  # the run's own rounds (dropouts count), not the plan's
-            server = self.against_server(self.server_precision)
+            server = self.against_server.report(self.server_precision)
             out["privacy"] = {**out["privacy"], "against_server": server}
             out["metrics"] = {**out["metrics"], "epsilon_server": server["epsilon"]}
             out["guarantees"] = [*out["guarantees"], server["line"]]

@@ -33,6 +33,19 @@ def noise_seed(cfg) -> int:
     return cfg.privacy.noise_seed
 
 
+def known_noise(cfg) -> str:
+    """Why a site pinned to secure aggregation refuses the config's noise (empty: it does not): under
+    distributed DP a noise seed >= 0 is known to whoever sent the config, the server, which could then
+    remove the site's noise."""
+    if distributed(cfg) and noise_seed(cfg) >= 0:
+        return (
+            "privacy.noise_seed >= 0 under distributed DP: whoever knows the seed (the server that sent it) "
+            "can remove this site's noise; a site pinned to secure aggregation adds noise from its own "
+            "randomness only"
+        )
+    return ""
+
+
 def per_round(cfg) -> int:
     fed = cfg.federation
     return sample_size(fed.clients_per_round, fed.client_fraction, fed.num_clients)

@@ -26,6 +26,7 @@ from fedllm.secagg.bounds import (
     clip_of,
     clipping_range,
     distributed,
+    known_noise,
     noise_seed,
     noise_std,
     quantization_bits,
@@ -47,6 +48,7 @@ from fedllm.secagg.summand import (
 log = logging.getLogger(__name__)
 
 START, LAYOUT = "fedllm-start", "fedllm-layout"  # what a site's FitIns config carries
+TRAINED = "fedllm-secagg-trained"  # the last round a site trained in under the protocol (its context.state)
 
 
 def _to_bytes(record) -> bytes:
@@ -238,7 +240,7 @@ def norm_limit(clip: float, tau: float, d: int, p: float = 1e-9) -> float:
     + 7)``, which let a hostile site move the mean by 10 clips at d = 20k, n = 5, sigma = 1): ``z`` is
     nearly orthogonal to any shift, so a shift of norm S shows as ``S^2`` beside ``||z||^2``, whose spread is
     only ``tau^2 sqrt(2 d)``. The smallest shift refused is about ``sqrt(clip^2 + 2 clip tau k + tau^2 (q -
-    d))``: 1.3 clips for 100 sites at sigma 2.2 and d = 20k, but still about 7 clips for 5 sites at sigma 1
+    d))``: 1.4 clips for 100 sites at sigma 2.2 and d = 20k, but still about 7 clips for 5 sites at sigma 1
     (no test on the mean alone can do better there: the noise's own spread hides it; docs/trust.md)."""
     if tau <= 0:
         return clip
@@ -275,11 +277,17 @@ def secure_mod(sites):
     message's site and its state (``site(context, config_text)``, ``keep(context, site)``)."""
 
     def mod(msg, context, call_next):
+        from flwr.app.message_type import MessageType
         from flwr.client.mod import secaggplus_mod
         from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
         if RECORD_KEY_CONFIGS not in msg.content.config_records:
             return call_next(msg, context)
+        if msg.metadata.message_type != MessageType.TRAIN:  # Flower's mod would train it, unmasked
+            raise guard.Refused(
+                f"a secure aggregation message of type {msg.metadata.message_type!r}: the protocol's are "
+                f"{MessageType.TRAIN!r}"
+            )
         _guard(msg, context)
         reply = secaggplus_mod(msg, context, lambda m, c: _secure_train(m, c, sites))
         counts = None if reply.has_error() else reply.content.metric_records.get("fitres.num_examples")
@@ -315,7 +323,9 @@ def _guard(msg, context) -> None:
         return
     state = _protocol_state(context)
     if stage == Stage.SHARE_KEYS:
-        guard.check_share_keys(configs, int(state.share_num), floor)
+        guard.check_share_keys(configs, int(state.share_num))
+    elif stage == Stage.COLLECT_MASKED_VECTORS:
+        guard.check_collect(configs, {int(n) for n in state.public_keys_dict}, int(state.nid))
     elif stage == Stage.UNMASK:
         record = context.state.config_records.get(guard.STATE)
         least = int(record["least"]) if record is not None else floor.sites
@@ -350,6 +360,16 @@ def _secure_train(msg, context, sites):
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
     start = read_start(content, site.codecs)
+    trained = context.state.config_records.get(TRAINED)  # one secure training per round of a run
+    if trained is not None and int(trained["round"]) >= int(start.round):
+        raise guard.Refused(
+            f"a second secure training for round {start.round} (this site trained round "
+            f"{int(trained['round'])} already): two sums that differ by one site give that site's update"
+        )
+    why = known_noise(site.cfg) if site.pinned else ""
+    if why:
+        raise guard.Refused(why)
+    context.state.config_records[TRAINED] = ConfigRecord({"round": int(start.round)})
     update = site.train(start)
     sites.keep(context, site)
     changes = update.attachments.get(KEY)

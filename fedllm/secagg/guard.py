@@ -18,7 +18,12 @@ So a site refuses, before it answers (a refusal is the site's error reply; nothi
   a neighbourhood of fewer than 3, a threshold that is not a strict majority of the neighbourhood (below it,
   two disjoint sets of honest neighbours can each answer one kind of share), or below the site's own floor
   (``secagg-min-threshold=F``, a fraction of the neighbourhood);
-* at **share keys**: fewer neighbours' keys than that floor of sites;
+* at **share keys** and **collect masked vectors**: fewer neighbours' keys, or fewer of their key shares,
+  than the setup announced (a site masks with every neighbour or with none: handed a few, its pairwise
+  masks would be those few's, whose secret keys the others could then be asked for one by one);
+* a protocol message of another type than Flower's ``train`` (its mod passes those to the training step
+  unmasked), and a second secure training for a round it already trained in (two sums over sets that
+  differ by one site would give that site's update);
 * at **collect masked vectors** (:func:`check_round_config`, when the site reads the run's config): a round
   smaller than ``federation.min_clients`` of the config the server sent, or a threshold below what that
   config's ``secagg.reconstruction_threshold`` gives (the server's parameters must be the ones it promised);
@@ -26,11 +31,20 @@ So a site refuses, before it answers (a refusal is the site's error reply; nothi
   with, list the site itself as dropped or omit it from the survivors, or hold fewer survivors than the
   round's quorum (the sum of fewer sites than the floor is never unmasked).
 
-What no check here can stop: a server that invents sites. SecAgg+'s public keys in Flower 1.42 are not bound
-to the SuperNodes' identities, so a server that answers the protocol for nodes that do not exist (its own key
-pairs in the share-keys message) holds the shares sent to them; with as many invented neighbours as the
-threshold it rebuilds a real site's masks. docs/trust.md says so; binding the keys to the registered node
-keys would need a change of Flower's workflow messages.
+What no check here can stop: a server that shows different sites different rounds. Each check reads one
+message; SecAgg's defence against a server that sends inconsistent views (Bell et al.'s consistency round, in
+which the sites sign the set of survivors) is not in Flower 1.42's protocol. Within one view shared by all
+its sites the checks above suffice: to unmask a site T the server needs a threshold t of seed shares (sites
+listing T as surviving) and, for each of T's n - 1 partners, t secret-key shares (sites listing it as
+dropped), while each site lists at least t survivors; that needs ``n (n - t) >= (n - 1) t``, which no strict
+majority allows. A server that runs several overlapping rounds (more real sites than one round's, each shown
+another neighbourhood) can draw the dropped-lists from sites outside T's view, and so can a server that
+invents sites: SecAgg+'s public keys in Flower 1.42 are not bound to the SuperNodes' identities, so a server
+that answers the protocol for nodes that do not exist holds the shares sent to them.
+
+With as many invented neighbours as the threshold such a server rebuilds a real site's masks. docs/trust.md
+says so; binding the protocol's keys to the registered node keys, and a consistency round, would need a
+change of Flower's workflow messages.
 """
 
 from __future__ import annotations
@@ -94,8 +108,11 @@ def check_setup(configs: Any, floor: Floor) -> None:
             f"{floor.sites} (node config secagg-min-sites, never below 3): the sum of fewer would reveal too "
             "much of each"
         )
-    if not 3 <= share <= sample:
-        raise Refused(f"a neighbourhood of {share} in a round of {sample}: expected 3 to {sample}")
+    if not floor.sites <= share <= sample:
+        raise Refused(
+            f"a neighbourhood of {share} in a round of {sample}: expected {floor.sites} to {sample} (its "
+            "secrets are shared among its neighbours only)"
+        )
     if not majority(threshold, share) or threshold > share:
         raise Refused(
             f"threshold {threshold} of {share} neighbours: not a strict majority, so two disjoint sets of "
@@ -108,14 +125,31 @@ def check_setup(configs: Any, floor: Floor) -> None:
         )
 
 
-def check_share_keys(configs: Any, share_num: int, floor: Floor) -> None:
+def check_share_keys(configs: Any, share_num: int) -> None:
+    """Every neighbour the setup announced, itself included: a server that hands a site fewer (the rest
+    "dropped") makes it mask with those few only, whose secret keys a threshold of the others can then
+    hand over one by one. The price: a site that drops before sharing its keys fails the round."""
     from flwr.common.secure_aggregation.secaggplus_constants import Key
 
     keys = [k for k in configs if k != Key.STAGE]
-    if len(keys) < min(floor.sites, share_num):
+    if len(keys) != share_num:
         raise Refused(
-            f"{len(keys)} neighbours' keys: fewer than the {min(floor.sites, share_num)} sites this site "
-            "shares its secrets among"
+            f"{len(keys)} neighbours' keys where the setup announced {share_num}: this site masks with every "
+            "neighbour of its round or with none"
+        )
+
+
+def check_collect(configs: Any, neighbours: set[int], nid: int) -> None:
+    """The key shares of every neighbour it shared keys with: with fewer, its masked vector would carry the
+    pairwise masks of those few only (see :func:`check_share_keys`)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    sources = {int(n) for n in configs[Key.SOURCE_LIST]}
+    missing = neighbours - sources - {nid}
+    if missing or len(configs[Key.SOURCE_LIST]) != len(sources):
+        raise Refused(
+            f"key shares from {len(sources)} of its {len(neighbours) - 1} neighbours (missing "
+            f"{sorted(missing)[:8]}): this site masks with every neighbour or with none"
         )
 
 

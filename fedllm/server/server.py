@@ -500,7 +500,7 @@ class Server:
         before = self.algorithm.state_dict()
         context = self.context(plan, [] if summed else updates)
         context.contributors = contributors
-        if replied:
+        if replied and self.sampling.public:  # under a secret sample the ranks that took part are secret too
             context.trained_rank = max(self.strategy.adapter_rank(self.clients[k].rank) for k in replied)
         if summed is not None:
             context.references = [summed.reference]
