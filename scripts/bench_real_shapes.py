@@ -12,7 +12,8 @@ batches of ``--seq-len`` tokens. It reports:
   so the ratio should stay near 1 (target <= 1.15);
 - one client optimizer step inside fedllm (AdamW, clip, scheduler, LoRA on the
   rank-64 adapter) against a plain peft + torch loop doing the same step on
-  the same base weights and batch (target >= 0.9x the plain loop's speed);
+  a copy of the same base weights and the same batch, in alternating turns
+  (target >= 1.0x the plain loop's speed);
 - the time to switch a client in (its downloaded factors written into the
   shared base's adapter) and read its update out, against its local work at
   150 steps (target <= 2%);
@@ -31,6 +32,7 @@ between CPUs). Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -137,48 +139,76 @@ def timed_round(driver) -> dict:
     }
 
 
-def fedllm_step_s(driver, client_id: int, samples: int) -> float:
-    """One optimizer step of ``client_id`` inside fedllm: (time of 1 + samples steps - time of 1 step) /
-    samples.
-    """
-    client = driver.clients[client_id]
-    start = driver.server.client_start(2, client_id)
-    times = {}
-    for steps in (1, 1 + samples, 1):  # the first short run warms up; the last one is the one subtracted
-        driver.runtime.client_cfg.local_steps = steps
-        t = time.perf_counter()
-        driver.runtime.train(client, start)
-        times[steps] = time.perf_counter() - t
-    return (times[1 + samples] - times[1]) / samples
+def interleaved_steps(driver, client_id: int, samples: int, reps: int, cfg) -> dict:
+    """A client's optimizer step inside fedllm against a plain peft + torch loop on a copy of the same base
+    weights and the same batch, measured in turns (fedllm, plain, fedllm, plain, ...; ``reps`` turns of
+    ``1 + samples`` steps each, the first step of each turn not counted), so that a drift of the machine's
+    speed falls on both alike. Measured one after the other, as this script did before, the order alone
+    moved the ratio by 10-20 % on 2 cores.
 
+    fedllm's step is timed between two of its own optimizer steps (``LocalRun.step``: clip, correction,
+    AdamW, scheduler, then the next step's zero_grad, forward and backward), the plain loop's as a user would
+    write it: zero_grad, forward, backward, clip, AdamW. Returns both medians and each turn's ratio."""
+    import copy
+    import statistics
 
-def plain_step_s(model, rank: int, batch: dict, samples: int, cfg) -> float:
-    """The same step as a user would write it with peft and torch: forward, backward, clip, AdamW."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(
-        model,
+    from fedllm.client import base as client_base
+
+    client = driver.clients[client_id]
+    start = driver.server.client_start(2, client_id)
+    batch = next(iter_batches(driver, client_id))
+    plain_base = copy.deepcopy(driver.runtime.model).unload()  # the same base weights, no adapters
+    plain = get_peft_model(
+        plain_base,
         LoraConfig(
-            r=rank,
-            lora_alpha=cfg.lora.alpha_ratio * rank,
+            r=client.rank,
+            lora_alpha=cfg.lora.alpha_ratio * client.rank,
             target_modules=MODULES,
             lora_dropout=cfg.lora.dropout,
             task_type="CAUSAL_LM",
         ),
     )
-    peft_model.train()
-    params = [p for p in peft_model.parameters() if p.requires_grad]
+    plain.train()
+    params = [p for p in plain.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.client.lr, weight_decay=cfg.client.weight_decay)
-    times = []
-    for _ in range(1 + samples):
-        t = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = peft_model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.client.max_grad_norm)
-        opt.step()
-        times.append(time.perf_counter() - t)
-    return sum(times[1:]) / samples
+
+    marks: list[float] = []
+    step = client_base.LocalRun.step
+
+    def timed(self, loss):
+        step(self, loss)
+        marks.append(time.perf_counter())
+
+    client_base.LocalRun.step = timed
+    ours, theirs, ratios = [], [], []
+    try:
+        driver.runtime.client_cfg.local_steps = 1 + samples
+        for _ in range(reps):
+            marks.clear()
+            driver.runtime.train(client, start)
+            turn_ours = [b - a for a, b in itertools.pairwise(marks)]
+            turn_theirs = []
+            for i in range(1 + samples):
+                t = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = plain(**batch).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, cfg.client.max_grad_norm)
+                opt.step()
+                if i:
+                    turn_theirs.append(time.perf_counter() - t)
+            ours += turn_ours
+            theirs += turn_theirs
+            ratios.append(statistics.median(turn_theirs) / statistics.median(turn_ours))
+    finally:
+        client_base.LocalRun.step = step
+    return {
+        "fedllm_step_s": statistics.median(ours),
+        "plain_step_s": statistics.median(theirs),
+        "turn_ratios": ratios,
+    }
 
 
 def child(args) -> dict:
@@ -217,10 +247,7 @@ def child(args) -> dict:
             "round": rnd,
         }
         if args.compare_step:
-            out["fedllm_step_s"] = fedllm_step_s(driver, 0, args.step_samples)
-            batch = next(iter_batches(driver, 0))
-            base = driver.runtime.model.unload()  # the same base weights, without fedllm's adapters
-            out["plain_step_s"] = plain_step_s(base, driver.clients[0].rank, batch, args.step_samples, cfg)
+            out.update(interleaved_steps(driver, 0, args.step_samples, args.step_reps, cfg))
     return out
 
 
@@ -252,6 +279,8 @@ def run_child(args, clients: int, compare_step: bool) -> dict:
         str(args.examples),
         "--step-samples",
         str(args.step_samples),
+        "--step-reps",
+        str(args.step_reps),
     ]
     cmd += (["--compare-step"] if compare_step else []) + (["--model", args.model] if args.model else [])
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -272,7 +301,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--examples", type=int, default=4, help="random examples per client")
-    p.add_argument("--step-samples", type=int, default=3, help="steps timed for the step comparison")
+    p.add_argument("--step-samples", type=int, default=3, help="steps timed per turn of the step comparison")
+    p.add_argument("--step-reps", type=int, default=3, help="turns of the step comparison (fedllm, plain)")
     p.add_argument("--model", default=None, help="a real checkpoint (folder or gguf:PACKAGE) instead")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compare-step", action="store_true", help=argparse.SUPPRESS)
@@ -302,6 +332,7 @@ def main() -> None:
         "fedllm_step_s": step_s,
         "plain_peft_step_s": plain_s,
         "step_speed_ratio": plain_s / step_s,
+        "step_ratio_per_turn": many["turn_ratios"],
         "switch_in_plus_read_out_s": switch_s,
         "switch_share_of_150_steps": switch_s / (150 * step_s),
         "aggregation_s": rnd["aggregation_s"],
@@ -309,7 +340,7 @@ def main() -> None:
     }
     result["targets_met"] = {
         "memory_ratio<=1.15": result["memory_ratio"] <= 1.15,
-        "step_speed_ratio>=0.9": result["step_speed_ratio"] >= 0.9,
+        "step_speed_ratio>=1.0": result["step_speed_ratio"] >= 1.0,
         "switch_share<=0.02": result["switch_share_of_150_steps"] <= 0.02,
     }
     print(json.dumps(result))
