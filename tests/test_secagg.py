@@ -660,11 +660,31 @@ def server_sends(monkeypatch, edit) -> None:
     monkeypatch.setattr(VectorGrid, "send_and_receive", deviating)
 
 
-def rebuild(grid, target: int, cfg) -> np.ndarray | None:
-    """What the server can make of the target's masked vector with the shares the sites returned: both kinds
-    of the target's shares (its private mask seed's and its key-agreement secret's) remove every mask. None
-    when it holds fewer than the threshold of either kind (or no masked vector)."""
+def server_view(grid, target: int):
+    """What a server holds after a round: each site's first public key (setup), the target's masked vector
+    (None if it sent none) and each site's unmask reply as (node, node ids, shares)."""
     from flwr.common import bytes_to_ndarray
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    pk1, masked, replies = {}, None, []
+    for node, stage, content in grid.received:
+        c = content.config_records[RECORD_KEY_CONFIGS]
+        if stage == "setup":
+            pk1[node] = c[Key.PUBLIC_KEY_1]
+        elif stage == "collect_masked_vectors" and node == target:
+            masked = [bytes_to_ndarray(b) for b in c[Key.MASKED_PARAMETERS]]
+        elif stage == "unmask":
+            replies.append((node, list(c[Key.NODE_ID_LIST]), list(c[Key.SHARE_LIST])))
+    return pk1, masked, replies
+
+
+def unmask_one(
+    cfg, target: int, masked, pk1: dict, seeds: list, secrets: dict[int, list]
+) -> np.ndarray | None:
+    """The target's vector from its masked one: its private mask from ``seeds`` (shares of its seed), each
+    pairwise mask from the shares of one side's secret key (``secrets``: owner -> shares; the target's own
+    key removes every pairwise mask, a partner's key the one it shares with the target). None without a
+    masked vector or a threshold of each kind of share."""
     from flwr.common.secure_aggregation.crypto.shamir import combine_shares
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
     from flwr.common.secure_aggregation.ndarrays_arithmetic import (
@@ -675,38 +695,54 @@ def rebuild(grid, target: int, cfg) -> np.ndarray | None:
         parameters_subtraction,
     )
     from flwr.common.secure_aggregation.quantization import dequantize
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
     from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
     from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
     from fedllm.secagg.bounds import clipping_range, quantization_bits
 
-    pk1, masked, seeds, keys = {}, None, [], []
-    for node, stage, content in grid.received:
-        c = content.config_records[RECORD_KEY_CONFIGS]
-        if stage == "setup":
-            pk1[node] = c[Key.PUBLIC_KEY_1]
-        elif stage == "collect_masked_vectors" and node == target:
-            masked = [bytes_to_ndarray(b) for b in c[Key.MASKED_PARAMETERS]]
-        elif stage == "unmask":
-            hits = [
-                share for n, share in zip(c[Key.NODE_ID_LIST], c[Key.SHARE_LIST], strict=True) if n == target
-            ]
-            seeds += hits[:1]
-            keys += hits[1:2]
-    threshold = max(round(cfg.secagg.reconstruction_threshold * len(pk1)), 2)
-    if masked is None or min(len(seeds), len(keys)) < threshold:
+    t = max(round(cfg.secagg.reconstruction_threshold * len(pk1)), 2)
+    if masked is None or len(seeds) < t or not secrets or min(len(v) for v in secrets.values()) < t:
         return None
     mod, q = 2**cfg.secagg.modulus_bits, 2 ** quantization_bits(cfg)
     shapes = get_parameters_shape(masked)
-    vec = parameters_subtraction(masked, pseudo_rand_gen(combine_shares(seeds), mod, shapes))
-    secret = bytes_to_private_key(combine_shares(keys))
-    for node, pk in pk1.items():
-        if node != target:
-            mask = pseudo_rand_gen(generate_shared_key(secret, bytes_to_public_key(pk)), mod, shapes)
-            vec = parameters_subtraction(vec, mask) if target > node else parameters_addition(vec, mask)
+    vec = parameters_subtraction(masked, pseudo_rand_gen(combine_shares(seeds[:t]), mod, shapes))
+    keys = {j: bytes_to_private_key(combine_shares(v[:t])) for j, v in secrets.items()}
+    partners = [j for j in pk1 if j != target] if target in keys else list(keys)
+    for j in partners:
+        own = keys.get(target)
+        shared = generate_shared_key(own, bytes_to_public_key(pk1[j])) if own else None
+        if shared is None:
+            shared = generate_shared_key(keys[j], bytes_to_public_key(pk1[target]))
+        mask = pseudo_rand_gen(shared, mod, shapes)
+        vec = parameters_subtraction(vec, mask) if target > j else parameters_addition(vec, mask)
     _, arrays = factor_extract(parameters_mod(vec, mod))
     return dequantize(arrays, clipping_range(cfg), q)[0]
+
+
+def rebuild(grid, target: int, cfg) -> np.ndarray | None:
+    """The both-lists attack's rebuild: each unmask reply names the target twice, first for its seed's
+    share, then for its secret key's."""
+    pk1, masked, replies = server_view(grid, target)
+    seeds, own = [], []
+    for _, nids, shares in replies:
+        hits = [share for n, share in zip(nids, shares, strict=True) if n == target]
+        seeds += hits[:1]
+        own += hits[1:2]
+    return unmask_one(cfg, target, masked, pk1, seeds, {target: own})
+
+
+def site_errors(monkeypatch) -> list[str]:
+    """From now on every site's error reply (its refusal) is recorded here, in order."""
+    errors: list[str] = []
+    original = VectorGrid.send_and_receive
+
+    def recording(self, messages, timeout=None):
+        replies = original(self, messages, timeout)
+        errors.extend(r.error.reason for r in replies if r.has_error())
+        return replies
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
+    return errors
 
 
 def unguarded(monkeypatch) -> None:
@@ -773,15 +809,7 @@ def test_each_site_refuses_an_unmask_message_that_is_not_the_protocols(secure_cf
             configs[Key.ACTIVE_NODE_ID_LIST] = [node, *[n for n in active if n != node][:2]]
 
     server_sends(monkeypatch, deviate)
-    errors = []
-    original = VectorGrid.send_and_receive
-
-    def recording(self, messages, timeout=None):
-        replies = original(self, messages, timeout)
-        errors.extend(r.error.reason for r in replies if r.has_error())
-        return replies
-
-    monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
+    errors = site_errors(monkeypatch)
     vectors = clipped_vectors(5, 50, seed=9)
     floor = {"secagg-min-sites": "4"} if edit == "too-few-survivors" else None
     mean, _, grid = protocol_round(
@@ -843,51 +871,17 @@ def test_a_server_showing_sites_different_lists_cannot_rebuild_a_site(tmp_path, 
 
 def rebuild_from_partners(grid, target: int, partners: list[int], lists: dict, cfg) -> np.ndarray | None:
     """The different-lists attack's rebuild: the target's seed from the sites that listed it as surviving,
-    its partners' secret keys from those that listed them as dropped; None without a masked vector from the
-    target or without a threshold of either kind of share."""
-    from flwr.common import bytes_to_ndarray
-    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
-    from flwr.common.secure_aggregation.ndarrays_arithmetic import (
-        factor_extract,
-        get_parameters_shape,
-        parameters_addition,
-        parameters_mod,
-        parameters_subtraction,
-    )
-    from flwr.common.secure_aggregation.quantization import dequantize
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
-    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
-    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
-
-    from fedllm.secagg.bounds import clipping_range, quantization_bits
-
-    threshold = max(round(cfg.secagg.reconstruction_threshold * len(lists)), 2)
-    pk1, masked, seeds, keys = {}, None, [], {j: [] for j in partners}
-    for node, stage, content in grid.received:
-        c = content.config_records[RECORD_KEY_CONFIGS]
-        if stage == "setup":
-            pk1[node] = c[Key.PUBLIC_KEY_1]
-        elif stage == "collect_masked_vectors" and node == target:
-            masked = [bytes_to_ndarray(b) for b in c[Key.MASKED_PARAMETERS]]
-        elif stage == "unmask":
-            alive = len(lists[node][0])
-            for i, (n, share) in enumerate(zip(c[Key.NODE_ID_LIST], c[Key.SHARE_LIST], strict=True)):
-                if i < alive and n == target:
-                    seeds.append(share)
-                if i >= alive and n in keys:
-                    keys[n].append(share)
-    if masked is None or len(seeds) < threshold or min(len(v) for v in keys.values()) < threshold:
-        return None
-    mod, q = 2**cfg.secagg.modulus_bits, 2 ** quantization_bits(cfg)
-    shapes = get_parameters_shape(masked)
-    vec = parameters_subtraction(masked, pseudo_rand_gen(combine_shares(seeds[:threshold]), mod, shapes))
-    for j in partners:
-        secret = bytes_to_private_key(combine_shares(keys[j][:threshold]))
-        mask = pseudo_rand_gen(generate_shared_key(secret, bytes_to_public_key(pk1[target])), mod, shapes)
-        vec = parameters_subtraction(vec, mask) if target > j else parameters_addition(vec, mask)
-    _, arrays = factor_extract(parameters_mod(vec, mod))
-    return dequantize(arrays, clipping_range(cfg), q)[0]
+    its partners' secret keys from those that listed them as dropped."""
+    pk1, masked, replies = server_view(grid, target)
+    seeds, secrets = [], {j: [] for j in partners}
+    for node, nids, shares in replies:
+        alive = len(lists[node][0])
+        for i, (n, share) in enumerate(zip(nids, shares, strict=True)):
+            if i < alive and n == target:
+                seeds.append(share)
+            if i >= alive and n in secrets:
+                secrets[n].append(share)
+    return unmask_one(cfg, target, masked, pk1, seeds, secrets)
 
 
 def test_a_site_refuses_share_keys_without_every_announced_neighbour(secure_cfg, monkeypatch):
@@ -901,15 +895,7 @@ def test_a_site_refuses_share_keys_without_every_announced_neighbour(secure_cfg,
                 del c[k]
 
     server_sends(monkeypatch, cut)
-    errors = []
-    original = VectorGrid.send_and_receive
-
-    def recording(self, messages, timeout=None):
-        replies = original(self, messages, timeout)
-        errors.extend(r.error.reason for r in replies if r.has_error())
-        return replies
-
-    monkeypatch.setattr(VectorGrid, "send_and_receive", recording)
+    errors = site_errors(monkeypatch)
     vectors = clipped_vectors(5, 30, seed=11)
     mean, _, _ = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True)
     assert mean is None and len(errors) == 5 and all("where the setup announced 5" in e for e in errors)
