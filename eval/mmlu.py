@@ -30,7 +30,6 @@ import logging
 import os
 import sys
 import tempfile
-import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -196,21 +195,10 @@ def score_questions(
             k,
             how,
         )
-    from tqdm.auto import tqdm
+    from eval.progress import Progress
 
-    t0 = time.perf_counter()
-    with tqdm(
-        total=len(items), desc="MMLU questions", unit="q", leave=False, disable=None if progress else True
-    ) as bar:
+    with Progress(len(items), "benchmark questions", "q", progress, log) as bar:
         scores = score_items(model, items, pad_id, batch_size, reuse, bar.update)
-    if progress and questions:
-        elapsed = time.perf_counter() - t0
-        log.info(
-            "scored %d questions in %.1f s (%.1f questions/s)",
-            len(questions),
-            elapsed,
-            len(questions) / max(elapsed, 1e-9),
-        )
     return [
         Record(q.subject, q.index, q.answer, max(range(4), key=lambda c: s[c]), s, n, c)
         for q, s, n, c in zip(questions, scores, used, cut, strict=True)

@@ -31,6 +31,9 @@ def test_two_round_run_writes_everything(tmp_path, strategy):
     for r in rows[1:]:
         assert r["n_updates"] == 4 and r["up_params"] > 0
         assert {"time_train_s", "time_aggregate_s", "time_eval_s", "accuracy", "eval_loss"} <= set(r)
+        # each evaluation phase's own time, within the evaluation's
+        phases = r["time_eval_loss_s"] + r["time_eval_benchmark_s"]
+        assert 0 < phases <= r["time_eval_s"]
     assert summary["ranks"] == [4, 8, 16, 32]
     assert (d / "global_adapter" / "adapter_model.safetensors").exists()
 

@@ -403,3 +403,24 @@ def test_with_drop_shots_prompts_that_do_not_fit_lose_shots_and_say_so(tiny, cap
     assert (
         sum(saved["shots_used"].values()) == len(records) and saved["records"][0]["shots"] == records[0].shots
     )
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_evaluation_phase_says_how_far_it_is_where_no_bar_shows(caplog, monkeypatch, enabled):
+    """Without a terminal (a job's log) a phase logs its progress, rate and time left every few seconds
+    and its total at the end (tqdm alone printed nothing there); a worker process (disabled) logs nothing."""
+    import logging
+
+    from eval import progress
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="eval.test")
+    with progress.Progress(4, "benchmark questions", "q", enabled, logging.getLogger("eval.test")) as bar:
+        for _ in range(4):
+            bar.update()
+    lines = [r.getMessage() for r in caplog.records]
+    if enabled:
+        assert any("benchmark questions: 1/4 q" in line and "s left" in line for line in lines), lines
+        assert lines[-1].startswith("benchmark questions: 4 q in")
+    else:
+        assert lines == []

@@ -8,6 +8,7 @@ the MMLU way by ``eval/``. Under ZeRO-3 every process runs every forward pass
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +23,26 @@ from eval.rouge import rouge_l
 from fedllm.model.generate import generate
 from fedllm.model.parallel import evaluation_engine
 
+log = logging.getLogger(__name__)
+
 
 @torch.no_grad()
 def heldout(
-    model, tokenizer, data: list[TokenizedExample], batch_size: int
+    model, tokenizer, data: list[TokenizedExample], batch_size: int, progress: bool = False
 ) -> tuple[float | None, float | None]:
     """Mean response-token loss, and the share of examples whose whole answer is predicted (teacher-forced
     argmax at every response token but the closing EOS: for a one-token answer, its first token; for the
     testbed's "52 even", both the intermediate step and the label, which is what a label shift changes)."""
     if not data:
         return None, None
+    from eval.progress import Progress
+
     device = next(model.parameters()).device
+    with Progress(len(data), "held-out loss", "examples", progress, log) as bar:
+        return _heldout(model, tokenizer, data, batch_size, device, bar)
+
+
+def _heldout(model, tokenizer, data, batch_size: int, device, bar) -> tuple[float, float]:
     total, tokens, hits = 0.0, 0, 0
     for i in range(0, len(data), batch_size):
         batch = {
@@ -48,6 +58,7 @@ def heldout(
         if tokenizer.eos_token_id is not None:  # the answer's words, not its end marker
             scored &= labels != tokenizer.eos_token_id
         hits += int(((predicted == labels) | ~scored).all(1).logical_and(scored.any(1)).sum())
+        bar.update(len(batch["labels"]))
     return total / tokens, hits / len(data)
 
 
@@ -107,21 +118,29 @@ def evaluate_global(
     ctx = torch.no_grad() if has_adapter else model.disable_adapter()
     out: dict[str, Any] = {}
     lockstep = layout.zero_stage == 3
+    progress = acc.is_main_process and runtime.progress
     with ctx, evaluation_engine(acc, layout, model, batch_size):
-        out["eval_loss"], out["eval_token_acc"] = heldout(model, runtime.tokenizer, eval_data, batch_size)
+        t = time.perf_counter()
+        out["eval_loss"], out["eval_token_acc"] = heldout(
+            model, runtime.tokenizer, eval_data, batch_size, progress
+        )
+        out["time_eval_loss_s"] = time.perf_counter() - t
         if benchmark is not None:
+            t = time.perf_counter()
             result, _ = score_benchmark(
                 model,
                 runtime.tokenizer,
                 benchmark,
                 batch_size=batch_size,
                 accelerator=None if lockstep else acc,
-                progress=acc.is_main_process and runtime.progress,
+                progress=progress,
             )
             out["accuracy"] = result["accuracy"]
             out["accuracy_categories"] = result["categories"]
+            out["time_eval_benchmark_s"] = time.perf_counter() - t
         if generation is not None and generation.references:
-            progress = acc.is_main_process and runtime.progress
+            t = time.perf_counter()
             out.update(rouge_heldout(model, runtime.tokenizer, generation, batch_size, progress))
+            out["time_eval_generate_s"] = time.perf_counter() - t
     out["time_eval_s"] = time.perf_counter() - t0
     return out

@@ -87,11 +87,11 @@ def generate(
         lengths = [min(n, max_prompt_tokens) for n in lengths]
     order = sorted(range(len(texts)), key=lambda i: lengths[i])
     answers: list[str] = [""] * len(texts)
-    try:
-        from tqdm.auto import tqdm
+    from eval.progress import Progress
 
-        starts = range(0, len(texts), batch_size)
-        for start in tqdm(starts, desc="generating", unit="batch", disable=not progress, leave=False):
+    bar = Progress(len(texts), "generating answers", "answers", progress, log)
+    try:
+        for start in range(0, len(texts), batch_size):
             rows = order[start : start + batch_size]
             enc = tokenizer(
                 [texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=special, **cut
@@ -109,6 +109,8 @@ def generate(
             new = out[:, enc["input_ids"].shape[1] :]
             for i, text in zip(rows, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):
                 answers[i] = text.strip()
+            bar.update(len(rows))
     finally:
+        bar.close()
         tokenizer.padding_side, tokenizer.truncation_side = side, side_cut
     return answers
