@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from data_prep.prompts import TokenizedExample, collate
 from fedllm.logs import client_label
+from fedllm.model.loss import response_loss
 from fedllm.model.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
 from fedllm.options import one_of, opt
 from fedllm.protocol import AlgorithmServer
@@ -449,13 +450,14 @@ def fused_adamw(groups: list[dict], work: LocalWork) -> bool | None:
 
 
 def lm_loss(model, batch: dict[str, Tensor], accelerator) -> Tensor:
-    """The model's loss on a batch (for causal LMs: response tokens only, prompt labels are -100)."""
+    """The model's loss on a batch: response tokens only (prompt labels are -100), the vocabulary head
+    computed only where a label is (:mod:`fedllm.model.loss`)."""
     device = accelerator.device if accelerator is not None else "cpu"
     batch = {k: v.to(device) for k, v in batch.items()}
     if accelerator is None:
-        return model(**batch).loss
+        return response_loss(model, batch)
     with accelerator.autocast():
-        return model(**batch).loss
+        return response_loss(model, batch)
 
 
 def backward(loss: Tensor, accelerator) -> None:

@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from data_prep.natural_instructions import Reference
 from data_prep.prompts import TokenizedExample, collate
+from eval.general import GeneralCheck
 from eval.mmlu import Benchmark
 from eval.mmlu import evaluate as score_benchmark
 from eval.rouge import rouge_l
 from fedllm.model.generate import generate
+from fedllm.model.loss import response_logits
 from fedllm.model.parallel import evaluation_engine
 
 log = logging.getLogger(__name__)
@@ -48,12 +51,12 @@ def _heldout(model, tokenizer, data, batch_size: int, device, bar) -> tuple[floa
         batch = {
             k: v.to(device) for k, v in collate(data[i : i + batch_size], tokenizer.pad_token_id).items()
         }
-        out = model(**batch)
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        total += out.loss.item() * n
+        logits, labels = response_logits(model, batch)  # the head only where a label is
+        n = int((labels != -100).sum())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        total += loss.item() * n
         tokens += n
-        labels = batch["labels"][:, 1:]
-        predicted = out.logits[:, :-1].argmax(-1)
+        predicted = logits.argmax(-1)
         scored = labels != -100
         if tokenizer.eos_token_id is not None:  # the answer's words, not its end marker
             scored &= labels != tokenizer.eos_token_id
@@ -101,6 +104,29 @@ def rouge_heldout(
     }
 
 
+def general_answers(
+    model, tokenizer, check: GeneralCheck, batch_size: int, progress: bool = False
+) -> dict[str, Any]:
+    """The answers to the general prompts and, once the base's are known, their mean Rouge-L against them
+    (``general_agreement``, 0-100)."""
+    answers = generate(
+        model,
+        tokenizer,
+        check.examples,
+        check.template,
+        max_new_tokens=check.max_new_tokens,
+        batch_size=batch_size,
+        max_prompt_tokens=check.max_prompt_tokens,
+        progress=progress,
+    )
+    out: dict[str, Any] = {"general_answers": answers}
+    if check.reference is not None:
+        scores = rouge_l(answers, [[r] for r in check.reference])
+        out["general_agreement"] = sum(scores) / len(scores)
+        out["general_scores"] = scores
+    return out
+
+
 def evaluate_global(
     runtime,
     global_model: tuple,
@@ -108,8 +134,10 @@ def evaluate_global(
     benchmark: Benchmark | None,
     batch_size: int,
     generation: Generation | None = None,
+    general: GeneralCheck | None = None,
 ) -> dict[str, Any]:
-    """Held-out loss, the benchmark and (``generation``) held-out Rouge-L of the global model
+    """Held-out loss, the benchmark, (``generation``) held-out Rouge-L and (``general``) the answers to the
+    general prompts, scored against the base's once known (``eval/general.py``), of the global model
     (``Server.global_adapter()``) on ``runtime``'s base.
     """
     t0 = time.perf_counter()
@@ -140,7 +168,13 @@ def evaluate_global(
             out["time_eval_benchmark_s"] = time.perf_counter() - t
         if generation is not None and generation.references:
             t = time.perf_counter()
-            out.update(rouge_heldout(model, runtime.tokenizer, generation, batch_size, progress))
+            with acc.autocast():  # the run's mixed precision (model.mixed_precision); scores above stay as is
+                out.update(rouge_heldout(model, runtime.tokenizer, generation, batch_size, progress))
             out["time_eval_generate_s"] = time.perf_counter() - t
+        if general is not None:
+            t = time.perf_counter()
+            with acc.autocast():
+                out.update(general_answers(model, runtime.tokenizer, general, batch_size, progress))
+            out["time_eval_general_s"] = time.perf_counter() - t
     out["time_eval_s"] = time.perf_counter() - t0
     return out

@@ -1,0 +1,73 @@
+"""The response-token loss with the vocabulary head applied only at label positions equals the causal LM's
+own loss and gradients, projects far fewer positions, and falls back where a model cannot keep logits."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from data_prep import builtin_skills
+from data_prep.prompts import collate, tokenize_examples
+from fedllm.config import ModelConfig
+from fedllm.model.loss import keeps_logits, response_loss
+from fedllm.model.modeling import load_base
+from tests.conftest import TEST_PRETRAIN_STEPS
+
+
+def _lora_model_and_batch():
+    model, tok = load_base(ModelConfig(name="builtin", builtin_pretrain_steps=TEST_PRETRAIN_STEPS), "cpu")
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # a trained adapter, not peft's zero B: the gradient reaches A too
+            torch.nn.init.normal_(p, std=0.05)
+    examples = builtin_skills.instruction_examples(2, seed=3)[:6]
+    data = tokenize_examples(examples, tok, "plain", 64)
+    batch = collate(data, tok.pad_token_id)
+    ends = (batch["labels"] != -100).int().cumsum(1).argmax(1)
+    assert len(set(ends.tolist())) > 1  # responses end at different columns: the union is exercised
+    return model, batch
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_response_loss_equals_the_models_own_loss_and_gradients():
+    model, batch = _lora_model_and_batch()
+    assert keeps_logits(model)
+    full = model(**batch).loss
+    full.backward()
+    want = _grads(model)
+    model.zero_grad()
+    rows = []
+    hook = model.get_base_model().lm_head.register_forward_hook(lambda m, i, o: rows.append(i[0].shape))
+    mine = response_loss(model, batch)
+    hook.remove()
+    mine.backward()
+    got = _grads(model)
+    torch.testing.assert_close(mine, full, rtol=1e-6, atol=1e-6)
+    assert set(got) == set(want) and len(got) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+    # the head saw only the label positions' union, not every position of the batch
+    kept = rows[0][1]
+    width = batch["input_ids"].shape[1]
+    assert kept < width - 1
+    assert kept == int((batch["labels"][:, 1:] != -100).any(0).sum())
+
+
+def test_a_model_without_logits_to_keep_gets_its_own_loss():
+    class OldModel(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    model, batch = _lora_model_and_batch()
+    old = OldModel(model.get_base_model())
+    assert not keeps_logits(old)
+    with torch.no_grad():
+        torch.testing.assert_close(response_loss(old, batch), model(**batch).loss)
