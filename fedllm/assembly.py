@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.prompts import TokenizedExample
-from data_prep.schema import DataError
+from data_prep.schema import DataError, Example
 from data_prep.tokenized import TokenRows, unknown_share
+from eval.general import GeneralCheck
 from eval.mmlu import Benchmark, load_benchmark
 from eval.mmlu_data import MMLUDataError
 from fedllm.aggregation import Strategy, strategy_from_config, with_server_opt
@@ -349,6 +350,7 @@ class Federation:
     benchmark: Benchmark | None
     partition_stats: list[dict]
     generation: Generation | None = None
+    general: GeneralCheck | None = None
 
 
 def assemble(cfg: Config, accelerator, progress: bool = False) -> Federation:
@@ -370,6 +372,7 @@ def assemble(cfg: Config, accelerator, progress: bool = False) -> Federation:
         progress=progress,
     )
     fed.generation = generation_for(cfg, parts, model)
+    fed.general = general_for(cfg, model)
     return fed
 
 
@@ -386,6 +389,23 @@ def generation_for(cfg: Config, parts: Partitions, model) -> Generation | None:
             f"data.max_seq_len = {max_len}: lower eval.max_new_tokens or raise data.max_seq_len"
         )
     return Generation(parts.generation, template, cfg.eval.max_new_tokens, room)
+
+
+def general_for(cfg: Config, model) -> GeneralCheck | None:
+    """The general-prompt check (``eval.general_prompts``), answered with the run's template and length."""
+    source = cfg.eval.general_prompts
+    if not source:
+        return None
+    from eval.general import GENERAL_PROMPTS
+    from fedllm.model.generate import read_prompts
+
+    examples = (
+        [Example(p, "", "") for p in GENERAL_PROMPTS] if source == "builtin" else read_prompts([], source)
+    )
+    template, max_len = token_budget(cfg, model)
+    return GeneralCheck(
+        examples, template, cfg.eval.max_new_tokens, max(8, max_len - cfg.eval.max_new_tokens)
+    )
 
 
 def federation_on(

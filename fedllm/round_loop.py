@@ -25,12 +25,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from eval.general import GeneralCheck
 from eval.mmlu import Benchmark
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.client.store import ClientStore
 from fedllm.config import Config, ConfigError, flat_config
-from fedllm.logs import set_names_clients
+from fedllm.logs import client_label, set_names_clients
+from fedllm.model import evaluation_cache, precision
 from fedllm.model.evaluation import Generation, evaluate_global
 from fedllm.protocol import SummedUpdates, derive_seed
 from fedllm.run.export import save_global_adapter
@@ -96,6 +98,9 @@ class RoundLoop(abc.ABC):
     benchmark: Benchmark | None
     partition_stats: list[dict]
     generation: Generation | None = None  # held-out Rouge-L (eval.generate_size), when configured
+    general: GeneralCheck | None = (
+        None  # the general prompts against the base's answers (eval.general_prompts)
+    )
 
     # whether this driver can gather a round another way than update by update (a feature's
     # ``train_exchange``: secure aggregation's sum, on Flower only)
@@ -113,7 +118,11 @@ class RoundLoop(abc.ABC):
                 "update as it is"
             )
         # the launch decides the device, the process group, DeepSpeed and mixed precision
-        self.acc = accelerator or Accelerator(log_with=cfg.output.log_with or None, project_dir=str(run_dir))
+        launch = precision.accelerator_kwargs(cfg)  # model.mixed_precision, or the launch's
+        self.acc = accelerator or Accelerator(
+            log_with=cfg.output.log_with or None, project_dir=str(run_dir), **launch
+        )
+        precision.warn_where_emulated(self.acc)
         self.start_round, self.wall_before = 1, 0.0
         self.restored: dict | None = None  # the checkpoint a resume continues from
         self.store: ClientStore | None = None  # simulated clients' state on disk (a site keeps its own)
@@ -197,26 +206,100 @@ class RoundLoop(abc.ABC):
         """One round up to the merged base (no evaluation), each phase timed (:func:`one_round`)."""
         return one_round(self.server, round_idx, self.train_clients, self.runtime.merge)
 
-    def evaluate(self, round_idx: int) -> dict[str, Any]:
-        """The global model's evaluation after ``round_idx`` (0: the base); the Rouge-L evaluation's answers
-        go to ``generations.jsonl``."""
-        out = evaluate_global(
+    def evaluate(self, round_idx: int, visit: list[int] | None = None) -> dict[str, Any]:
+        """The global model's evaluation after ``round_idx`` (0: the base); the answers go to
+        ``generations.jsonl``. A strategy without a global model (local-only) scores each of ``visit``'s
+        own models instead (:meth:`evaluate_clients`)."""
+        if round_idx > 0 and visit and self.server.strategy.scored_per_client:
+            return self.evaluate_clients(round_idx, visit)
+        global_model = self.server.global_adapter()
+        key = self.base_evaluation_key(global_model) if round_idx == 0 else None
+        stored = evaluation_cache.load(key) if key is not None else None
+        if stored is not None:
+            log.info("the base's evaluation is reused: the same model, data and settings were evaluated "
+                     "before (%s/%s.json; eval.reuse_base=false evaluates it again)",
+                     evaluation_cache.cache_folder(), key)  # fmt: skip
+            out = evaluation_cache.reused(stored)
+        else:
+            out = self._score(round_idx, global_model)
+            if key is not None and self.acc.is_main_process:
+                evaluation_cache.store(key, out)
+        self.writer.log_answers(round_idx, self._answers(round_idx, out))
+        return out
+
+    def evaluate_clients(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
+        """Each client's own model scored as the global one would be, and the mean over them: held-out loss,
+        benchmark, Rouge-L and the general prompts' agreement (and the per-category and per-task means);
+        each client's own figures under ``scored_clients``. Under a secret sample ``clients`` is a fixed
+        seeded subset (:meth:`personal_clients`)."""
+        per: dict[int, dict[str, Any]] = {}
+        answers: list[dict] = []
+        for cid in clients:
+            log.info("round %d: scoring client %s's own model", round_idx, client_label(cid))
+            out = self._score(round_idx, self.server.client_model(cid))
+            answers += [{**a, "client": cid} for a in self._answers(round_idx, out)]
+            per[cid] = out
+        self.writer.log_answers(round_idx, answers)
+        return mean_of_clients(per)
+
+    def _score(self, round_idx: int, model: tuple) -> dict[str, Any]:
+        general = self.general
+        if general is not None and general.reference is None and round_idx > 0:
+            general.reference = self.writer.general_reference()  # a resumed run: the base's, as written
+        return evaluate_global(
             self.runtime,
-            self.server.global_adapter(),
+            model,
             self.eval_data,
             self.benchmark,
             self.cfg.eval.batch_size,
             self.generation,
+            general,
         )
-        self.writer.log_answers(round_idx, out.pop("generations", []))
-        return out
+
+    def _answers(self, round_idx: int, out: dict[str, Any]) -> list[dict]:
+        """The evaluation's answers, taken out of its figures: the held-out tasks' and the general prompts'
+        (scored against the base's, which round 0 gives and the run folder keeps)."""
+        answers = out.pop("generations", [])
+        general = out.pop("general_answers", None)
+        scores = out.pop("general_scores", None)
+        if general is None or self.general is None:
+            return answers
+        if round_idx == 0:  # the base's own answers: the reference, which agrees with itself
+            self.general.reference = general
+            self.writer.keep_general_reference(general)
+            out["general_agreement"] = 100.0
+        for i, (example, answer) in enumerate(zip(self.general.examples, general, strict=True)):
+            scored = {} if scores is None else {"agreement": scores[i]}
+            answers.append({"task": "general", "prompt": example.instruction, "answer": answer, **scored})
+        return answers
+
+    def base_evaluation_key(self, global_model: tuple) -> str | None:
+        """The key under which the evaluation before round 1 is the base's own and can be reused
+        (:mod:`fedllm.model.evaluation_cache`); None when the global model computes anything else than the
+        base (``ClientRuntime.is_base``), the run is split over processes, or ``eval.reuse_base`` is off."""
+        if not self.cfg.eval.reuse_base or self.acc.num_processes > 1:
+            return None
+        if not self.runtime.is_base(*global_model):
+            return None
+        from fedllm.model.modeling import resolve_model_path
+
+        model = self.cfg.model
+        return evaluation_cache.base_key(
+            resolve_model_path(model.name, model.builtin_pretrain_steps),
+            {k: v for k, v in flat_config(self.cfg).items() if k.startswith("model.")},
+            self.eval_data,
+            self.benchmark,
+            [self.generation, self.general],
+            self.cfg.eval.batch_size,
+            str(self.acc.mixed_precision),
+        )
 
     # -------------------------------------------------------- checkpointing
     def evaluate_and_log(self, row: dict[str, Any], visit: list[int]) -> None:
         """Evaluate the model of ``row``'s round (when the schedule says so) and log the row."""
         r = row["round"]
         if r % self.cfg.eval.every == 0 or r == self.cfg.federation.rounds:
-            row.update(self.evaluate(r))  # its time_eval_s with it
+            row.update(self.evaluate(r, visit))  # its time_eval_s with it
             if self.cfg.eval.personalized:
                 log.info(
                     "round %d: evaluating %d clients' personalized models on their own data", r, len(visit)
@@ -430,3 +513,27 @@ def _fmt(x: float | None) -> str:
 
 def _rouge(row: dict) -> str:
     return f", Rouge-L {row['rouge_l']:.2f}" if row.get("rouge_l") is not None else ""
+
+
+def mean_of_clients(per: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The mean over clients of each evaluation figure (a number, or a dict of numbers by category or task:
+    the mean over the clients that have it); times are summed. Each client's scalar figures are kept under
+    ``scored_clients``."""
+    out: dict[str, Any] = {}
+    keys = dict.fromkeys(k for r in per.values() for k in r)
+    for k in keys:
+        vals = [r[k] for r in per.values() if r.get(k) is not None]
+        if not vals:
+            out[k] = None
+        elif k.startswith("time_"):
+            out[k] = sum(vals)
+        elif all(isinstance(v, int | float) for v in vals):
+            out[k] = sum(vals) / len(vals)
+        elif all(isinstance(v, dict) for v in vals):
+            names = dict.fromkeys(n for v in vals for n in v)
+            out[k] = {n: sum(v[n] for v in vals if n in v) / sum(n in v for v in vals) for n in names}
+    out["scored_clients"] = {
+        str(cid): {k: v for k, v in r.items() if isinstance(v, int | float) and not k.startswith("time_")}
+        for cid, r in per.items()
+    }
+    return out

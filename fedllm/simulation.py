@@ -66,7 +66,7 @@ class Simulation(RoundLoop):
             fed.benchmark,
             fed.partition_stats,
         )
-        self.generation = fed.generation
+        self.generation, self.general = fed.generation, fed.general
         tests = [s["test"] for s in self.partition_stats if isinstance(s.get("test"), int)]
         if self.cfg.eval.personalized and tests and min(tests) < SMALL_TEST and self.acc.is_main_process:
             log.warning(

@@ -153,6 +153,13 @@ class Strategy(abc.ABC):
     def check_config(cls, cfg: Any) -> None:
         """Refuse configs this strategy cannot run, before any work starts."""
 
+    @property
+    def scored_per_client(self) -> bool:
+        """Whether the run's evaluation after a round scores each visited client's own model (the one
+        :meth:`client_factors` gives it) and reports their mean, instead of :meth:`global_adapter`'s: a
+        strategy without a global model (local-only training)."""
+        return False
+
     @classmethod
     def sums_uploads(cls, cfg: Any) -> bool:
         """Whether, under ``cfg``, the server needs only the weighted sum of the factors and dense modules the
@@ -423,6 +430,10 @@ class StrategyWrapper(Strategy, register=False):
 
     def client_factors(self, state: GlobalState, rank: int, scale: float, client_id: int) -> Adapter | None:
         return self.inner.client_factors(state, rank, scale, client_id)
+
+    @property
+    def scored_per_client(self) -> bool:
+        return self.inner.scored_per_client
 
     def client_extras(self, state: GlobalState, client_id: int) -> dict[str, Tensor]:
         return self.inner.client_extras(state, client_id)

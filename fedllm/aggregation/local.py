@@ -7,25 +7,55 @@ round after round.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fedllm.aggregation.base import GlobalState, RoundContext, RoundResult, Strategy
 from fedllm.aggregation.fedit import FedIT
 from fedllm.factors import Adapter, LoraFactors
+from fedllm.options import one_of, opt
 from fedllm.protocol import ClientUpdate
+
+
+@dataclass
+class LocalOptions:
+    score: str = opt(
+        "own",
+        "what the run's evaluation scores after a round: 'own' (each visited client's own adapter on the "
+        "held-out data and benchmark, and their mean: what a client gets without federating; the clients "
+        "are eval.personalized_clients' choice, by default the round's sampled ones) or 'mean_adapter' (the "
+        "plain mean of the clients' adapters, as FedIT would form it, one model)",
+        *one_of("own", "mean_adapter"),
+    )
 
 
 class LocalOnly(Strategy):
     """Keep each client's adapter on the 'server' side only as the client's own storage.
 
     Client: continues from its own adapter of the previous round; nothing is
-    shared. The global adapter (for the global evaluation) is the plain mean of
-    the clients' adapters (as FedIT would form it), reported for reference only.
+    shared. The run's evaluation scores each visited client's own adapter and
+    reports the mean over them (``aggregation.local.score = own``), or the plain
+    mean of the clients' adapters as one model (``mean_adapter``).
     """
 
     name = "local"
     global_state = "per_client"
     averages_parameters = False
+    options = LocalOptions
+
+    def __init__(self, score: str = "own") -> None:
+        if score not in ("own", "mean_adapter"):
+            raise ValueError(f"score = {score!r} is invalid: expected own or mean_adapter")
+        self.score = score
+
+    @classmethod
+    def from_options(cls, options: LocalOptions) -> LocalOnly:
+        return cls(options.score)
+
+    @property
+    def scored_per_client(self) -> bool:
+        return self.score == "own"
 
     def aggregate_factors(
         self,

@@ -492,6 +492,17 @@ class ClientRuntime:
             return True
         return False
 
+    def is_base(self, adapter: Adapter, dense: dict[str, Tensor], biases: dict[str, Tensor]) -> bool:
+        """Whether this global model computes exactly what the base does: no residual merged in, no bias,
+        every adapter's product zero (one factor all zeros: peft's B at the start, FedSVD's too) and the
+        dense modules the base's own values."""
+        if RESIDUAL in self.model.peft_config or biases:
+            return False
+        if any(bool(f.A.count_nonzero()) and bool(f.B.count_nonzero()) for f in adapter.values()):
+            return False
+        base = self.initial_dense() if dense else {}
+        return all(torch.equal(v.to(base[k].device), base[k]) for k, v in dense.items())
+
     def personalized(
         self, client: ClientData, start: ClientStart, batch_size: int
     ) -> dict[str, float | None]:

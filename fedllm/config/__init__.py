@@ -32,6 +32,7 @@ from fedllm.aggregation.flora import FloraOptions
 from fedllm.aggregation.floral import FloralOptions
 from fedllm.aggregation.florist import FloristOptions
 from fedllm.aggregation.hetlora import HetLoRAOptions
+from fedllm.aggregation.local import LocalOptions
 from fedllm.aggregation.server_opt import FedAdagradOptions, FedAdamOptions, FedAvgMOptions, FedYogiOptions
 from fedllm.client import ALGORITHMS
 from fedllm.client.fedprox import FedProxOptions
@@ -105,6 +106,7 @@ class AggregationConfig(AggregationSection):
     floral: FloralOptions = _own(FloralOptions, "floral")
     florist: FloristOptions = _own(FloristOptions, "florist")
     hetlora: HetLoRAOptions = _own(HetLoRAOptions, "hetlora")
+    local: LocalOptions = _own(LocalOptions, "local")
     fedadagrad: FedAdagradOptions = _own(FedAdagradOptions, "fedadagrad")
     fedadam: FedAdamOptions = _own(FedAdamOptions, "fedadam")
     fedavgm: FedAvgMOptions = _own(FedAvgMOptions, "fedavgm")

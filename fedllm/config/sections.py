@@ -63,6 +63,15 @@ class ModelConfig:
     gradient_checkpointing: bool = opt(
         False, "trade compute for memory in the base model (recomputes activations in the backward pass)"
     )
+    mixed_precision: str = opt(
+        "launch",
+        "autocast of local training and of generated answers: 'launch' (what accelerate launch "
+        "--mixed_precision or ACCELERATE_MIXED_PRECISION says; none by default), 'no', or 'bf16' (on a CPU: "
+        "fast where it has AVX-512 BF16 or AMX, slower than float32 where not). Held-out loss and the "
+        "benchmark's log-likelihoods stay in the weights' dtype",
+        lambda x: x in ("launch", "no", "bf16"),
+        "one of launch, no, bf16",
+    )
     builtin_pretrain_steps: int = opt(
         1000, "pretraining steps of the built-in base (cached per value)", _positive, "an integer >= 1"
     )
@@ -361,6 +370,18 @@ class EvalConfig:
         32, "longest answer generated for the Rouge-L evaluation", _positive, "an integer >= 1"
     )
     subjects: list[str] = opt([], "subject subset (empty: all)")
+    general_prompts: str = opt(
+        "",
+        "general prompts answered each evaluation and scored by Rouge-L against the base's own answers "
+        "(general_agreement: 100 = the base's chat unchanged; eval/general.py): 'builtin' (fedllm's 20), a "
+        "prompts file as fedllm generate --prompts-file reads it, or empty (off)",
+    )
+    reuse_base: bool = opt(
+        True,
+        "reuse the evaluation before round 1 (the base model itself) from $FEDLLM_CACHE/evals when the same "
+        "model files, held-out examples, benchmark questions, generation prompts, evaluation settings and "
+        "versions were evaluated before: a comparison's variants share it (fedllm/model/evaluation_cache.py)",
+    )
     personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")
     personalized_clients: int = opt(
         0,

@@ -91,6 +91,7 @@ class FlowerDriver(RoundLoop):
         ranks = sorted({strategy.adapter_rank(r) for r in lora_ranks})
         # the evaluation base: no client trains here
         self.runtime = assembly.build_runtime(cfg, strategy, layout, self.acc, model, tokenizer, ranks)
+        self.general = assembly.general_for(cfg, model)
         try:  # the server's held-out split, when it can read the data (the built-in data, a public file)
             parts = load_partitions(cfg)
             _, self.eval_data = assembly.tokenize_partitions(

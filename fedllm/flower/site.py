@@ -26,6 +26,7 @@ import torch
 from fedllm.config import Config, ConfigError, config_from_text
 from fedllm.factors import adapter_from_tensors, adapter_tensors, prefixed, unprefixed
 from fedllm.files import atomic_write_text, save_tensors_atomic
+from fedllm.model import precision
 from fedllm.protocol import ClientStart, ClientUpdate
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,8 @@ class Site:
         else:  # the Simulation Engine: this partition of the run's own data
             parts = load_partitions(cfg)
             examples, n_test = parts.clients[client_id], parts.test_sizes[client_id]
-        acc = Accelerator(cpu=not torch.cuda.is_available())
+        acc = Accelerator(cpu=not torch.cuda.is_available(), **precision.accelerator_kwargs(cfg))
+        precision.warn_where_emulated(acc)
         base = self._fast_base(model_path or cfg.model.name)
         self.runtime, self.client = assemble_site(cfg, client_id, examples, n_test, acc, base)
         train, test, rank = self.client.train, self.client.test, self.client.rank

@@ -87,6 +87,7 @@ METRICS = {
     "heldout_loss_drop": ("drop:loss", "percent"),
     "rouge_l": ("summary:rouge_l_after", "rouge"),
     "rouge_l_gain": ("gain:rouge_l", "rouge"),
+    "general_agreement": ("summary:general_agreement_after", "rouge"),
     "client_acc_global": ("last:global_client_acc", "points"),
     "client_acc_personal": ("last:personal_acc", "points"),
     "up_params": ("comm:total_up_params", "count"),

@@ -25,7 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedllm.run.reader import CONFIG, GENERATIONS, INFO, PARTITION, ROWS, SUMMARY, RunFolder
+from fedllm.run.reader import (
+    CONFIG,
+    GENERAL_REFERENCE,
+    GENERATIONS,
+    INFO,
+    PARTITION,
+    ROWS,
+    SUMMARY,
+    RunFolder,
+)
 
 log = logging.getLogger(__name__)
 MANY_CLIENTS = 20  # above this, per-client log lines are summarized (and the full list is in the run folder)
@@ -39,6 +48,7 @@ RUN_ENTRIES = (
     ROWS,
     SUMMARY,
     GENERATIONS,
+    GENERAL_REFERENCE,
     "checkpoints",
     "global_adapter",
     LOCK,
@@ -433,6 +443,19 @@ class RunWriter:
         if self.enabled and answers:
             append_line(self.run_dir / GENERATIONS, standard_json({"round": round_idx, "answers": answers}))
 
+    def keep_general_reference(self, answers: list[str]) -> None:
+        """The base's answers to the general prompts (``eval.general_prompts``), which later evaluations are
+        scored against, also after a resume."""
+        from fedllm.files import atomic_write_text
+
+        if self.enabled:
+            atomic_write_text(self.run_dir / GENERAL_REFERENCE, json.dumps(answers, indent=1))
+
+    def general_reference(self) -> list[str] | None:
+        """The base's answers kept by :meth:`keep_general_reference` (None: none kept)."""
+        path = self.run_dir / GENERAL_REFERENCE
+        return json.loads(path.read_text()) if path.is_file() else None
+
     def checkpoint(self, round_idx: int, tensors: dict, meta: dict) -> None:
         from fedllm.run.checkpoint import prune_checkpoints, save_checkpoint
 
@@ -464,6 +487,8 @@ class RunWriter:
                 summary.update(
                     {"rouge_l_before": evals[0].get("rouge_l"), "rouge_l_after": evals[-1].get("rouge_l")}
                 )
+            if any("general_agreement" in r for r in evals):  # the base's chat kept (eval.general_prompts)
+                summary["general_agreement_after"] = evals[-1].get("general_agreement")
         personal = [r for r in rows if r.get("personal")]
         if personal:  # the clients' own held-out accuracy: the figure that matters for personalization
             last = personal[-1]

@@ -535,6 +535,13 @@ class Server:
             self.strategy.global_biases(self.state),
         )
 
+    def client_model(self, client_id: int) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
+        """``client_id``'s own model where the strategy keeps one (:attr:`Strategy.scored_per_client`), as
+        :meth:`global_adapter` gives the global one."""
+        c = self.clients[client_id]
+        factors = self.strategy.client_factors(self.state, c.rank, c.scale, client_id)
+        return factors or {}, dict(self.state.dense), {}
+
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Tensors and JSON metadata that restore this server exactly (see :meth:`load_state_dict`)."""
