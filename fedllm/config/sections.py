@@ -66,11 +66,11 @@ class ModelConfig:
     mixed_precision: str = opt(
         "launch",
         "autocast of local training and of generated answers: 'launch' (what accelerate launch "
-        "--mixed_precision or ACCELERATE_MIXED_PRECISION says; none by default), 'no', or 'bf16' (on a CPU: "
-        "fast where it has AVX-512 BF16 or AMX, slower than float32 where not). Held-out loss and the "
-        "benchmark's log-likelihoods stay in the weights' dtype",
-        lambda x: x in ("launch", "no", "bf16"),
-        "one of launch, no, bf16",
+        "--mixed_precision or ACCELERATE_MIXED_PRECISION says; none by default), 'none' (no autocast, "
+        "whatever the launch says), or 'bf16' (on a CPU: fast where it has AVX-512 BF16 or AMX, slower than "
+        "float32 where not). Held-out loss and the benchmark's log-likelihoods stay in the weights' dtype",
+        lambda x: x in ("launch", "none", "bf16"),
+        "one of launch, none, bf16",
     )
     builtin_pretrain_steps: int = opt(
         1000, "pretraining steps of the built-in base (cached per value)", _positive, "an integer >= 1"

@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 
 def accelerator_kwargs(cfg: Config) -> dict[str, str]:
     """What ``Accelerator(...)`` takes for the config's mixed precision: nothing for 'launch' (the launch
-    decides), else ``mixed_precision``; a launch that asks for another one is an error, not a silent pick."""
-    want = cfg.model.mixed_precision
-    if want == "launch":
+    decides), else ``mixed_precision`` ('none' is accelerate's 'no', which YAML would read as false); a
+    launch that asks for another one is an error, not a silent pick."""
+    if cfg.model.mixed_precision == "launch":
         return {}
+    want = "no" if cfg.model.mixed_precision == "none" else cfg.model.mixed_precision
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if launched not in ("no", want):
         raise ConfigError(
