@@ -98,9 +98,7 @@ class RoundLoop(abc.ABC):
     benchmark: Benchmark | None
     partition_stats: list[dict]
     generation: Generation | None = None  # held-out Rouge-L (eval.generate_size), when configured
-    general: GeneralCheck | None = (
-        None  # the general prompts against the base's answers (eval.general_prompts)
-    )
+    general: GeneralCheck | None = None  # eval.general_prompts, scored against the base's answers
 
     # whether this driver can gather a round another way than update by update (a feature's
     # ``train_exchange``: secure aggregation's sum, on Flower only)

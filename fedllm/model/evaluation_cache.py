@@ -67,7 +67,7 @@ def model_files(path: str) -> list[tuple[str, int, int]] | None:
 def base_key(
     model_path: str,
     model_settings: dict[str, Any],
-    eval_data: list,
+    eval_data: list[Any],
     benchmark: Any,
     generation: Any,
     batch_size: int,

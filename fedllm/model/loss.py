@@ -20,28 +20,31 @@ forward and its own loss.
 
 from __future__ import annotations
 
-import functools
 import inspect
+from typing import Any
 
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+_KEEPS: dict[type[nn.Module], bool] = {}  # by model class: reading a signature every step costs
 
 
-@functools.cache
-def _keeps_logits(cls: type) -> bool:
-    try:
-        return "logits_to_keep" in inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):
-        return False
+def _keeps_logits(cls: type[nn.Module]) -> bool:
+    if cls not in _KEEPS:
+        try:
+            _KEEPS[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):
+            _KEEPS[cls] = False
+    return _KEEPS[cls]
 
 
-def keeps_logits(model) -> bool:
+def keeps_logits(model: Any) -> bool:
     """Whether ``model`` (a peft wrapper or the model itself) computes logits only where asked."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return _keeps_logits(type(base))
 
 
-def response_logits(model, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+def response_logits(model: Any, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """Logits at the positions whose next token is some row's label, and those next tokens (-100 where the
     row has none there): shapes (rows, kept, vocab) and (rows, kept)."""
     targets = batch["labels"][:, 1:]
@@ -52,10 +55,11 @@ def response_logits(model, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     return model(**inputs, logits_to_keep=keep).logits, targets[:, keep]
 
 
-def response_loss(model, batch: dict[str, Tensor]) -> Tensor:
+def response_loss(model: Any, batch: dict[str, Tensor]) -> Tensor:
     """The mean next-token cross-entropy over the batch's label tokens (what ``model(**batch).loss`` is for a
     causal LM), computing the vocabulary head only at the label positions."""
     if not keeps_logits(model):
-        return model(**batch).loss
+        loss: Tensor = model(**batch).loss
+        return loss
     logits, targets = response_logits(model, batch)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)

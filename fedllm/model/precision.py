@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def cpu_has_native_bf16() -> bool:
     return any(bool(check()) for check in checks if check is not None)
 
 
-def warn_where_emulated(accelerator) -> None:
+def warn_where_emulated(accelerator: Any) -> None:
     """Log once per run where bf16 autocast is asked for on a CPU that lacks the instructions."""
     cpu = accelerator.device.type == "cpu"
     if str(accelerator.mixed_precision) == "bf16" and cpu and not cpu_has_native_bf16():

@@ -25,9 +25,7 @@ CONFIG, ROWS, SUMMARY, INFO, PARTITION, GENERATIONS = (
     "partition.json",
     "generations.jsonl",  # the Rouge-L evaluation's answers (eval.generate_size)
 )
-GENERAL_REFERENCE = (
-    "general_reference.json"  # the base's answers to the general prompts (eval.general_prompts)
-)
+GENERAL_REFERENCE = "general_reference.json"  # the base's answers to eval.general_prompts
 
 
 class RunReadError(ValueError):
