@@ -59,7 +59,38 @@ def test_what_the_evaluation_depends_on_makes_another_key(tmp_path, own_cache):
     _run(tmp_path / "limit", "eval.limit=2")  # another benchmark subset
     _run(tmp_path / "seed", "data.eval_size=8")  # another held-out sample
     _run(tmp_path / "tokens", "eval.max_new_tokens=3")  # other answers
-    assert len(list(own_cache.glob("*.json"))) == 4
+    _run(tmp_path / "other_seed", "federation.seed=12")  # another held-out sample, as large
+    assert len(list(own_cache.glob("*.json"))) == 5
+    rows, _ = _run(tmp_path / "same", "aggregation.name=flora")  # nothing the evaluation reads differs
+    assert rows[0]["eval_reused"] is True and len(list(own_cache.glob("*.json"))) == 5
+
+
+def test_the_key_reads_the_held_out_rows_themselves(tmp_path):
+    """The held-out set is read on demand from the token cache (a Sequence, not a list): the key must hold
+    its rows, not its repr, which is the same for any two sets of the same class."""
+    from collections.abc import Sequence
+
+    from data_prep.prompts import TokenizedExample
+
+    class Rows(Sequence):
+        def __init__(self, ids):
+            self.ids = ids
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return TokenizedExample([self.ids[i]], [self.ids[i]])
+
+        def __repr__(self):
+            return "Rows"
+
+    def key(rows):
+        return evaluation_cache.base_key(str(tmp_path), {}, rows, None, None, 8, "no")
+
+    assert key(Rows([1, 2])) == key(Rows([1, 2])) != key(Rows([1, 3]))
+    with pytest.raises(TypeError, match="cannot key on a object"):
+        key([object()])
 
 
 def test_the_key_follows_the_model_files(tmp_path):

@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,19 @@ def cache_folder() -> Path:
 
 
 def _plain(obj: Any) -> Any:
+    """``obj`` as JSON values, element by element: a sequence that is not a list (the held-out rows read on
+    demand from the token cache) by its items, never by its ``repr``, which names no content."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
+    if isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
         return [_plain(v) for v in obj]
-    return obj
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"the evaluation cache cannot key on a {type(obj).__name__}: say what it holds")
 
 
 def model_files(path: str) -> list[tuple[str, int, int]] | None:
@@ -95,7 +102,6 @@ def base_key(
             "versions": [__version__, torch.__version__, transformers.__version__],
         },
         sort_keys=True,
-        default=str,
     )
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
