@@ -1,8 +1,10 @@
-"""The response-token loss with the vocabulary head applied only at label positions equals the causal LM's
-own loss and gradients, projects far fewer positions, and falls back where a model cannot keep logits."""
+"""The training step's arithmetic: the response-token loss with the vocabulary head applied only at label
+positions equals the causal LM's own loss and gradients, projects far fewer positions, and falls back where a
+model cannot keep logits; mixed precision comes from the config and refuses a conflicting launch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -71,3 +73,32 @@ def test_a_model_without_logits_to_keep_gets_its_own_loss():
     assert not keeps_logits(old)
     with torch.no_grad():
         torch.testing.assert_close(response_loss(old, batch), model(**batch).loss)
+
+
+def test_mixed_precision_from_the_config_and_its_conflicts(monkeypatch, caplog):
+    """model.mixed_precision sets accelerate's; a launch that asks for another is refused; a CPU without
+    bf16 instructions gets a warning, one with them none."""
+    from types import SimpleNamespace
+
+    from fedllm.config import ConfigError, load_config
+    from fedllm.model import precision
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert precision.accelerator_kwargs(load_config(None, ["model.mixed_precision=bf16"])) == {
+        "mixed_precision": "bf16"
+    }
+    assert precision.accelerator_kwargs(load_config(None, ["model.mixed_precision=none"])) == {
+        "mixed_precision": "no"
+    }
+    assert precision.accelerator_kwargs(load_config(None, [])) == {}  # the launch decides
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ConfigError, match="model.mixed_precision = bf16 but the launch asks for fp16"):
+        precision.accelerator_kwargs(load_config(None, ["model.mixed_precision=bf16"]))
+    acc = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"))
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    precision.warn_where_emulated(acc)
+    assert "without AVX-512 BF16 or AMX" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    precision.warn_where_emulated(acc)
+    assert caplog.text == ""
