@@ -233,11 +233,17 @@ class RoundLoop(abc.ABC):
         per: dict[int, dict[str, Any]] = {}
         answers: list[dict] = []
         for cid in clients:
+            own = self.server.client_model(cid)
+            if own is None:  # never trained (a fixed subset's client, not yet sampled): nothing of its own
+                continue
             log.info("round %d: scoring client %s's own model", round_idx, client_label(cid))
-            out = self._score(round_idx, self.server.client_model(cid))
+            out = self._score(round_idx, own)
             answers += [{**a, "client": cid} for a in self._answers(round_idx, out)]
             per[cid] = out
         self.writer.log_answers(round_idx, answers)
+        if not per:
+            log.warning("round %d: none of the clients to score has trained yet: nothing scored", round_idx)
+            return {"scored_clients": {}}
         return mean_of_clients(per)
 
     def _score(self, round_idx: int, model: tuple) -> dict[str, Any]:

@@ -59,6 +59,9 @@ def tiny_overrides(run_dir, *extra: str) -> list[str]:
         "client.local_steps=2",
         "client.batch_size=4",
         "eval.limit=3",
+        # each test's runs evaluate their own base: a round-0 row reused from another test would make any
+        # comparison of round 0 between runs true by construction (tests/test_evaluation_cache.py reuses)
+        "eval.reuse_base=false",
         f"output.dir={run_dir}",
         *extra,
     ]

@@ -26,7 +26,7 @@ def _run(path, *extra):
     from fedllm.cli import main
     from fedllm.run.folder import RunFolder
 
-    assert main(["run", *tiny_overrides(path, *EVAL, *extra)]) == 0
+    assert main(["run", *tiny_overrides(path, *EVAL, "eval.reuse_base=true", *extra)]) == 0
     answers = [json.loads(x) for x in (path / "generations.jsonl").read_text().splitlines()]
     return RunFolder(path).rows(), answers
 
@@ -167,3 +167,49 @@ def test_general_prompts_are_scored_against_the_bases_own_answers(tmp_path, own_
         assert [x["agreement"] for x in general[r]] == pytest.approx(want)
         assert rows[r]["general_agreement"] == pytest.approx(sum(want) / len(want))
     assert RunFolder(run).summary()["general_agreement_after"] == rows[-1]["general_agreement"]
+
+
+def test_a_reused_evaluation_gives_the_general_prompts_reference(tmp_path, own_cache):
+    _run(tmp_path / "a", "eval.general_prompts=builtin")
+    second, _ = _run(tmp_path / "b", "eval.general_prompts=builtin", "aggregation.name=flexlora")
+    assert second[0]["eval_reused"] is True and second[0]["general_agreement"] == 100.0
+    assert not any(k.startswith("time_eval_") for k in second[0])  # no timing of the run that made it
+    ref = [json.loads((tmp_path / r / "general_reference.json").read_text()) for r in ("a", "b")]
+    assert ref[0] == ref[1] and len(ref[0]) == 20
+    assert second[1]["general_agreement"] is not None  # scored against the reused reference
+
+
+def test_only_the_bare_base_is_keyed(tmp_path):
+    """A global model that computes anything else than the base is never stored or reused: a non-zero
+    adapter product, other dense values, a bias; a zero product (peft's B at the start) is the base."""
+    import torch
+
+    from fedllm.config import load_config
+    from fedllm.factors import LoraFactors
+    from fedllm.simulation import Simulation
+
+    sim = Simulation(load_config(None, tiny_overrides(tmp_path / "run")), tmp_path / "run")
+    sim.setup()
+    adapter, dense, biases = sim.server.global_adapter()
+    assert sim.runtime.is_base(adapter, dense, biases)  # the run's own start
+    key = next(iter(sim.runtime.module_shapes()))
+    out_dim, in_dim = sim.runtime.module_shapes()[key]
+    zero_b = {key: LoraFactors(torch.randn(4, in_dim), torch.zeros(out_dim, 4), 2.0)}
+    assert sim.runtime.is_base(zero_b, dense, biases)
+    trained = {key: LoraFactors(torch.randn(4, in_dim), torch.randn(out_dim, 4), 2.0)}
+    assert not sim.runtime.is_base(trained, dense, biases)
+    assert dense, "the default trains dense modules: the next case needs one"
+    name = next(iter(dense))
+    assert not sim.runtime.is_base(adapter, {**dense, name: dense[name] + 1e-3}, biases)
+    assert not sim.runtime.is_base(adapter, dense, {key: torch.ones(out_dim)})
+
+
+def test_local_only_skips_clients_that_never_trained(tmp_path, own_cache):
+    rows, _ = _run(
+        tmp_path / "local",
+        "aggregation.name=local",
+        "federation.num_clients=4",
+        "federation.clients_per_round=1",
+        "eval.personalized_clients=4",  # a fixed subset of all four: three have not trained after round 1
+    )
+    assert len(rows[-1]["scored_clients"]) == 1

@@ -102,3 +102,21 @@ def test_mixed_precision_from_the_config_and_its_conflicts(monkeypatch, caplog):
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     precision.warn_where_emulated(acc)
     assert caplog.text == ""
+
+
+def test_a_router_loss_or_a_ddp_wrapper_is_seen():
+    """A mixture-of-experts model whose .loss adds its router's auxiliary loss keeps the full forward (the
+    shortcut would drop that term); DistributedDataParallel's wrapper is looked through."""
+    model, batch = _lora_model_and_batch()
+
+    class Wrapper(torch.nn.Module):  # what DDP looks like from outside: .module holds the model
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    assert keeps_logits(Wrapper(model))
+    model.get_base_model().config.output_router_logits = True
+    assert not keeps_logits(model) and not keeps_logits(Wrapper(model))

@@ -66,9 +66,11 @@ class ModelConfig:
     mixed_precision: str = opt(
         "launch",
         "autocast of local training and of generated answers: 'launch' (what accelerate launch "
-        "--mixed_precision or ACCELERATE_MIXED_PRECISION says; none by default), 'none' (no autocast, "
-        "whatever the launch says), or 'bf16' (on a CPU: fast where it has AVX-512 BF16 or AMX, slower than "
-        "float32 where not). Held-out loss and the benchmark's log-likelihoods stay in the weights' dtype",
+        "--mixed_precision or ACCELERATE_MIXED_PRECISION says; none by default), 'none' (no autocast; a "
+        "launch that asks for one is refused), or 'bf16' (on a CPU: fast where it has AVX-512 BF16 or AMX, "
+        "slower than float32 where not). Held-out loss and the benchmark's log-likelihoods stay in the "
+        "weights' dtype (in a one-process run; under a data-parallel launch accelerate keeps the autocast on "
+        "the wrapped model's forward)",
         lambda x: x in ("launch", "none", "bf16"),
         "one of launch, none, bf16",
     )

@@ -12,8 +12,9 @@ rather than from config keys that make them: the model's files (names, sizes,
 modification times of the resolved checkpoint folder), its dtype and
 quantization settings, the held-out examples' tokens, the benchmark's
 questions and shots, the generation's prompts, references and lengths, the
-evaluation batch size, the mixed precision, the thread count and the versions
-of fedllm, torch and transformers. A change to any of them is another key. A
+evaluation batch size, the mixed precision, the thread count, the device, the
+evaluation code's own files and the versions of fedllm, torch and transformers.
+A change to any of them is another key. A
 model named by a Hub id rather than a local folder has no files to read here,
 so its evaluation is never reused. Entries are JSON files in
 ``$FEDLLM_CACHE/evals``, written atomically; a damaged one is recomputed.
@@ -32,8 +33,45 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# the timings of the evaluation that made an entry are that run's, not the reusing run's
-_TIMINGS = ("time_eval_loss_s", "time_eval_benchmark_s", "time_eval_generate_s")
+# the code that computes the evaluation: a change to any of these files is another key (fedllm's version
+# string does not move with every fix)
+_EVALUATION_CODE = (
+    "eval.mmlu",
+    "eval.scoring",
+    "eval.rouge",
+    "eval.general",
+    "data_prep.prompts",
+    "fedllm.model.evaluation",
+    "fedllm.model.generate",
+    "fedllm.model.loss",
+)
+
+
+def _code_digest() -> str:
+    import importlib.util
+
+    h = hashlib.sha256()
+    for name in _EVALUATION_CODE:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"the evaluation cache cannot find module {name}'s file")
+        h.update(name.encode())
+        h.update(Path(spec.origin).read_bytes())
+    return h.hexdigest()
+
+
+def _device() -> dict[str, Any]:
+    """Where the evaluation runs: the kernels, and so the last digits, differ between devices."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"type": "cpu", "capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "type": "cuda",
+        "name": torch.cuda.get_device_name(),
+        "cuda": torch.version.cuda,
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
 
 
 def cache_folder() -> Path:
@@ -99,6 +137,8 @@ def base_key(
             "batch_size": batch_size,
             "mixed_precision": mixed_precision,
             "threads": torch.get_num_threads(),
+            "device": _device(),
+            "code": _code_digest(),
             "versions": [__version__, torch.__version__, transformers.__version__],
         },
         sort_keys=True,
@@ -130,6 +170,6 @@ def store(key: str, out: dict[str, Any]) -> None:
 
 def reused(stored: dict[str, Any]) -> dict[str, Any]:
     """A stored evaluation as this run's row has it: its numbers and answers, not its timings."""
-    out = {k: v for k, v in stored.items() if k not in _TIMINGS and k != "time_eval_s"}
+    out = {k: v for k, v in stored.items() if not k.startswith("time_")}
     out["eval_reused"] = True
     return out

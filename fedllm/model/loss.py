@@ -39,8 +39,13 @@ def _keeps_logits(cls: type[nn.Module]) -> bool:
 
 
 def keeps_logits(model: Any) -> bool:
-    """Whether ``model`` (a peft wrapper or the model itself) computes logits only where asked."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    """Whether ``model`` (a peft wrapper, a DistributedDataParallel around one, or the model itself) takes
+    ``logits_to_keep`` and its loss is the token loss alone: a mixture-of-experts model that adds its
+    router's auxiliary loss to ``.loss`` (``output_router_logits``) keeps the full forward."""
+    inner = getattr(model, "module", model)  # DDP's wrapper passes keyword arguments through
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    if getattr(getattr(base, "config", None), "output_router_logits", False):
+        return False
     return _keeps_logits(type(base))
 
 

@@ -50,5 +50,5 @@ def warn_where_emulated(accelerator: Any) -> None:
     if str(accelerator.mixed_precision) == "bf16" and cpu and not cpu_has_native_bf16():
         log.warning(
             "mixed precision bf16 on a CPU without AVX-512 BF16 or AMX: torch emulates bfloat16 here, "
-            "which is slower than float32 (set model.mixed_precision=no)"
+            "which is slower than float32 (set model.mixed_precision=none)"
         )

@@ -535,12 +535,15 @@ class Server:
             self.strategy.global_biases(self.state),
         )
 
-    def client_model(self, client_id: int) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]]:
-        """``client_id``'s own model where the strategy keeps one (:attr:`Strategy.scored_per_client`), as
-        :meth:`global_adapter` gives the global one."""
+    def client_model(self, client_id: int) -> tuple[Adapter, dict[str, Tensor], dict[str, Tensor]] | None:
+        """``client_id``'s own adapter where the strategy keeps one (:attr:`Strategy.scored_per_client`), as
+        :meth:`global_adapter` gives the global one; None for a client that has none yet (never trained).
+        Dense modules (``lora.trainable_modules``) are the global ones: no strategy keeps them per client."""
         c = self.clients[client_id]
         factors = self.strategy.client_factors(self.state, c.rank, c.scale, client_id)
-        return factors or {}, dict(self.state.dense), {}
+        if not factors:
+            return None
+        return factors, dict(self.state.dense), {}
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
