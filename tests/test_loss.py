@@ -107,7 +107,7 @@ def test_mixed_precision_from_the_config_and_its_conflicts(monkeypatch, caplog):
 def test_a_router_loss_or_a_ddp_wrapper_is_seen():
     """A mixture-of-experts model whose .loss adds its router's auxiliary loss keeps the full forward (the
     shortcut would drop that term); DistributedDataParallel's wrapper is looked through."""
-    model, batch = _lora_model_and_batch()
+    model, _ = _lora_model_and_batch()
 
     class Wrapper(torch.nn.Module):  # what DDP looks like from outside: .module holds the model
         def __init__(self, module):
