@@ -148,7 +148,7 @@ def main() -> None:
                 merged = folder / "merged"
                 run_timed([sys.executable, "-m", "fedllm.cli", "export", args.run, "--merge", "--output",
                            str(merged)], env)  # fmt: skip
-                args.fedllm_model = ["--model", str(model_dir), "--run", args.run]
+                args.fedllm_model = ["--run", args.run]  # the run names its own base
                 model_dir = merged
         else:
             proc, _ = run_timed(
