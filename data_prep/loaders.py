@@ -63,6 +63,21 @@ LAYOUTS: dict[str, tuple[str, str | None, str, str | None]] = {
 }
 
 
+def _holds_conversations(path: Path) -> bool:
+    """Whether a JSON / jsonl file's first record has ShareGPT's layout (read from its first 64 kB)."""
+    from data_prep.sharegpt import is_sharegpt
+
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        head = fh.read(65536).lstrip()
+    if head.startswith("["):
+        head = head[1:].lstrip()
+    try:
+        first, _ = json.JSONDecoder().raw_decode(head)
+    except json.JSONDecodeError:  # a first record longer than what was read: its keys tell
+        return head.startswith("{") and '"conversations"' in head and '"from"' in head
+    return is_sharegpt(first)
+
+
 def detect_format(record: dict, where: str) -> str:
     keys = set(record)
     if {"instruction", "context", "response"} <= keys:
@@ -235,7 +250,20 @@ def load_examples(
         exclude = builtin_skills.benchmark_prompts(builtin_skills.benchmark())
         examples = builtin_skills.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
         return examples[:max_examples] if max_examples else examples
+    if dataset == "sharegpt":  # the prepared file (fedllm prepare-real --sharegpt)
+        from data_prep import sharegpt
+
+        dataset = str(sharegpt.prepared_file())
     path = Path(dataset).expanduser()
+    if path.suffix.lower() in (".json", ".jsonl") and path.is_file() and _holds_conversations(path):
+        from data_prep import sharegpt
+
+        examples = sharegpt.conversations(sharegpt.read_records(path), str(path))
+        if 0 < max_examples < len(examples):
+            keep = sorted(random.Random(seed).sample(range(len(examples)), max_examples))
+            examples = [examples[i] for i in keep]
+        log.info("data.dataset %s: %d conversations (ShareGPT layout)", path, len(examples))
+        return examples
     if (
         path.suffix.lower() in (".json", ".jsonl", ".parquet")
         or (os.sep in dataset and dataset.count("/") != 1)

@@ -105,6 +105,22 @@ def tokenize_batch(
     An entry is ``None`` when truncation leaves no response token, because such an example would contribute
     nothing but padding to a batch.
     """
+    if any(e.turns for e in examples):  # conversations: the chat template, loss on the assistant's turns
+        if template != CHAT:
+            raise ValueError(
+                f"conversations (data_prep/sharegpt.py) are rendered by the base's chat template: set "
+                f"data.template=chat (got {template!r})"
+            )
+        from data_prep.sharegpt import tokenize_conversation
+
+        if all(e.turns for e in examples):
+            return [tokenize_conversation(e, tokenizer, max_seq_len) for e in examples]
+        return [
+            tokenize_conversation(e, tokenizer, max_seq_len)
+            if e.turns
+            else tokenize_batch([e], tokenizer, template, max_seq_len, truncation)[0]
+            for e in examples
+        ]
     prompts = [build_prompt(e, template, tokenizer) for e in examples]
     fulls = [p + response_text(e, template) for p, e in zip(prompts, examples, strict=True)]
     special = template != CHAT  # the chat template's text holds its special tokens already

@@ -22,12 +22,16 @@ class Example:
 
     ``category`` drives non-IID partitioning; datasets without categories get
     ``None`` and the partitioner falls back as documented in ``partition.py``.
+    ``turns``: a multi-turn conversation's (role, text) turns (``data_prep/sharegpt.py``), trained through
+    the chat template with the loss on the assistant's turns; then ``instruction`` is its first user turn
+    and ``response`` its first answer.
     """
 
     instruction: str
     input: str
     response: str
     category: str | None = None
+    turns: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)

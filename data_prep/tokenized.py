@@ -51,6 +51,8 @@ def examples_digest(examples: Sequence[Example]) -> str:
         for part in (e.instruction, e.input, e.response):
             h.update(part.encode())
             h.update(b"\x00")
+        for role, text in e.turns:  # a conversation: every turn
+            h.update(f"{role}\x02{text}\x00".encode())
         h.update(b"\x01")
     return h.hexdigest()
 

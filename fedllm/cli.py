@@ -320,7 +320,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_prepare_real(args: argparse.Namespace) -> int:
     from fedllm.model.real_parts import main as prepare_real
 
-    return prepare_real(args.bigbench_archive)
+    return prepare_real(args.bigbench_archive, args.sharegpt)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -453,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--bigbench-archive",
         default=None,
         help="a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked) instead of downloading it",
+    )
+    pr.add_argument(
+        "--sharegpt",
+        action="store_true",
+        help="also ShareGPT V3's multi-turn conversations (data.dataset=sharegpt; no license stated: "
+        "research use only)",
     )
     pr.set_defaults(func=cmd_prepare_real)
     rep = sub.add_parser("report", help="compare runs: table and PNG plots")

