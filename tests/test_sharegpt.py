@@ -59,7 +59,7 @@ def test_roles_are_mapped_or_the_record_is_skipped(caplog):
         record(3, ("human", "hi"), ("gpt", "")),  # empty turn
         record(4, ("human", "hi"), ("robot", "beep")),  # unknown role
         record(5, ("human", "only a question")),  # no answer
-        record(6, ("gpt", "...and so on."), ("human", "go on"), ("gpt", "done")),  # a later part: opens with gpt
+        record(6, ("gpt", "...and so on."), ("human", "go on"), ("gpt", "done")),  # a part opening with gpt
     ]
     got = sharegpt.conversations(recs, "f.json")
     assert len(got) == 2 and got[1].turns == (("user", "go on"), ("assistant", "done"))
