@@ -104,6 +104,8 @@ def prompt_template(cfg) -> str:
     return (
         cfg.data.template
         if cfg.data.template != "auto"
+        else "chat"  # conversations go through the base's chat template (data_prep/sharegpt.py)
+        if cfg.data.dataset == "sharegpt"
         else "plain"
         if cfg.data.dataset in ("builtin", "testbed")
         else "flowertune"
