@@ -222,10 +222,18 @@ def sharegpt() -> dict:
     dest = default_cache_dir() / "sharegpt" / sg.PACKAGE_FILE.replace(".json", ".jsonl")
     if dest.is_file():
         return {"file": str(dest), "mb": round(_size(dest) / 1e6, 1), "prepared_before": True}
+    from fedllm.files import atomic_write_text
+
     source = shipped_file(SHAREGPT[0], sg.PACKAGE_FILE.lower())
     log.info("reading the conversations of %s", source)
-    out = sg.prepare(source, dest)
-    return {**out, "mb": round(_size(dest) / 1e6, 1), "license": "none stated: research use only"}
+    text, stats = sg.prepared_text(source)
+    atomic_write_text(dest, text)
+    return {
+        "file": str(dest),
+        **stats,
+        "mb": round(_size(dest) / 1e6, 1),
+        "license": "none stated: research use only",
+    }
 
 
 def main(archive: str | None = None, with_sharegpt: bool = False) -> int:
