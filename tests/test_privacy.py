@@ -398,11 +398,11 @@ def test_a_round_released_before_a_crash_is_never_noised_again(tmp_path, builtin
     evaluate = sim.evaluate
     calls = []
 
-    def crash_in_round_2(round_idx):
+    def crash_in_round_2(round_idx, *visit):
         calls.append(1)
         if len(calls) == 3:  # before round 1, after round 1, after round 2
             raise KeyboardInterrupt
-        return evaluate(round_idx)
+        return evaluate(round_idx, *visit)
 
     sim.evaluate = crash_in_round_2
     with pytest.raises(KeyboardInterrupt):

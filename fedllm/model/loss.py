@@ -55,7 +55,7 @@ def response_logits(model: Any, batch: dict[str, Tensor]) -> tuple[Tensor, Tenso
     targets = batch["labels"][:, 1:]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     if not keeps_logits(model):
-        return model(**inputs).logits[:, :-1], targets
+        return model(**batch).logits[:, :-1], targets  # (its own loss, computed on the way, is not used)
     keep = (targets != -100).any(0).nonzero().squeeze(1)
     return model(**inputs, logits_to_keep=keep).logits, targets[:, keep]
 
