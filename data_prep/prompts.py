@@ -111,8 +111,6 @@ def tokenize_batch(
                 f"conversations (data_prep/sharegpt.py) are rendered by the base's chat template: set "
                 f"data.template=chat (got {template!r})"
             )
-        from data_prep.sharegpt import tokenize_conversation
-
         if all(e.turns for e in examples):
             return [tokenize_conversation(e, tokenizer, max_seq_len) for e in examples]
         return [
@@ -155,6 +153,71 @@ def tokenize_examples(
     """Tokenize a list in memory, dropping examples that truncation left without a response (the federation's
     data goes through the on-disk cache of ``data_prep.tokenized`` instead)."""
     return [t for t in tokenize_batch(examples, tokenizer, template, max_seq_len) if t is not None]
+
+
+def tokenize_conversation(example: Example, tokenizer, max_seq_len: int):
+    """``example``'s turns rendered by the tokenizer's chat template, labels on the assistant's turns only
+    (their text and the template's end of turn), cut at a turn boundary (``data_prep/sharegpt.py``); None
+    when not even the first user turn fits. Each turn's tokens are found by rendering the conversation up
+    to it: a template whose rendering of a longer conversation does not begin with that of a shorter one
+    cannot be masked this way, and is refused."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("conversations need a base whose tokenizer has a chat template (data.template=chat)")
+    messages = [{"role": r, "content": t} for r, t in example.turns]
+
+    def ids(upto: int, prompt: bool = False) -> list[int]:
+        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    input_ids: list[int] = []
+    labels: list[int] = []
+    answered = 0  # where the last assistant turn kept ends
+    eos = tokenizer.eos_token_id
+
+    def taught(answer: list[int]) -> list[int]:
+        """An answer's labels: its tokens up to the end of turn (the EOS, what generation stops at); what the
+        template writes after it (a newline) is masked, as the single-turn path never trains it either."""
+        if eos in answer:
+            k = answer.index(eos) + 1
+            return answer[:k] + [IGNORE_INDEX] * (len(answer) - k)
+        return answer
+
+    for k, (role, _) in enumerate(example.turns):
+        before = ids(k, prompt=role == "assistant") if role == "assistant" else ids(k) if k else []
+        after = ids(k + 1)
+        if after[: len(input_ids)] != input_ids or before[: len(input_ids)] != input_ids:
+            raise ValueError(
+                "the chat template renders a longer conversation differently from a shorter one's start; "
+                "its assistant turns cannot be masked token by token"
+            )
+        if role == "assistant":
+            prompt_part, answer = before[len(input_ids) :], after[len(before) :]
+            if len(input_ids) + len(prompt_part) + len(answer) > max_seq_len:
+                if "assistant" in {r for r, _ in example.turns[:k]}:
+                    break  # cut at the turn boundary: what is kept ends with an assistant turn
+                room = max_seq_len - len(input_ids) - len(prompt_part)
+                if room <= 0:
+                    return None  # the first request alone fills the budget
+                input_ids += prompt_part + answer[:room]
+                labels += [IGNORE_INDEX] * len(prompt_part) + taught(answer[:room])
+                answered = len(input_ids)
+                break
+            input_ids += prompt_part + answer
+            labels += [IGNORE_INDEX] * len(prompt_part) + taught(answer)
+            answered = len(input_ids)
+        else:
+            part = after[len(input_ids) :]
+            if len(input_ids) + len(part) > max_seq_len:
+                if k == 0 or not any(r == "assistant" for r, _ in example.turns[:k]):
+                    return None
+                break
+            input_ids += part
+            labels += [IGNORE_INDEX] * len(part)
+    if all(x == IGNORE_INDEX for x in labels):
+        return None
+    input_ids, labels = input_ids[:answered], labels[:answered]  # end with the last answer kept
+    cut = max(0, len(ids(len(example.turns))) - len(input_ids))
+    return TokenizedExample(input_ids, labels, cut)
 
 
 def collate(batch: list[TokenizedExample], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -8,13 +8,13 @@ research use only, never redistributed**), reads it up to its last complete reco
 cut off inside one) and writes the conversations as one jsonl file in fedllm's cache; ``data.dataset=
 sharegpt`` loads that, and any local ``.json``/``.jsonl`` file in ShareGPT's layout loads the same way.
 
-A conversation becomes one training example, rendered through the base's own chat template
-(``data.template=chat``), with labels on the assistant's turns only (each turn's text and its end of
-turn, the tokenizer's EOS, where generation stops), the user's and system's turns masked. A conversation
-longer than ``data.max_seq_len`` is cut at a turn boundary: whole turns while they fit, so the example ends
-with an assistant turn; when not even the first answer fits, that answer is cut at the limit (an example
-needs an assistant token to teach anything) and a conversation whose first user turn alone overflows is
-dropped. System turns are kept.
+A conversation becomes one training example (``data_prep.prompts.tokenize_conversation``), rendered
+through the base's own chat template (``data.template=chat``), with labels on the assistant's turns only
+(each turn's text and its end of turn, the tokenizer's EOS, where generation stops), the user's and
+system's turns masked. A conversation longer than ``data.max_seq_len`` is cut at a turn boundary: whole
+turns while they fit, so the example ends with an assistant turn; when not even the first answer fits,
+that answer is cut at the limit (an example needs an assistant token to teach anything) and a
+conversation whose first user turn alone overflows is dropped. System turns are kept.
 
 Roles: ``human`` / ``user`` are the user; ``gpt`` / ``chatgpt`` / ``bard`` / ``bing`` / ``assistant`` the
 assistant; ``system`` the system. A record that opens with the assistant (a later part of a conversation
@@ -200,70 +200,3 @@ def prepared_text(source: Path) -> tuple[str, dict]:
         "cut_off_in_a_record": cut,
     }
     return lines, stats
-
-
-def tokenize_conversation(example: Example, tokenizer, max_seq_len: int):
-    """``example``'s turns rendered by the tokenizer's chat template, labels on the assistant's turns only
-    (their text and the template's end of turn), cut at a turn boundary (see the module docstring); None
-    when not even the first user turn fits. Each turn's tokens are found by rendering the conversation up
-    to it: a template whose rendering of a longer conversation does not begin with that of a shorter one
-    cannot be masked this way, and is refused."""
-    from data_prep.prompts import IGNORE_INDEX, TokenizedExample
-
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("conversations need a base whose tokenizer has a chat template (data.template=chat)")
-    messages = [{"role": r, "content": t} for r, t in example.turns]
-
-    def ids(upto: int, prompt: bool = False) -> list[int]:
-        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    input_ids: list[int] = []
-    labels: list[int] = []
-    answered = 0  # where the last assistant turn kept ends
-    eos = tokenizer.eos_token_id
-
-    def taught(answer: list[int]) -> list[int]:
-        """An answer's labels: its tokens up to the end of turn (the EOS, what generation stops at); what the
-        template writes after it (a newline) is masked, as the single-turn path never trains it either."""
-        if eos in answer:
-            k = answer.index(eos) + 1
-            return answer[:k] + [IGNORE_INDEX] * (len(answer) - k)
-        return answer
-
-    for k, (role, _) in enumerate(example.turns):
-        before = ids(k, prompt=role == ASSISTANT) if role == ASSISTANT else ids(k) if k else []
-        after = ids(k + 1)
-        if after[: len(input_ids)] != input_ids or before[: len(input_ids)] != input_ids:
-            raise DataError(
-                "the chat template renders a longer conversation differently from a shorter one's start; "
-                "its assistant turns cannot be masked token by token"
-            )
-        if role == ASSISTANT:
-            prompt_part, answer = before[len(input_ids) :], after[len(before) :]
-            if len(input_ids) + len(prompt_part) + len(answer) > max_seq_len:
-                if ASSISTANT in {r for r, _ in example.turns[:k]}:
-                    break  # cut at the turn boundary: what is kept ends with an assistant turn
-                room = max_seq_len - len(input_ids) - len(prompt_part)
-                if room <= 0:
-                    return None  # the first request alone fills the budget
-                input_ids += prompt_part + answer[:room]
-                labels += [IGNORE_INDEX] * len(prompt_part) + taught(answer[:room])
-                answered = len(input_ids)
-                break
-            input_ids += prompt_part + answer
-            labels += [IGNORE_INDEX] * len(prompt_part) + taught(answer)
-            answered = len(input_ids)
-        else:
-            part = after[len(input_ids) :]
-            if len(input_ids) + len(part) > max_seq_len:
-                if k == 0 or not any(r == ASSISTANT for r, _ in example.turns[:k]):
-                    return None
-                break
-            input_ids += part
-            labels += [IGNORE_INDEX] * len(part)
-    if all(x == IGNORE_INDEX for x in labels):
-        return None
-    input_ids, labels = input_ids[:answered], labels[:answered]  # end with the last answer kept
-    cut = max(0, len(ids(len(example.turns))) - len(input_ids))
-    return TokenizedExample(input_ids, labels, cut)

@@ -31,10 +31,11 @@ from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.client.store import ClientStore
 from fedllm.config import Config, ConfigError, flat_config
-from fedllm.logs import client_label, set_names_clients
-from fedllm.model import evaluation_cache, precision
-from fedllm.model.evaluation import Generation, evaluate_global
+from fedllm.logs import set_names_clients
+from fedllm.model import precision
+from fedllm.model.evaluation import Generation
 from fedllm.protocol import SummedUpdates, derive_seed
+from fedllm.run.evaluations import RunEvaluator
 from fedllm.run.export import save_global_adapter
 from fedllm.run.folder import RunWriter
 from fedllm.server import RoundPlan, RoundReport, Server
@@ -99,6 +100,7 @@ class RoundLoop(abc.ABC):
     partition_stats: list[dict]
     generation: Generation | None = None  # held-out Rouge-L (eval.generate_size), when configured
     general: GeneralCheck | None = None  # eval.general_prompts, scored against the base's answers
+    _evaluator: RunEvaluator | None = None
 
     # whether this driver can gather a round another way than update by update (a feature's
     # ``train_exchange``: secure aggregation's sum, on Flower only)
@@ -204,99 +206,30 @@ class RoundLoop(abc.ABC):
         """One round up to the merged base (no evaluation), each phase timed (:func:`one_round`)."""
         return one_round(self.server, round_idx, self.train_clients, self.runtime.merge)
 
+    @property
+    def evaluator(self) -> RunEvaluator:
+        """What this run's evaluations read (``fedllm/run/evaluations.py``), once the setup has set it."""
+        if self._evaluator is None:
+            self._evaluator = RunEvaluator(
+                self.cfg,
+                self.runtime,
+                self.acc,
+                self.writer,
+                self.eval_data,
+                self.benchmark,
+                self.generation,
+                self.general,
+            )
+        return self._evaluator
+
     def evaluate(self, round_idx: int, visit: list[int] | None = None) -> dict[str, Any]:
-        """The global model's evaluation after ``round_idx`` (0: the base); the answers go to
-        ``generations.jsonl``. A strategy without a global model (local-only) scores each of ``visit``'s
-        own models instead (:meth:`evaluate_clients`)."""
+        """The global model's evaluation after ``round_idx`` (0: the base, reused where it was evaluated
+        before); a strategy without a global model (local-only) has each of ``visit``'s own models scored
+        instead (:attr:`Strategy.scored_per_client`)."""
         if round_idx > 0 and visit and self.server.strategy.scored_per_client:
-            return self.evaluate_clients(round_idx, visit)
-        global_model = self.server.global_adapter()
-        key = self.base_evaluation_key(global_model) if round_idx == 0 else None
-        stored = evaluation_cache.load(key) if key is not None else None
-        if stored is not None:
-            log.info("the base's evaluation is reused: the same model, data and settings were evaluated "
-                     "before (%s/%s.json; eval.reuse_base=false evaluates it again)",
-                     evaluation_cache.cache_folder(), key)  # fmt: skip
-            out = evaluation_cache.reused(stored)
-        else:
-            out = self._score(round_idx, global_model)
-            if key is not None and self.acc.is_main_process:
-                evaluation_cache.store(key, out)
-        self.writer.log_answers(round_idx, self._answers(round_idx, out))
-        return out
-
-    def evaluate_clients(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
-        """Each client's own model scored as the global one would be, and the mean over them: held-out loss,
-        benchmark, Rouge-L and the general prompts' agreement (and the per-category and per-task means);
-        each client's own figures under ``scored_clients``. Under a secret sample ``clients`` is a fixed
-        seeded subset (:meth:`personal_clients`)."""
-        per: dict[int, dict[str, Any]] = {}
-        answers: list[dict] = []
-        for cid in clients:
-            own = self.server.client_model(cid)
-            if own is None:  # never trained (a fixed subset's client, not yet sampled): nothing of its own
-                continue
-            log.info("round %d: scoring client %s's own model", round_idx, client_label(cid))
-            out = self._score(round_idx, own)
-            answers += [{**a, "client": cid} for a in self._answers(round_idx, out)]
-            per[cid] = out
-        self.writer.log_answers(round_idx, answers)
-        if not per:
-            log.warning("round %d: none of the clients to score has trained yet: nothing scored", round_idx)
-            return {"scored_clients": {}}
-        return mean_of_clients(per)
-
-    def _score(self, round_idx: int, model: tuple) -> dict[str, Any]:
-        general = self.general
-        if general is not None and general.reference is None and round_idx > 0:
-            general.reference = self.writer.general_reference()  # a resumed run: the base's, as written
-        return evaluate_global(
-            self.runtime,
-            model,
-            self.eval_data,
-            self.benchmark,
-            self.cfg.eval.batch_size,
-            self.generation,
-            general,
-        )
-
-    def _answers(self, round_idx: int, out: dict[str, Any]) -> list[dict]:
-        """The evaluation's answers, taken out of its figures: the held-out tasks' and the general prompts'
-        (scored against the base's, which round 0 gives and the run folder keeps)."""
-        answers = out.pop("generations", [])
-        general = out.pop("general_answers", None)
-        scores = out.pop("general_scores", None)
-        if general is None or self.general is None:
-            return answers
-        if round_idx == 0:  # the base's own answers: the reference, which agrees with itself
-            self.general.reference = general
-            self.writer.keep_general_reference(general)
-            out["general_agreement"] = 100.0
-        for i, (example, answer) in enumerate(zip(self.general.examples, general, strict=True)):
-            scored = {} if scores is None else {"agreement": scores[i]}
-            answers.append({"task": "general", "prompt": example.instruction, "answer": answer, **scored})
-        return answers
-
-    def base_evaluation_key(self, global_model: tuple) -> str | None:
-        """The key under which the evaluation before round 1 is the base's own and can be reused
-        (:mod:`fedllm.model.evaluation_cache`); None when the global model computes anything else than the
-        base (``ClientRuntime.is_base``), the run is split over processes, or ``eval.reuse_base`` is off."""
-        if not self.cfg.eval.reuse_base or self.acc.num_processes > 1:
-            return None
-        if not self.runtime.is_base(*global_model):
-            return None
-        from fedllm.model.modeling import resolve_model_path
-
-        model = self.cfg.model
-        return evaluation_cache.base_key(
-            resolve_model_path(model.name, model.builtin_pretrain_steps),
-            {k: v for k, v in flat_config(self.cfg).items() if k.startswith("model.")},
-            self.eval_data,
-            self.benchmark,
-            [self.generation, self.general],
-            self.cfg.eval.batch_size,
-            str(self.acc.mixed_precision),
-        )
+            own = {cid: self.server.client_model(cid) for cid in visit}
+            return self.evaluator.of_clients(round_idx, own)
+        return self.evaluator.of_global(round_idx, self.server.global_adapter())
 
     # -------------------------------------------------------- checkpointing
     def evaluate_and_log(self, row: dict[str, Any], visit: list[int]) -> None:
@@ -517,27 +450,3 @@ def _fmt(x: float | None) -> str:
 
 def _rouge(row: dict) -> str:
     return f", Rouge-L {row['rouge_l']:.2f}" if row.get("rouge_l") is not None else ""
-
-
-def mean_of_clients(per: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The mean over clients of each evaluation figure (a number, or a dict of numbers by category or task:
-    the mean over the clients that have it); times are summed. Each client's scalar figures are kept under
-    ``scored_clients``."""
-    out: dict[str, Any] = {}
-    keys = dict.fromkeys(k for r in per.values() for k in r)
-    for k in keys:
-        vals = [r[k] for r in per.values() if r.get(k) is not None]
-        if not vals:
-            out[k] = None
-        elif k.startswith("time_"):
-            out[k] = sum(vals)
-        elif all(isinstance(v, int | float) for v in vals):
-            out[k] = sum(vals) / len(vals)
-        elif all(isinstance(v, dict) for v in vals):
-            names = dict.fromkeys(n for v in vals for n in v)
-            out[k] = {n: sum(v[n] for v in vals if n in v) / sum(n in v for v in vals) for n in names}
-    out["scored_clients"] = {
-        str(cid): {k: v for k, v in r.items() if isinstance(v, int | float) and not k.startswith("time_")}
-        for cid, r in per.items()
-    }
-    return out

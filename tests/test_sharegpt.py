@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from data_prep import sharegpt
-from data_prep.prompts import IGNORE_INDEX
+from data_prep.prompts import IGNORE_INDEX, tokenize_conversation
 from data_prep.schema import DataError, Example
 
 CHATML = (
@@ -95,7 +95,7 @@ def _conversation() -> Example:
 def test_the_loss_is_on_the_assistants_turns_token_by_token(chat_tokenizer):
     tok = chat_tokenizer
     ex = _conversation()
-    t = sharegpt.tokenize_conversation(ex, tok, 512)
+    t = tokenize_conversation(ex, tok, 512)
     messages = [{"role": r, "content": c} for r, c in ex.turns]
     full = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
     assert t.input_ids == full and t.cut == 0  # the whole rendered conversation
@@ -127,11 +127,11 @@ def test_the_loss_is_on_the_assistants_turns_token_by_token(chat_tokenizer):
 def test_a_long_conversation_is_cut_at_a_turn_boundary(chat_tokenizer):
     tok = chat_tokenizer
     ex = _conversation()
-    whole = sharegpt.tokenize_conversation(ex, tok, 512)
+    whole = tokenize_conversation(ex, tok, 512)
     eos = tok.eos_token_id
     first_end = whole.labels.index(eos)  # the first answer's end of turn
     # room for the first exchange and part of the second: the example ends with the first answer
-    t = sharegpt.tokenize_conversation(ex, tok, len(whole.input_ids) - 3)
+    t = tokenize_conversation(ex, tok, len(whole.input_ids) - 3)
     last = max(i for i, lab in enumerate(t.labels) if lab != IGNORE_INDEX)
     assert last == first_end and t.labels[last] == eos
     assert len(t.input_ids) - last <= 2  # then at most the template's newline, masked
@@ -139,10 +139,10 @@ def test_a_long_conversation_is_cut_at_a_turn_boundary(chat_tokenizer):
     assert t.cut == len(whole.input_ids) - len(t.input_ids) > 0
     # room for the first request and part of its answer: the answer is cut at the limit
     first_request = whole.labels.index(next(lab for lab in whole.labels if lab != IGNORE_INDEX))
-    part = sharegpt.tokenize_conversation(ex, tok, first_request + 2)
+    part = tokenize_conversation(ex, tok, first_request + 2)
     assert len(part.input_ids) == first_request + 2 and part.labels[-2:] == part.input_ids[-2:]
     # not even the first request fits: dropped
-    assert sharegpt.tokenize_conversation(ex, tok, 5) is None
+    assert tokenize_conversation(ex, tok, 5) is None
 
 
 def test_a_local_sharegpt_file_loads_and_partitions_by_its_requests_kind(tmp_path):
@@ -206,7 +206,7 @@ def test_real_sharegpt_on_smollm2s_chat_template(monkeypatch):
     ex = next(
         e for e in examples if sum(r == "assistant" for r, _ in e.turns) >= 2 and len(e.instruction) < 300
     )
-    t = sharegpt.tokenize_conversation(ex, tok, 512)
+    t = tokenize_conversation(ex, tok, 512)
     spans, cur = [], []
     for tid, lab in zip(t.input_ids, t.labels, strict=True):
         if lab != IGNORE_INDEX:
