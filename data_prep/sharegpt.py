@@ -36,6 +36,7 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from data_prep.schema import DataError, Example
 
@@ -62,7 +63,7 @@ def is_sharegpt(record: object) -> bool:
     return bool(turns) and all(isinstance(t, dict) and "from" in t and "value" in t for t in turns)
 
 
-def records_of_array(text: str, where: str) -> tuple[list[dict], bool]:
+def records_of_array(text: str, where: str) -> tuple[list[dict[str, Any]], bool]:
     """The records of a JSON array, up to its last complete one; and whether the text was cut off inside
     one (the packaged ShareGPT file is). A text that does not close its array is read up to the first
     record that does not parse (where it was cut); in a closed array such a record is an error naming
@@ -72,7 +73,7 @@ def records_of_array(text: str, where: str) -> tuple[list[dict], bool]:
     if i < 0:
         raise DataError(f"{where}: expected a JSON array of ShareGPT records")
     closed = text.rstrip().endswith("]")
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     i += 1
     n = len(text)
     while True:
@@ -91,7 +92,7 @@ def records_of_array(text: str, where: str) -> tuple[list[dict], bool]:
         out.append(record)
 
 
-def to_turns(record: dict) -> tuple[tuple[str, str], ...] | str:
+def to_turns(record: dict[str, Any]) -> tuple[tuple[str, str], ...] | str:
     """The record's turns as (role, text), or why it is skipped."""
     turns: list[tuple[str, str]] = []
     for t in record["conversations"]:
@@ -116,7 +117,7 @@ def to_turns(record: dict) -> tuple[tuple[str, str], ...] | str:
     return tuple(turns)
 
 
-def conversations(records: list[dict], where: str) -> list[Example]:
+def conversations(records: list[dict[str, Any]], where: str) -> list[Example]:
     """The records as examples: ``turns`` set, ``instruction`` the first user turn (what the partition's
     first-word category and a log line read), ``response`` the first answer."""
     out: list[Example] = []
@@ -146,7 +147,7 @@ def conversations(records: list[dict], where: str) -> list[Example]:
     return out
 
 
-def read_records(path: Path) -> list[dict]:
+def read_records(path: Path) -> list[dict[str, Any]]:
     """A ShareGPT file's records: a JSON array (possibly cut off) or jsonl."""
     from data_prep.schema import read_text
 
@@ -183,7 +184,7 @@ def prepared_file() -> Path:
     return path
 
 
-def prepared_text(source: Path) -> tuple[str, dict]:
+def prepared_text(source: Path) -> tuple[str, dict[str, Any]]:
     """The packaged JSON's complete records as jsonl text, and what they hold (the caller writes it)."""
     records, cut = records_of_array(source.read_text(encoding="utf-8"), str(source))
     lines = "".join(

@@ -23,6 +23,9 @@ from fedllm.model.evaluation import Generation, evaluate_global
 
 log = logging.getLogger(__name__)
 
+# a model to score: LoRA factors by module, dense modules, LoRA biases (``Server.global_adapter``)
+GlobalModel = tuple[dict[str, Any], dict[str, Any], dict[str, Any]]
+
 
 @dataclass
 class RunEvaluator:
@@ -38,7 +41,7 @@ class RunEvaluator:
     generation: Generation | None
     general: GeneralCheck | None
 
-    def of_global(self, round_idx: int, global_model: tuple) -> dict[str, Any]:
+    def of_global(self, round_idx: int, global_model: GlobalModel) -> dict[str, Any]:
         """The global model's figures after ``round_idx`` (0: the base, reused where it was evaluated
         before); its answers go to ``generations.jsonl``."""
         key = self.base_key(global_model) if round_idx == 0 else None
@@ -55,13 +58,13 @@ class RunEvaluator:
         self.writer.log_answers(round_idx, self._take_answers(round_idx, out))
         return out
 
-    def of_clients(self, round_idx: int, models: dict[int, tuple | None]) -> dict[str, Any]:
+    def of_clients(self, round_idx: int, models: dict[int, GlobalModel | None]) -> dict[str, Any]:
         """Each client's own model scored as the global one would be, and the mean over them: held-out loss,
         benchmark, Rouge-L and the general prompts' agreement (and the per-category and per-task means);
         each client's own figures under ``scored_clients``. ``models``: the clients the round loop visits
         (under a secret sample a fixed seeded subset), None for one that has no model of its own yet."""
         per: dict[int, dict[str, Any]] = {}
-        answers: list[dict] = []
+        answers: list[dict[str, Any]] = []
         for cid, own in models.items():
             if own is None:  # never trained (a fixed subset's client, not yet sampled): nothing of its own
                 continue
@@ -75,7 +78,7 @@ class RunEvaluator:
             return {"scored_clients": {}}
         return mean_of_clients(per)
 
-    def _score(self, round_idx: int, model: tuple) -> dict[str, Any]:
+    def _score(self, round_idx: int, model: GlobalModel) -> dict[str, Any]:
         general = self.general
         if general is not None and general.reference is None and round_idx > 0:
             general.reference = self.writer.general_reference()  # a resumed run: the base's, as written
@@ -89,11 +92,11 @@ class RunEvaluator:
             general,
         )
 
-    def _take_answers(self, round_idx: int, out: dict[str, Any]) -> list[dict]:
+    def _take_answers(self, round_idx: int, out: dict[str, Any]) -> list[dict[str, Any]]:
         """The evaluation's answers, taken out of its figures: the held-out tasks' and the general prompts'.
         Round 0's general answers are the base's: they become the reference (kept in the run folder for a
         resume) and agree with themselves (100)."""
-        answers = out.pop("generations", [])
+        answers: list[dict[str, Any]] = out.pop("generations", [])
         general = out.pop("general_answers", None)
         scores = out.pop("general_scores", None)
         if general is None or self.general is None:
@@ -107,7 +110,7 @@ class RunEvaluator:
             answers.append({"task": "general", "prompt": example.instruction, "answer": answer, **scored})
         return answers
 
-    def base_key(self, global_model: tuple) -> str | None:
+    def base_key(self, global_model: GlobalModel) -> str | None:
         """The key under which the evaluation before round 1 is the base's own and can be reused
         (:mod:`fedllm.model.evaluation_cache`); None when the global model computes anything else than the
         base (``ClientRuntime.is_base``), the run is split over processes, or ``eval.reuse_base`` is off."""
