@@ -37,7 +37,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from data_prep.schema import DataError, Example, check_readable, read_text
+from data_prep.schema import DataError, Example, check_readable, jsonl_records, read_text
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +166,7 @@ def _records_from_file(path: Path) -> Iterable[tuple[dict, str]]:
     if suffix not in (".json", ".jsonl", ".parquet"):
         raise DataError(f"{path}: unsupported file type '{suffix}'; expected .json, .jsonl or .parquet")
     if suffix == ".jsonl":
-        for i, line in enumerate(read_text(path, EXPECTED_FILE).splitlines()):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line), f"{path}, line {i + 1}"
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {i + 1}: not valid JSON ({e.msg})") from None
+        yield from jsonl_records(read_text(path, EXPECTED_FILE), path)
     elif suffix == ".json":
         try:
             data = json.loads(read_text(path, EXPECTED_FILE))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 class DataError(ValueError):
@@ -65,3 +66,21 @@ def read_text(path: Path, expected: str, error: type[Exception] = DataError) -> 
         ) from None
     except OSError as e:
         raise error(f"{path} cannot be read ({e.strerror or e}); expected {expected}") from None
+
+
+def jsonl_records(text: str, path: Path) -> list[tuple[dict[str, Any], str]]:
+    """Each line's record of a jsonl text with where it came from, or one error naming the file and line.
+
+    Lines are split at newlines only: ``str.splitlines`` also splits at U+2028, U+0085 and others, which a
+    JSON writer may leave raw inside a string (ShareGPT's turns hold them), cutting a record in two."""
+    import json
+
+    out = []
+    for i, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((json.loads(line), f"{path}, line {i}"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}, line {i}: not valid JSON ({e.msg})") from None
+    return out

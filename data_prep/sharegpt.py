@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from data_prep.schema import DataError, Example
+from data_prep.schema import DataError, Example, jsonl_records
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +157,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         if cut:
             log.warning("%s is cut off inside a record: read its %d complete records", path, len(records))
         return records
-    out = []
-    for i, line in enumerate(text.split("\n"), 1):  # not splitlines(): a turn may hold U+2028 or U+0085
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}, line {i}: not JSON ({e.msg})") from None
-    return out
+    return [record for record, _ in jsonl_records(text, path)]
 
 
 PACKAGE_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -75,6 +75,11 @@ def test_loader_errors_name_file_line_and_field(tmp_path):
     broken.write_text(json.dumps(ALPACA[0]) + "\n{not json\n")
     with pytest.raises(DataError, match=r"broken.jsonl, line 2: not valid JSON"):
         load_examples(str(broken))
+    # a raw line or paragraph separator inside a string (JSON allows it) is not a new record
+    odd = tmp_path / "odd.jsonl"
+    rec = {"instruction": "a\u2028b", "input": "c\x85d", "output": "e"}
+    odd.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert [e.instruction for e in load_examples(str(odd))] == ["a\u2028b"]
     unknown = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(
         DataError, match=r"cannot tell the dataset format from fields \['completion', 'prompt'\]"
