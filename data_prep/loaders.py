@@ -63,7 +63,7 @@ LAYOUTS: dict[str, tuple[str, str | None, str, str | None]] = {
 }
 
 
-def _holds_conversations(path: Path) -> bool:
+def holds_conversations(path: Path) -> bool:
     """Whether a JSON / jsonl file's first record has ShareGPT's layout (read from its first 64 kB)."""
     from data_prep.sharegpt import is_sharegpt
 
@@ -249,7 +249,7 @@ def load_examples(
 
         dataset = str(sharegpt.prepared_file())
     path = Path(dataset).expanduser()
-    if path.suffix.lower() in (".json", ".jsonl") and path.is_file() and _holds_conversations(path):
+    if path.suffix.lower() in (".json", ".jsonl") and path.is_file() and holds_conversations(path):
         from data_prep import sharegpt
 
         examples = sharegpt.conversations(sharegpt.read_records(path), str(path))

@@ -185,7 +185,10 @@ def tokenize_conversation(example: Example, tokenizer, max_seq_len: int):
     for k, (role, _) in enumerate(example.turns):
         before = ids(k, prompt=role == "assistant") if role == "assistant" else ids(k) if k else []
         after = ids(k + 1)
-        if after[: len(input_ids)] != input_ids or before[: len(input_ids)] != input_ids:
+        # the rendering up to this turn must begin with what is kept, and (an answer) with its own
+        # generation prompt: a template that prompts otherwise than it renders a finished turn (a
+        # "<think>" opened only when generating) would misplace every answer token
+        if after[: len(input_ids)] != input_ids or after[: len(before)] != before:
             raise ValueError(
                 "the chat template renders a longer conversation differently from a shorter one's start; "
                 "its assistant turns cannot be masked token by token"

@@ -65,14 +65,13 @@ def is_sharegpt(record: object) -> bool:
 
 def records_of_array(text: str, where: str) -> tuple[list[dict[str, Any]], bool]:
     """The records of a JSON array, up to its last complete one; and whether the text was cut off inside
-    one (the packaged ShareGPT file is). A text that does not close its array is read up to the first
-    record that does not parse (where it was cut); in a closed array such a record is an error naming
-    ``where`` and the record."""
+    one (the packaged ShareGPT file is): a record the decoder runs out of text in. A record that does not
+    parse before the end is an error naming ``where`` and the record."""
     decoder = json.JSONDecoder()
     i = text.find("[")
     if i < 0:
         raise DataError(f"{where}: expected a JSON array of ShareGPT records")
-    closed = text.rstrip().endswith("]")
+    end = len(text.rstrip())
     out: list[dict[str, Any]] = []
     i += 1
     n = len(text)
@@ -86,8 +85,8 @@ def records_of_array(text: str, where: str) -> tuple[list[dict[str, Any]], bool]
         try:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            if not closed:
-                return out, True
+            if e.pos >= end - 1 or e.msg.startswith("Unterminated string"):
+                return out, True  # the decoder ran out of text: the record was cut off there
             raise DataError(f"{where}: record {len(out) + 1} is not JSON ({e.msg})") from None
         out.append(record)
 

@@ -28,7 +28,7 @@ from data_prep.schema import Example
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # bump when what a row holds changes
+VERSION = 4  # bump when what a row holds changes (4: conversations' labels end at each answer's EOS)
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -100,12 +100,22 @@ def load_partitions(cfg) -> Partitions:
     )
 
 
+def holds_conversations(dataset: str) -> bool:
+    """Whether ``dataset`` is a local JSON / jsonl file in ShareGPT's layout (data_prep/sharegpt.py)."""
+    from pathlib import Path
+
+    from data_prep.loaders import holds_conversations as in_sharegpt_layout
+
+    path = Path(dataset).expanduser()
+    return path.suffix.lower() in (".json", ".jsonl") and path.is_file() and in_sharegpt_layout(path)
+
+
 def prompt_template(cfg) -> str:
     return (
         cfg.data.template
         if cfg.data.template != "auto"
         else "chat"  # conversations go through the base's chat template (data_prep/sharegpt.py)
-        if cfg.data.dataset == "sharegpt"
+        if cfg.data.dataset == "sharegpt" or holds_conversations(cfg.data.dataset)
         else "plain"
         if cfg.data.dataset in ("builtin", "testbed")
         else "flowertune"

@@ -67,6 +67,7 @@ class Simulation(RoundLoop):
             fed.partition_stats,
         )
         self.generation, self.general = fed.generation, fed.general
+        self._evaluator = None  # built again from what was just set (RoundLoop.evaluator)
         tests = [s["test"] for s in self.partition_stats if isinstance(s.get("test"), int)]
         if self.cfg.eval.personalized and tests and min(tests) < SMALL_TEST and self.acc.is_main_process:
             log.warning(

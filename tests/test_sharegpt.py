@@ -44,6 +44,8 @@ def test_a_file_cut_off_inside_a_record_gives_its_complete_records():
     assert got == recs[:2] and was_cut
     whole, was_cut = sharegpt.records_of_array(text, "f.json")
     assert whole == recs and not was_cut
+    nested = text[: text.rfind("]}") + 1]  # cut right after a nested list: it ends in "]"
+    assert nested.endswith("]") and sharegpt.records_of_array(nested, "f.json") == (recs[:2], True)
     broken = text.replace('"q1"', "q1", 1)
     with pytest.raises(DataError, match=r"f.json: record 2 is not JSON"):
         sharegpt.records_of_array(broken, "f.json")
@@ -225,3 +227,26 @@ def test_real_sharegpt_on_smollm2s_chat_template(monkeypatch):
     stats = client_stats(examples[:2000], partition(examples[:2000], "dirichlet", 10, seed=0, alpha=0.5))
     top = [max(s["categories"], key=s["categories"].get) for s in stats]
     assert len(set(top)) >= 3  # clients hold different kinds of request
+
+
+def test_a_template_that_prompts_otherwise_than_it_renders_is_refused(chat_tokenizer):
+    """A generation prompt that a finished turn does not begin with (a "<think>" opened only when
+    generating) would misplace every answer token: refused, not trained on."""
+    import copy
+
+    tok = copy.deepcopy(chat_tokenizer)
+    tok.chat_template = CHATML.replace(
+        "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\nthink\n{% endif %}"
+    )
+    with pytest.raises(ValueError, match="cannot be masked token by token"):
+        tokenize_conversation(_conversation(), tok, 512)
+
+
+def test_a_local_sharegpt_file_gets_the_chat_template_by_itself(tmp_path):
+    from fedllm.config import load_config
+    from fedllm.federation_data import prompt_template
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(record(0, ("human", "hi"), ("gpt", "hello"))) + "\n")
+    assert prompt_template(load_config(None, [f"data.dataset={path}"])) == "chat"
+    assert prompt_template(load_config(None, ["data.dataset=builtin"])) == "plain"

@@ -92,6 +92,7 @@ class FlowerDriver(RoundLoop):
         # the evaluation base: no client trains here
         self.runtime = assembly.build_runtime(cfg, strategy, layout, self.acc, model, tokenizer, ranks)
         self.general = assembly.general_for(cfg, model)
+        self._evaluator = None  # built from what this setup sets (RoundLoop.evaluator)
         try:  # the server's held-out split, when it can read the data (the built-in data, a public file)
             parts = load_partitions(cfg)
             _, self.eval_data = assembly.tokenize_partitions(
