@@ -75,21 +75,28 @@ class Generation:
     max_prompt_tokens: int
 
 
+def _greedy(
+    model, tokenizer, examples: list, how: Generation | GeneralCheck, batch_size: int, progress: bool
+):
+    """Greedy answers with ``how``'s template and lengths (the held-out tasks' and the general prompts')."""
+    return generate(
+        model,
+        tokenizer,
+        examples,
+        how.template,
+        max_new_tokens=how.max_new_tokens,
+        batch_size=batch_size,
+        max_prompt_tokens=how.max_prompt_tokens,
+        progress=progress,
+    )
+
+
 def rouge_heldout(
     model, tokenizer, gen: Generation, batch_size: int, progress: bool = False
 ) -> dict[str, Any]:
     """Greedy answers to ``gen``'s examples, scored by Rouge-L against each one's references: the mean,
     and the mean per task (category) where examples carry one."""
-    answers = generate(
-        model,
-        tokenizer,
-        [r.example for r in gen.references],
-        gen.template,
-        max_new_tokens=gen.max_new_tokens,
-        batch_size=batch_size,
-        max_prompt_tokens=gen.max_prompt_tokens,
-        progress=progress,
-    )
+    answers = _greedy(model, tokenizer, [r.example for r in gen.references], gen, batch_size, progress)
     scores = rouge_l(answers, [r.references for r in gen.references])
     by_task: dict[str, list[float]] = {}
     for r, s in zip(gen.references, scores, strict=True):
@@ -109,16 +116,7 @@ def general_answers(
 ) -> dict[str, Any]:
     """The answers to the general prompts and, once the base's are known, their mean Rouge-L against them
     (``general_agreement``, 0-100)."""
-    answers = generate(
-        model,
-        tokenizer,
-        check.examples,
-        check.template,
-        max_new_tokens=check.max_new_tokens,
-        batch_size=batch_size,
-        max_prompt_tokens=check.max_prompt_tokens,
-        progress=progress,
-    )
+    answers = _greedy(model, tokenizer, check.examples, check, batch_size, progress)
     out: dict[str, Any] = {"general_answers": answers}
     if check.reference is not None:
         scores = rouge_l(answers, [[r] for r in check.reference])

@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -76,7 +75,9 @@ def _device() -> dict[str, Any]:
 
 def cache_folder() -> Path:
     """``$FEDLLM_CACHE/evals`` (default ``~/.cache/fedllm/evals``)."""
-    return Path(os.environ.get("FEDLLM_CACHE", Path.home() / ".cache" / "fedllm")) / "evals"
+    from fedllm.model.builtin_base import default_cache_dir
+
+    return default_cache_dir() / "evals"
 
 
 def _plain(obj: Any) -> Any:
