@@ -124,7 +124,7 @@ def tokenize_batch(
     special = template != CHAT  # the chat template's text holds its special tokens already
     prompt_ids = tokenizer(prompts, add_special_tokens=special)["input_ids"] if prompts else []
     full_ids = tokenizer(fulls, add_special_tokens=special)["input_ids"] if fulls else []
-    eos = tokenizer.eos_token_id
+    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
     out: list[TokenizedExample | None] = []
     for p_ids, f_ids in zip(prompt_ids, full_ids, strict=True):
         ids = [*f_ids, eos] if eos is not None else list(f_ids)
@@ -132,10 +132,13 @@ def tokenize_batch(
         labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
         cut = max(0, len(ids) - max_seq_len)
         if truncation == "left":
-            if cut and cut >= n_prompt:  # the response alone fills the budget: no prompt would be left
+            # a leading BOS stays: models trained with one (Gemma, Llama) are far off without it, and
+            # generation's left truncation (the tokenizer's) keeps it too
+            lead = 1 if bos is not None and ids[:1] == [bos] else 0
+            if cut and cut >= n_prompt - lead:  # the response alone fills the budget: no prompt would be left
                 out.append(None)
                 continue
-            ids, labels = ids[cut:], labels[cut:]
+            ids, labels = ids[:lead] + ids[lead + cut :], labels[:lead] + labels[lead + cut :]
         else:
             ids, labels = ids[:max_seq_len], labels[:max_seq_len]
         out.append(None if all(x == IGNORE_INDEX for x in labels) else TokenizedExample(ids, labels, cut))

@@ -28,7 +28,9 @@ from data_prep.schema import Example
 
 log = logging.getLogger(__name__)
 
-VERSION = 4  # bump when what a row holds changes (4: conversations' labels end at each answer's EOS)
+# bump when what a row holds changes (4: conversations' labels end at each answer's EOS; 5: a left cut
+# keeps the BOS)
+VERSION = 5
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -154,7 +154,10 @@ def test_left_truncation_keeps_the_response_whole_and_right_truncation_drops_it(
     [right, same] = tokenize_batch([long, short], tokenizer, "plain", 16, truncation="right")
     assert right is None  # cut from the right, nothing of the response is left
     full = tokenize_batch([long], tokenizer, "plain", 1000)[0]
-    assert left.input_ids == full.input_ids[-16:] and left.labels == full.labels[-16:]
+    # the BOS the tokenizer puts first stays first (a model trained with one is far off without it)
+    assert tokenizer.bos_token_id is not None and full.input_ids[0] == tokenizer.bos_token_id
+    assert left.input_ids == full.input_ids[:1] + full.input_ids[-15:]
+    assert left.labels == full.labels[:1] + full.labels[-15:]
     assert left.cut == len(full.input_ids) - 16 > 0
     assert [x for x in left.labels if x != IGNORE_INDEX] == [x for x in full.labels if x != IGNORE_INDEX]
     assert kept == same and kept.cut == 0
