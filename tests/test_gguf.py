@@ -1,0 +1,119 @@
+"""A GGUF shipped in parts (``fedllm/model/gguf.py``): found through installed file lists, joined in order,
+checked against the published sha256, never left half written.
+
+The distributions here are fake installs: a ``*.dist-info`` folder (METADATA with Requires-Dist, a RECORD
+listing the files) on ``sys.path``, which is all ``importlib.metadata`` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from fedllm.model import gguf
+
+WHOLE = "tiny-model.gguf"
+
+
+def fake_dist(site: Path, name: str, files: dict[str, bytes], requires: list[str] = ()) -> None:
+    """Install distribution ``name`` into ``site``: its files and a dist-info that lists them."""
+    pkg = name.replace("-", "_")
+    info = site / f"{pkg}-1.0.0.dist-info"
+    info.mkdir(parents=True)
+    meta = [f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0.0\n"]
+    meta += [f"Requires-Dist: {r}==1.0.0\n" for r in requires]
+    (info / "METADATA").write_text("".join(meta))
+    record = []
+    for rel, data in files.items():
+        path = site / pkg / "data" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        record.append(f"{pkg}/data/{rel},,")
+    record += [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+
+
+@pytest.fixture
+def split_install(tmp_path, monkeypatch):
+    """A main distribution with SHA256SUMS and three part distributions (part 1 holds .part00, ...);
+    returns (site folder, the whole file's bytes)."""
+    site = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
+    chunks = [b"GGUF" + bytes(range(200)), bytes(reversed(range(256))) * 3, b"tail"]
+    whole = b"".join(chunks)
+    sums = f"{hashlib.sha256(whole).hexdigest()}  {WHOLE}\n".encode()
+    # the parts' distribution names do not sort as their numbers (part10 before part2): the files' do
+    for i, chunk in enumerate(chunks):
+        fake_dist(site, f"tiny-gguf-part{10**i}", {f"{WHOLE}.part{i:02d}": chunk})
+    fake_dist(site, "tiny-gguf", {"SHA256SUMS": sums, "NOTICE.md": b"x"},
+              requires=[f"tiny-gguf-part{10 ** i}" for i in range(3)])  # fmt: skip
+    return site, whole
+
+
+def test_the_parts_join_in_their_numbers_order_into_the_published_file(split_install):
+    _, whole = split_install
+    path = gguf.gguf_file("gguf:tiny-gguf")
+    assert path.read_bytes() == whole
+    assert path.parent == gguf.cache_root() / "files" and path.name == WHOLE
+    assert [p.name for p in path.parent.iterdir()] == [WHOLE]  # no temporary file left
+
+
+def test_a_joined_file_is_reused_not_joined_again(split_install):
+    first = gguf.gguf_file("gguf:tiny-gguf")
+    stamp = first.stat().st_mtime_ns
+    assert gguf.gguf_file("gguf:tiny-gguf") == first and first.stat().st_mtime_ns == stamp
+
+
+def test_a_tampered_part_is_refused_and_nothing_is_kept(split_install):
+    site, _ = split_install
+    part = site / "tiny_gguf_part10" / "data" / f"{WHOLE}.part01"
+    data = part.read_bytes()
+    part.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped
+    with pytest.raises(gguf.GGUFError, match=r"model.name: gguf:tiny-gguf: .*join into a file of sha256"):
+        gguf.gguf_file("gguf:tiny-gguf")
+    assert not list((gguf.cache_root() / "files").iterdir())
+
+
+def test_a_file_in_the_cache_that_is_not_the_published_one_is_joined_again(split_install):
+    _, whole = split_install
+    path = gguf.gguf_file("gguf:tiny-gguf")
+    path.write_bytes(b"not it")
+    assert gguf.gguf_file("gguf:tiny-gguf").read_bytes() == whole
+
+
+def test_a_missing_part_names_the_numbers_found(split_install):
+    site, _ = split_install
+    (site / "tiny_gguf_part10" / "data" / f"{WHOLE}.part01").unlink()
+    (site / "tiny_gguf_part10-1.0.0.dist-info" / "RECORD").write_text("")
+    with pytest.raises(gguf.GGUFError, match=r"numbered \[0, 2\], expected 0..n-1 without a gap"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_a_part_distribution_not_installed_says_what_to_run(split_install):
+    import shutil
+
+    site, _ = split_install
+    shutil.rmtree(site / "tiny_gguf_part100-1.0.0.dist-info")
+    with pytest.raises(gguf.GGUFError, match=r"'tiny-gguf-part100' is not installed; run 'fedllm prepare"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_a_sums_file_naming_two_ggufs_is_refused(split_install):
+    site, _ = split_install
+    sums = site / "tiny_gguf" / "data" / "SHA256SUMS"
+    sums.write_text(sums.read_text() + f"{'0' * 64}  other.gguf\n")
+    with pytest.raises(gguf.GGUFError, match="names 2 .gguf files, expected one"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_a_short_name_stands_for_its_distribution(split_install, monkeypatch):
+    from fedllm.model import real_parts
+
+    monkeypatch.setitem(gguf.ALIASES, "tiny", "tiny-gguf")
+    assert gguf.gguf_file("gguf:tiny") == gguf.gguf_file("gguf:tiny-gguf")
+    # the names prepare-real prints are the distributions it installs
+    assert gguf.ALIASES[real_parts.GEMMA3_LM.removeprefix("gguf:")] == real_parts.GEMMA3[0][0]
+    assert gguf.ALIASES["smollm2"] == real_parts.PARTS[0][0]
