@@ -8,6 +8,6 @@ V="--variant fedit:aggregation.name=fedit --variant flora:aggregation.name=flora
 nice fedllm compare --config configs/real_compare_smollm2_ni.yaml --seeds 3 --output-dir runs/real_table $V > runs/real_table.log 2>&1
 # the sweep's own folder (its own compare.md); tau 0.9 and FlexLoRA at seed 0 are the table's runs, linked
 mkdir -p runs/florist_sweep/florist runs/florist_sweep/flexlora
-ln -sfn runs/real_table/florist/seed-0 runs/florist_sweep/florist/seed-0
-ln -sfn runs/real_table/flexlora/seed-0 runs/florist_sweep/flexlora/seed-0
+ln -sfn ../../real_table/florist/seed-0 runs/florist_sweep/florist/seed-0
+ln -sfn ../../real_table/flexlora/seed-0 runs/florist_sweep/flexlora/seed-0
 nice fedllm compare --config configs/real_compare_smollm2_ni.yaml --seed-list 0 --output-dir runs/florist_sweep --variant florist:aggregation.name=florist --variant florist80:aggregation.name=florist,aggregation.florist.tau=0.8 --variant florist95:aggregation.name=florist,aggregation.florist.tau=0.95 --variant florist99:aggregation.name=florist,aggregation.florist.tau=0.99 --variant flexlora:aggregation.name=flexlora > runs/florist_sweep.log 2>&1
