@@ -132,9 +132,11 @@ def tokenize_batch(
         labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
         cut = max(0, len(ids) - max_seq_len)
         if truncation == "left":
-            # a leading BOS stays: models trained with one (Gemma, Llama) are far off without it, and
-            # generation's left truncation (the tokenizer's) keeps it too
-            lead = 1 if bos is not None and ids[:1] == [bos] else 0
+            # a BOS the tokenizer added stays: models trained with one (Gemma, Llama) are far off without
+            # it, and generation's left truncation (the tokenizer's) keeps it too. A chat template writes
+            # its first token into the text (SmolLM2's BOS is its "<|im_start|>"): generation cuts that
+            # as text, and so does training, so that both see the same prompt
+            lead = 1 if special and bos is not None and ids[:1] == [bos] else 0
             if cut and cut >= n_prompt - lead:  # the response alone fills the budget: no prompt would be left
                 out.append(None)
                 continue

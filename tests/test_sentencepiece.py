@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_prep.prompts import IGNORE_INDEX, tokenize_batch
+from data_prep.prompts import IGNORE_INDEX, build_prompt, tokenize_batch
 from data_prep.schema import Example
 from eval.mmlu import LETTERS, continuation_ids
 
@@ -77,6 +77,30 @@ def test_a_cut_that_would_leave_only_the_bos_of_the_prompt_drops_the_example(lla
     n = len(full.input_ids) - (n_prompt - 1)  # room for the bos and the response: no prompt token left
     assert tokenize_batch([ex], llama_style, "plain", n, truncation="left") == [None]
     assert tokenize_batch([ex], llama_style, "plain", n + 1, truncation="left")[0] is not None
+
+
+def test_a_chat_templates_first_token_is_cut_as_generation_cuts_it(llama_style):
+    """A chat template writes its first token into the text (SmolLM2's BOS is its "<|im_start|>"), and
+    generation, which tokenizes that text without adding specials, cuts it from the left with the rest: so
+    must training, or the two would see different prompts. Training's cut prompt must be the tokenizer's
+    own left truncation of the same prompt text."""
+    import copy
+
+    tok = copy.deepcopy(llama_style)
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %} Answer:{% endif %}"
+    )
+    ex = Example("What is 2+2? " * 12, "", "four")
+    full = tokenize_batch([ex], tok, "chat", 1000)[0]
+    assert full.input_ids[0] == tok.bos_token_id  # written by the template, not added by the tokenizer
+    [cut] = tokenize_batch([ex], tok, "chat", 10, truncation="left")
+    assert cut.input_ids == full.input_ids[-10:]
+    n_prompt = sum(x == IGNORE_INDEX for x in cut.labels)
+    tok.truncation_side = "left"
+    prompt = build_prompt(ex, "chat", tok)
+    as_generated = tok(prompt, add_special_tokens=False, truncation=True, max_length=n_prompt)["input_ids"]
+    assert cut.input_ids[:n_prompt] == as_generated
 
 
 @pytest.mark.real
