@@ -312,6 +312,36 @@ def test_a_download_whose_hash_differs_leaves_nothing(tmp_path, monkeypatch):
     assert got.read_bytes() == b"not the archive" and got.name == "bigbench-1.0.0.tar.gz"
 
 
+def test_an_index_that_no_longer_serves_the_archive_says_so_and_leaves_a_given_archive_strict(
+    tmp_path, monkeypatch
+):
+    """The index stopped listing bigbench 1.0.0 (as this workplace's did on 2026-12-05): prepare-real's
+    tasks become one line naming the way out, so the model and MMLU are still prepared and the command
+    exits 1; an archive the user passes that is not the pinned one is still an error."""
+    import urllib.error
+    import urllib.request
+
+    from fedllm.model import real_parts
+
+    monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
+    page = b'<a href="https://files.example/bigbench-0.0.1.tar.gz#sha256=00">bigbench-0.0.1.tar.gz</a>'
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: io.BytesIO(page))
+    got = real_parts._tasks_or_why(None)
+    assert set(got) == {"error"}
+    assert "lists no bigbench-1.0.0.tar.gz" in got["error"] and "--bigbench-archive" in got["error"]
+    assert real_parts.BIGBENCH[2] in got["error"]  # the user can check the file they find
+
+    def refused(index):
+        raise urllib.error.HTTPError(index, 403, "This package version is not available.", {}, None)
+
+    monkeypatch.setattr(real_parts, "_archive_url", refused)
+    assert "403" in real_parts._tasks_or_why(None)["error"]
+    wrong = tmp_path / "bigbench-1.0.0.tar.gz"
+    wrong.write_bytes(b"not the archive")
+    with pytest.raises(real_parts.RealPartsError, match="is not bigbench 1.0.0's"):
+        real_parts._tasks_or_why(wrong)
+
+
 def test_generation_in_length_order_gives_each_prompt_its_own_answer(builtin_base):
     """Prompts of very different lengths, batched in length order with a cut: every answer equals the one
     the prompt gets alone (an answer given to the wrong prompt, or a cut on the wrong side, would differ)."""

