@@ -469,3 +469,20 @@ def test_ctrl_c_in_round_2_says_in_one_line_how_to_resume(run_copy, capsys, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and len(err) <= 3 and "Traceback" not in "\n".join(err)
     assert f"round 2 is checkpointed in {run_copy}: continue with `fedllm run --resume {run_copy}`" in err[-1]
+
+
+def test_a_clients_log_line_says_how_many_of_its_partition_tokenizing_dropped():
+    """The categories count the partition's examples; the sizes count what was left after tokenizing. A
+    line whose sizes did not add up to its categories (957 train beside "other 980") read as a bug."""
+    from fedllm.run.folder import client_line
+
+    stat = {"client": 4, "rank": 64, "size": 1084, "train": 957, "test": 0, "categories": {"other": 1000}}
+    line = client_line(stat)
+    assert line.startswith("client 4: rank 64, 957 train / 0 test examples (1084 partitioned, 127 dropped")
+    whole = {**stat, "train": 1084}
+    assert "dropped" not in client_line(whole) and "1084 train / 0 test" in client_line(whole)
+    site = {"client": 2, "rank": 8, "train": 40}  # a Flower site that shares neither test size nor categories
+    assert (
+        client_line(site)
+        == "client 2: rank 8, 40 train / (not shared) test examples, categories (not shared)"
+    )

@@ -393,16 +393,8 @@ class RunWriter:
                 self.run_dir / PARTITION,
             )
             return
-        for s in partition_stats:  # a Flower site shares its test size and categories only if asked to
-            log.info(
-                "client %d%s: rank %d, %d train / %s test examples, categories %s",
-                s["client"],
-                f" ({s['name']})" if s.get("name") else "",  # what it holds (data.partition=by_source, ...)
-                s["rank"],
-                s["train"],
-                s.get("test", "(not shared)"),
-                s.get("categories", "(not shared)"),
-            )
+        for s in partition_stats:
+            log.info("%s", client_line(s))
 
     def rows(self) -> list[dict]:
         from fedllm.files import read_jsonl
@@ -515,3 +507,21 @@ class RunWriter:
                 write_adapter(self.run_dir / "global_adapter")
             atomic_write_text(self.run_dir / SUMMARY, standard_json(summary, indent=1))
         return summary
+
+
+def client_line(stat: dict) -> str:
+    """One client of the partition as the run's log shows it.
+
+    The categories are counted over the examples the partition gave the client; tokenizing can drop some
+    (a prompt longer than ``data.max_seq_len``), so where it did the line says how many, or the train and
+    test sizes would not add up to the categories' counts. A Flower site shares its test size and
+    categories only if asked to.
+    """
+    name = f" ({stat['name']})" if stat.get("name") else ""  # what it holds (data.partition=by_source, ...)
+    test = stat.get("test")
+    sizes = f"{stat['train']} train / {'(not shared)' if test is None else test} test examples"
+    lost = stat.get("size", 0) - stat["train"] - (test or 0)
+    if "size" in stat and lost > 0:
+        sizes += f" ({stat['size']} partitioned, {lost} dropped when tokenized)"
+    categories = stat.get("categories", "(not shared)")
+    return f"client {stat['client']}{name}: rank {stat['rank']}, {sizes}, categories {categories}"
