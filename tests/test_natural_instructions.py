@@ -331,15 +331,51 @@ def test_an_index_that_no_longer_serves_the_archive_says_so_and_leaves_a_given_a
     assert "lists no bigbench-1.0.0.tar.gz" in got["error"] and "--bigbench-archive" in got["error"]
     assert real_parts.BIGBENCH[2] in got["error"]  # the user can check the file they find
 
-    def refused(index):
-        raise urllib.error.HTTPError(index, 403, "This package version is not available.", {}, None)
+    def refused(url, timeout=None):
+        raise urllib.error.HTTPError(url, 403, "This package version is not available.", {}, None)
 
-    monkeypatch.setattr(real_parts, "_archive_url", refused)
+    monkeypatch.setattr(urllib.request, "urlopen", refused)
     assert "403" in real_parts._tasks_or_why(None)["error"]
     wrong = tmp_path / "bigbench-1.0.0.tar.gz"
     wrong.write_bytes(b"not the archive")
     with pytest.raises(real_parts.RealPartsError, match="is not bigbench 1.0.0's"):
         real_parts._tasks_or_why(wrong)
+
+    # a download that is served but does not hash to the pin is tampered with, not unavailable: it stops
+    listed = b'<a href="https://files.example/bigbench-1.0.0.tar.gz#sha256=00">bigbench-1.0.0.tar.gz</a>'
+    served = {"/bigbench/": listed, "1.0.0.tar.gz": b"a replaced archive"}
+
+    class Reply(io.BytesIO):
+        headers: dict = {}
+
+    def serve(url, timeout=None):
+        return Reply(next(body for end, body in served.items() if url.endswith(end)))
+
+    monkeypatch.setattr(urllib.request, "urlopen", serve)
+    with pytest.raises(real_parts.RealPartsError, match="is not the pinned") as e:
+        real_parts._tasks_or_why(None)
+    assert not isinstance(e.value, real_parts.ArchiveUnavailable)
+    assert not list((tmp_path / "cache" / "downloads").glob("*"))  # nothing of it was kept
+
+
+def test_prepare_real_reports_the_tasks_it_could_not_prepare_and_exits_1(monkeypatch, capsys):
+    """The other parts are printed as prepared, the tasks as NOT PREPARED with the way out, the run config
+    that needs them is not suggested, and the exit status says that not everything was prepared."""
+    from fedllm.model import real_parts
+
+    parts = {
+        "model": {"name": "gguf:smollm2", "checkpoint": "/c", "checkpoint_mb": 1.0, "gguf": "/g"},
+        "mmlu": {"file": "/m", "mb": 1.0, "note": "n"},
+        "installed_now": [],
+    }
+    monkeypatch.setattr(real_parts, "prepare", lambda archive: {**parts, "tasks": {"error": "not listed"}})
+    assert real_parts.main() == 1
+    out = capsys.readouterr().out
+    assert "real tasks  NOT PREPARED: not listed" in out and "real_smollm2_ni.yaml" not in out
+    done = {"folder": "/t", "tasks": 61, "mb": 3.0}
+    monkeypatch.setattr(real_parts, "prepare", lambda archive: {**parts, "tasks": done})
+    assert real_parts.main() == 0
+    assert "NOT PREPARED" not in (out := capsys.readouterr().out) and "real_smollm2_ni.yaml" in out
 
 
 def test_generation_in_length_order_gives_each_prompt_its_own_answer(builtin_base):

