@@ -10,9 +10,11 @@ float32 twice, each in its own process on the same cores:
   ``--lm-eval-python`` (a separate venv: ``pip install "lm_eval[hf]==0.4.13"``);
 * ``fedllm eval`` with prefix reuse (its default).
 
-It reports both wall times, both log-likelihood phases (lm-eval: its progress bar over requests; fedllm:
-questions per second of its scoring loop), prediction agreement and the largest |dLL| over all
-question-choice pairs. Timings are from this machine and run only. Last line: one JSON object.
+It reports both wall times, both scoring phases, prediction agreement and the largest |dLL| over all
+question-choice pairs. lm-eval's phase is its progress bar over requests (its forward passes only);
+fedllm's is its whole ``evaluate`` (building and tokenizing the prompts, then the forward passes), so the
+phase ratio understates fedllm's lead a little. Timings are from this machine and run only. Last line: one
+JSON object.
 
     python scripts/compare_lm_eval.py --lm-eval-python /tmp/lmeval-venv/bin/python [--shots 5] [--threads 2]
 
@@ -95,9 +97,15 @@ def run_timed(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, f
 
 
 def harness_phase_s(stderr: str) -> float | None:
-    """Seconds of lm-eval's log-likelihood progress bar ("Running loglikelihood requests")."""
-    times = re.findall(r"100%\|[^|]*\|\s*\d+/\d+ \[(\d+):(\d+)<", stderr)
-    return int(times[-1][0]) * 60 + int(times[-1][1]) if times else None
+    """Seconds of lm-eval's log-likelihood progress bar ("Running loglikelihood requests").
+
+    tqdm writes its elapsed time as MM:SS, and as H:MM:SS from an hour on (a whole-subject job on a slow
+    machine gets there): both are read, so a long phase is not silently reported as missing."""
+    times = re.findall(r"100%\|[^|]*\|\s*\d+/\d+ \[(?:(\d+):)?(\d+):(\d+)<", stderr)
+    if not times:
+        return None
+    hours, minutes, seconds = times[-1]
+    return int(hours or 0) * 3600 + int(minutes) * 60 + int(seconds)
 
 
 def harness_scores(out: Path) -> dict[tuple[str, str], list[float]]:
