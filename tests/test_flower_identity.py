@@ -187,3 +187,29 @@ def test_a_site_shares_its_count_only_unless_asked():
     )
     assert Site.info(site(*secure))["num-examples"] == 40  # example weights need the count
     assert Site.info(site("federation.weighting=uniform", pinned=True))["num-examples"] == 1
+
+
+def test_a_sites_log_says_how_many_of_its_examples_tokenizing_dropped(builtin_base, tmp_path, caplog):
+    """A site shares its sizes after tokenizing and its categories before: the server cannot tell a drop, so
+    the site's own line must say it, or its train and test sizes would not add up to its file."""
+    import json
+    import logging
+
+    from tests.conftest import TEST_PRETRAIN_STEPS
+
+    rows = [{"instruction": "Say hi", "response": "hi", "category": "qa"}] * 6
+    rows += [{"instruction": "word " * 400, "response": "long", "category": "qa"}] * 2  # past max_seq_len
+    data = tmp_path / "site.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config(
+        None,
+        [
+            f"model.builtin_pretrain_steps={TEST_PRETRAIN_STEPS}",
+            "federation.num_clients=2",
+            "data.max_seq_len=64",
+        ],
+    )
+    with caplog.at_level(logging.INFO, logger="fedllm.flower.site"):
+        site = Site(cfg, 0, tmp_path / "state", data_path=str(data))
+    assert len(site.client.train) + len(site.client.test) == 6
+    assert "(8 partitioned, 2 dropped when tokenized)" in caplog.text

@@ -141,12 +141,14 @@ class Site:
         train, test, rank = self.client.train, self.client.test, self.client.rank
         self.categories = _histogram(examples)
         resumed = self._load_state()
+        dropped = len(examples) - len(train) - len(test)
         log.info(
-            "site %d ready in %.1f s: %d train / %d test examples, rank %d%s",
+            "site %d ready in %.1f s: %d train / %d test examples%s, rank %d%s",
             client_id,
             time.perf_counter() - t0,
             len(train),
             len(test),
+            f" ({len(examples)} partitioned, {dropped} dropped when tokenized)" if dropped > 0 else "",
             rank,
             "" if resumed is None else f", state of round {resumed} from {self.state_dir}",
         )

@@ -515,7 +515,8 @@ def client_line(stat: dict) -> str:
     The categories are counted over the examples the partition gave the client; tokenizing can drop some
     (a prompt longer than ``data.max_seq_len``), so where it did the line says how many, or the train and
     test sizes would not add up to the categories' counts. A Flower site shares its test size and
-    categories only if asked to.
+    categories only if asked to, and its sizes only after tokenizing: there the server cannot tell a drop,
+    and the site's own log line says how many it dropped.
     """
     name = f" ({stat['name']})" if stat.get("name") else ""  # what it holds (data.partition=by_source, ...)
     test = stat.get("test")
