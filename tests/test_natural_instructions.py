@@ -358,6 +358,57 @@ def test_an_index_that_no_longer_serves_the_archive_says_so_and_leaves_a_given_a
     assert not list((tmp_path / "cache" / "downloads").glob("*"))  # nothing of it was kept
 
 
+def test_a_hostile_or_failing_index_is_refused_cut_off_or_swept_and_never_kept(tmp_path, monkeypatch):
+    """A link to a file: address is refused (it reads no index); a download cut off mid-way is the archive
+    being unavailable, not a crash, and keeps no partial file; a killed download's file is swept after a
+    day while one in progress is left alone."""
+    import http.client
+    import os
+    import time
+    import urllib.request
+
+    from fedllm.model import real_parts
+
+    monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
+    downloads = tmp_path / "cache" / "downloads"
+
+    class Reply(io.BytesIO):
+        headers: dict = {}
+
+    def index(link: str, body=None):
+        page = f'<a href="{link}#sha256=00">bigbench-1.0.0.tar.gz</a>'.encode()
+
+        def urlopen(url, timeout=None):
+            if url.endswith("/bigbench/"):
+                return Reply(page)
+            return body()
+
+        return urlopen
+
+    monkeypatch.setattr(urllib.request, "urlopen", index("file:///dev/zero/bigbench-1.0.0.tar.gz"))
+    with pytest.raises(real_parts.RealPartsError, match="not an http") as e:
+        real_parts._tasks_or_why(None)
+    assert not isinstance(e.value, real_parts.ArchiveUnavailable)
+
+    class CutOff(Reply):
+        def read(self, n=-1):
+            if self.tell():
+                raise http.client.IncompleteRead(b"", 1000)
+            return super().read(4)
+
+    downloads.mkdir(parents=True, exist_ok=True)
+    killed, running = downloads / "bigbench-1.0.0.tar.part11", downloads / "bigbench-1.0.0.tar.part12"
+    for left in (killed, running):
+        left.write_bytes(b"half a download")
+    day_ago = time.time() - real_parts.STALE_S - 60
+    os.utime(killed, (day_ago, day_ago))
+    link = "https://files.example/bigbench-1.0.0.tar.gz"
+    monkeypatch.setattr(urllib.request, "urlopen", index(link, lambda: CutOff(b"the first bytes")))
+    got = real_parts._tasks_or_why(None)
+    assert "IncompleteRead" in got["error"] and "--bigbench-archive" in got["error"]
+    assert sorted(downloads.iterdir()) == [running]  # neither the cut-off download nor the killed one
+
+
 def test_prepare_real_reports_the_tasks_it_could_not_prepare_and_exits_1(monkeypatch, capsys):
     """The other parts are printed as prepared, the tasks as NOT PREPARED with the way out, the run config
     that needs them is not suggested, and the exit status says that not everything was prepared."""

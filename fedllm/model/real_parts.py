@@ -130,7 +130,10 @@ def _archive_url(index: str) -> str:
     m = re.search(rf'href="([^"]*{name}-{re.escape(version)}\.tar\.gz)[^"]*"', html)
     if not m:
         raise ArchiveUnavailable(f"{page} lists no {name}-{version}.tar.gz")
-    return urllib.parse.urljoin(page, m.group(1))
+    url = urllib.parse.urljoin(page, m.group(1))
+    if urllib.parse.urlparse(url).scheme not in ("https", "http"):  # file:, ftp:, data: read no index
+        raise RealPartsError(f"{page} links {name}-{version}.tar.gz to {url}: not an http(s) address")
+    return url
 
 
 def download_archive(dest: Path, index: str = INDEX) -> Path:
@@ -138,6 +141,7 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
     sha256 checked; written under a temporary name and renamed, so a killed download leaves nothing that
     passes for the archive."""
     import hashlib
+    import http.client
     import os
     import urllib.error
     import urllib.request
@@ -149,6 +153,7 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
     if final.is_file():
         return final
     dest.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(dest, f"{name}-{version}.tar.part")
     url = _archive_url(index)
     tmp = final.with_suffix(f".part{os.getpid()}")
     h = hashlib.sha256()
@@ -160,9 +165,11 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
                     f.write(chunk)
                     h.update(chunk)
                     bar.update(len(chunk))
-    except (urllib.error.URLError, TimeoutError) as e:  # refused or out of reach: no partial file kept
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+        # refused, out of reach, or cut off mid-way: no partial file kept (a full disk is an OSError too,
+        # but not one of these: it stops the command)
         tmp.unlink(missing_ok=True)
-        raise ArchiveUnavailable(f"{url}: {e}") from None
+        raise ArchiveUnavailable(f"{url}: {e!r}") from None
     except BaseException:  # a kill, a full disk: no partial file is left behind
         tmp.unlink(missing_ok=True)
         raise
@@ -173,24 +180,46 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
     return final
 
 
+STALE_S = 24 * 3600  # a download this old under a temporary name is a killed one's, not a live one
+
+
+def _sweep_stale(folder: Path, prefix: str) -> None:
+    """Delete the temporary files of downloads killed before their rename (SIGKILL runs no handler)."""
+    import time
+
+    for old in folder.glob(f"{prefix}*"):
+        try:
+            if time.time() - old.stat().st_mtime > STALE_S:
+                old.unlink()
+        except OSError:  # another process swept it first
+            pass
+
+
 def extract_tasks(archive: Path, folder: Path) -> Path:
     """The Natural Instructions task files of ``archive`` into ``folder`` (``subtaskNNN_*/task.json``),
     via a temporary folder renamed at the end; the archive's sha256 must be the pinned one."""
     import hashlib
-    import os
-    import shutil
     import tarfile
 
-    h = hashlib.sha256()
-    with open(archive, "rb") as f:
-        while chunk := f.read(1 << 20):
+    # hashed and extracted through this one handle: the file cannot be swapped between the two
+    with open(archive, "rb") as archive_file:
+        h = hashlib.sha256()
+        while chunk := archive_file.read(1 << 20):
             h.update(chunk)
-    if h.hexdigest() != BIGBENCH[2]:
-        raise RealPartsError(f"{archive}: sha256 {h.hexdigest()} is not bigbench 1.0.0's {BIGBENCH[2]}")
+        if h.hexdigest() != BIGBENCH[2]:
+            raise RealPartsError(f"{archive}: sha256 {h.hexdigest()} is not bigbench 1.0.0's {BIGBENCH[2]}")
+        archive_file.seek(0)
+        return _extract(tarfile.open(fileobj=archive_file), archive, folder)
+
+
+def _extract(tf, archive: Path, folder: Path) -> Path:
+    import os
+    import shutil
+
     tmp = folder.parent / f".{folder.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     n = 0
-    with tarfile.open(archive) as tf:
+    with tf:
         for m in tf:
             where = m.name.split(NI_MEMBERS, 1)
             if len(where) != 2 or not m.isfile() or not where[1].endswith("/task.json"):
