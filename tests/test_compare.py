@@ -190,3 +190,51 @@ def test_a_within_run_gain_gets_its_own_interval_over_the_seeds():
             "only"
         ]
     )
+
+
+def _script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_florist_report_means_kept_ranks_per_module_type_and_counts_a_catch_up_once(tmp_path):
+    """A round's kept rank by module type is the mean over its layers; down_bytes already holds the
+    catch-ups (down_catchup_bytes says how much of it), so adding both would count them twice."""
+    import json
+
+    report = _script("florist_report")
+    kept = {
+        "model.layers.0.self_attn.q_proj": 4,
+        "model.layers.1.self_attn.q_proj": 8,
+        "model.layers.0.self_attn.v_proj": 2,
+        "model.layers.0.mlp.up_proj": 30,
+    }
+    rows = [
+        {"round": 0, "eval_loss": 2.0},
+        {"round": 1, "agg_kept_rank": kept, "agg_kept_rank_mean": 11.0, "agg_client_rank_sum": 48,
+         "agg_client_rank_max": 32, "down_bytes": 0, "up_bytes": 100},
+        {"round": 2, "agg_kept_rank": kept, "agg_kept_rank_mean": 11.0, "agg_client_rank_sum": 48,
+         "agg_client_rank_max": 32, "down_bytes": 3_000_000, "down_catchup_bytes": 1_000_000,
+         "up_bytes": 100, "eval_loss": 1.5, "general_agreement": 70.0},
+    ]  # fmt: skip
+    metrics = tmp_path / "florist" / "seed-0" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = report.variant_report(metrics)
+    assert got["rounds"][0]["kept_by_type"] == {"q_proj": 6.0, "v_proj": 2.0, "up_proj": 30.0}
+    assert got["down_mb"] == 3.0 and (got["loss_before"], got["loss_after"]) == (2.0, 1.5)
+
+
+def test_lm_eval_phase_is_read_at_minutes_and_at_hours():
+    """tqdm writes MM:SS under an hour and H:MM:SS from one on; both must be read, or a long whole-subject
+    phase would be reported as missing."""
+    lm = _script("compare_lm_eval")
+    assert lm.harness_phase_s("Running loglikelihood requests: 100%|##| 1488/1488 [07:19<00:00]") == 439
+    assert lm.harness_phase_s("100%|##| 9000/9000 [1:02:03<00:00, 2.4it/s]") == 3723
+    assert lm.harness_phase_s("no bar here") is None
