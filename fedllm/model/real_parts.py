@@ -148,12 +148,14 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
 
     from tqdm.auto import tqdm
 
+    from fedllm.model.gguf import sweep_stale
+
     name, version, sha = BIGBENCH
     final = dest / f"{name}-{version}.tar.gz"
     if final.is_file():
         return final
     dest.mkdir(parents=True, exist_ok=True)
-    _sweep_stale(dest, f"{name}-{version}.tar.part")
+    sweep_stale(dest, f"{name}-{version}.tar.part")  # a killed download's (SIGKILL runs no handler)
     url = _archive_url(index)
     tmp = final.with_suffix(f".part{os.getpid()}")
     h = hashlib.sha256()
@@ -178,21 +180,6 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
         raise RealPartsError(f"{url}: sha256 {h.hexdigest()} is not the pinned {sha}; nothing was kept")
     os.replace(tmp, final)
     return final
-
-
-STALE_S = 24 * 3600  # a download this old under a temporary name is a killed one's, not a live one
-
-
-def _sweep_stale(folder: Path, prefix: str) -> None:
-    """Delete the temporary files of downloads killed before their rename (SIGKILL runs no handler)."""
-    import time
-
-    for old in folder.glob(f"{prefix}*"):
-        try:
-            if time.time() - old.stat().st_mtime > STALE_S:
-                old.unlink()
-        except OSError:  # another process swept it first
-            pass
 
 
 def extract_tasks(archive: Path, folder: Path) -> Path:
