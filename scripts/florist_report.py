@@ -64,6 +64,9 @@ def main() -> None:
         raise SystemExit(f"{args.root}: no <variant>/seed-{args.seed}/metrics.jsonl")
     report = {m.parent.parent.name: variant_report(m) for m in found}
     for name, v in report.items():
+        if v["loss_before"] is None:  # a run that has evaluated nothing yet
+            print(f"{name}: no held-out loss yet")
+            continue
         print(
             f"{name}: loss {v['loss_before']:.4f} -> {v['loss_after']:.4f}, download {v['down_mb']:.1f} MB, "
             f"upload {v['up_mb']:.1f} MB, agreement {v['agreement_after']}"

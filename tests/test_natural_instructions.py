@@ -362,8 +362,9 @@ def test_a_hostile_or_failing_index_is_refused_cut_off_or_swept_and_never_kept(t
     """A link to a file: address is refused (it reads no index); a download cut off mid-way is the archive
     being unavailable, not a crash, and keeps no partial file; a killed download's file is swept after a
     day while one in progress is left alone."""
-    import http.client
+    import http.server
     import os
+    import threading
     import time
     import urllib.request
 
@@ -375,26 +376,11 @@ def test_a_hostile_or_failing_index_is_refused_cut_off_or_swept_and_never_kept(t
     class Reply(io.BytesIO):
         headers: dict = {}
 
-    def index(link: str, body=None):
-        page = f'<a href="{link}#sha256=00">bigbench-1.0.0.tar.gz</a>'.encode()
-
-        def urlopen(url, timeout=None):
-            if url.endswith("/bigbench/"):
-                return Reply(page)
-            return body()
-
-        return urlopen
-
-    monkeypatch.setattr(urllib.request, "urlopen", index("file:///dev/zero/bigbench-1.0.0.tar.gz"))
+    page = b'<a href="file:///dev/zero/bigbench-1.0.0.tar.gz#sha256=00">bigbench-1.0.0.tar.gz</a>'
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: Reply(page))
     with pytest.raises(real_parts.RealPartsError, match="not an http") as e:
         real_parts._tasks_or_why(None)
     assert not isinstance(e.value, real_parts.ArchiveUnavailable)
-
-    class CutOff(Reply):
-        def read(self, n=-1):
-            if self.tell():
-                raise http.client.IncompleteRead(b"", 1000)
-            return super().read(4)
 
     downloads.mkdir(parents=True, exist_ok=True)
     killed, running = downloads / "bigbench-1.0.0.tar.part11", downloads / "bigbench-1.0.0.tar.part12"
@@ -402,10 +388,35 @@ def test_a_hostile_or_failing_index_is_refused_cut_off_or_swept_and_never_kept(t
         left.write_bytes(b"half a download")
     day_ago = time.time() - gguf.STALE_S - 60
     os.utime(killed, (day_ago, day_ago))
-    link = "https://files.example/bigbench-1.0.0.tar.gz"
-    monkeypatch.setattr(urllib.request, "urlopen", index(link, lambda: CutOff(b"the first bytes")))
-    got = real_parts._tasks_or_why(None)
-    assert "IncompleteRead" in got["error"] and "--bigbench-archive" in got["error"]
+    monkeypatch.undo()  # the real urlopen, against a server that closes the body early
+    monkeypatch.setenv("FEDLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.endswith("/bigbench/"):
+                body = b'<a href="../../files/bigbench-1.0.0.tar.gz#sha256=00">bigbench-1.0.0.tar.gz</a>'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:  # promises a megabyte, sends 5,000 bytes, hangs up: http.client reads b"", no error
+                self.send_response(200)
+                self.send_header("Content-Length", "1000000")
+                self.end_headers()
+                self.wfile.write(b"x" * 5000)
+                self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(real_parts.ArchiveUnavailable, match="IncompleteRead"):
+            real_parts.download_archive(downloads, index=f"http://127.0.0.1:{server.server_port}/simple")
+    finally:
+        server.shutdown()
     assert sorted(downloads.iterdir()) == [running]  # neither the cut-off download nor the killed one
 
 

@@ -79,6 +79,15 @@ def gguf_file(name: str) -> Path:
         raise GGUFError(f"model.name: {name}: {e}") from None
 
 
+def pinned_sha256(name: str) -> str | None:
+    """The pinned sha256 of ``gguf:<distribution>``'s file (None for a path or an unpinned package)."""
+    if not name.startswith(PREFIX):
+        return None
+    dist = canonical(name[len(PREFIX) :])
+    pinned = PINNED.get(canonical(ALIASES.get(dist, dist)))
+    return pinned[1] if pinned else None
+
+
 def canonical(dist: str) -> str:
     """``dist`` as the package index normalizes it (PEP 503): ``Gemma3_270M`` and ``gemma3-270m`` name one
     distribution for ``importlib.metadata``, so they must name one entry of :data:`ALIASES` and
@@ -100,13 +109,14 @@ def _installed_files(dist: str) -> list:
 
 def shipped_file(dist: str, suffix: str) -> Path:
     """The one file installed distribution ``dist`` ships whose name ends with ``suffix`` (from its
-    installed file list; the package is never imported). A ``.gguf`` shipped in parts (the package ships a
-    SHA256SUMS) is the joined one, never a whole ``.gguf`` it also lists; a pinned distribution's GGUF,
-    whole or joined, must be the pinned file."""
+    installed file list; the package is never imported). A ``.gguf`` shipped in parts (a SHA256SUMS and no
+    whole ``.gguf``) is joined; a pinned distribution with a SHA256SUMS is always joined, never a whole
+    ``.gguf`` it also lists; a pinned distribution's GGUF, whole or joined, must be the pinned file."""
     dist = canonical(dist)
     files = _installed_files(dist)
     found = [f for f in files if str(f).lower().endswith(suffix)]
-    if suffix == ".gguf" and any(Path(str(f)).name == SUMS for f in files):
+    sums = any(Path(str(f)).name == SUMS for f in files)
+    if suffix == ".gguf" and sums and (not found or dist in PINNED):
         return joined_file(dist)
     if len(found) != 1:
         raise GGUFError(f"the package {dist!r} ships {len(found)} files ending in {suffix!r}, expected one")
@@ -304,7 +314,9 @@ def _digest(src: Path) -> str:
 def ensure_checkpoint(name: str) -> Path:
     """The plain checkpoint folder of GGUF base ``name``, converted on first use (see module docstring)."""
     src = gguf_file(name)
-    digest = _digest(src)
+    # a pinned package's file was just checked against its pin: the folder is named by that sha256, not by
+    # the digest cache's (keyed by a stat, it could name a conversion of other bytes made earlier)
+    digest = pinned_sha256(name) or _digest(src)
     folder = cache_root() / f"{src.stem}-{digest[:12]}"
     if (folder / SOURCE).exists():
         return folder

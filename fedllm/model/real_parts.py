@@ -16,11 +16,13 @@ Instruct`` and ``--data cais/mmlu`` (docs/real-parts.md).
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import subprocess
 import sys
 import tempfile
+import urllib.error
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +31,11 @@ log = logging.getLogger(__name__)
 
 class RealPartsError(ValueError):
     """A real part that is not what was pinned (a hash, a file listed, tasks inside): one line, exit 2."""
+
+
+# what "the index does not serve it" looks like: refused (HTTPError is a URLError), out of reach, a reply
+# that is not HTTP, or a body cut off mid-way. A full disk or a permission error is none of these.
+UNREACHABLE = (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError)
 
 
 class ArchiveUnavailable(RealPartsError):
@@ -117,7 +124,7 @@ def _size(path: Path) -> int:
 def _archive_url(index: str) -> str:
     """The sdist's address, from the package index's simple page (PEP 503)."""
     import re
-    import urllib.error
+    import urllib.parse
     import urllib.request
 
     name, version, _ = BIGBENCH
@@ -125,8 +132,8 @@ def _archive_url(index: str) -> str:
     try:
         with urllib.request.urlopen(page, timeout=60) as r:
             html = r.read().decode()
-    except (urllib.error.URLError, TimeoutError) as e:  # HTTPError (403, 404) is a URLError
-        raise ArchiveUnavailable(f"{page}: {e}") from None
+    except UNREACHABLE as e:  # HTTPError (403, 404) is a URLError
+        raise ArchiveUnavailable(f"{page}: {e!r}") from None
     m = re.search(rf'href="([^"]*{name}-{re.escape(version)}\.tar\.gz)[^"]*"', html)
     if not m:
         raise ArchiveUnavailable(f"{page} lists no {name}-{version}.tar.gz")
@@ -141,9 +148,7 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
     sha256 checked; written under a temporary name and renamed, so a killed download leaves nothing that
     passes for the archive."""
     import hashlib
-    import http.client
     import os
-    import urllib.error
     import urllib.request
 
     from tqdm.auto import tqdm
@@ -162,12 +167,17 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
     try:
         with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
             total = int(r.headers.get("Content-Length") or 0) or None
+            got = 0
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"{name}-{version}.tar.gz") as bar:
                 while chunk := r.read(1 << 20):
                     f.write(chunk)
                     h.update(chunk)
+                    got += len(chunk)
                     bar.update(len(chunk))
-    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+            if total is not None and got < total:
+                # http.client ends a body closed early with b"", not an error: only the count tells
+                raise http.client.IncompleteRead(b"", total - got)
+    except UNREACHABLE as e:
         # refused, out of reach, or cut off mid-way: no partial file kept (a full disk is an OSError too,
         # but not one of these: it stops the command)
         tmp.unlink(missing_ok=True)
