@@ -53,6 +53,24 @@ FLOWERTUNE_FORMATS = {
     "flwrlabs/medical-meadow-medical-flashcards": "flowertune-medical",
     "flwrlabs/code-alpaca-20k": "flowertune-code",
 }
+# every name ``data.dataset`` takes besides a Hub id, a file or a folder: what ``load_examples`` dispatches on
+# and what ``fedllm run --help-config`` lists (one place for both)
+NAMED_DATASETS = {
+    "builtin": "the built-in offline skills, the default",
+    "testbed": "the built-in testbed of skills where methods can differ (docs/testbed.md)",
+    "sharegpt": "ShareGPT V3's multi-turn conversations (fedllm prepare-real)",
+    "natural-instructions": "Natural Instructions v1's tasks (fedllm prepare-real --natural-instructions)",
+    **{name: f"{hub_id} from the Hub" for name, hub_id in HUB_IDS.items()},
+    **{
+        hub_id: f"FlowerTune's {fmt[len('flowertune-') :]} data from the Hub"
+        for hub_id, fmt in FLOWERTUNE_FORMATS.items()
+    },
+}
+DATASET_HELP = (
+    ", ".join(f"'{name}' ({what})" for name, what in NAMED_DATASETS.items())
+    + "; or any Hub id, a .json/.jsonl/.parquet file (instruction layouts, or ShareGPT's conversations), "
+    "or a folder of Natural Instructions' subtask*/task.json"
+)
 FORMATS = ("auto", "dolly", "alpaca", "wizard", "fedllm", *FLOWERTUNE_FORMATS.values())
 # format -> (instruction, input, response, category); None: absent from the layout
 LAYOUTS: dict[str, tuple[str, str | None, str, str | None]] = {

@@ -32,8 +32,8 @@ TASK_FILE = "task.json"
 SOURCE_ALIASES = {"miscellaneous": "misc", "miscellaenous": "misc"}
 _TASK = re.compile(r"^subtask\d{3}_([a-z]+)_")
 EXPECTED = (
-    "a Natural Instructions folder: subtaskNNN_<source>_<name>/task.json files (fedllm prepare-real extracts "
-    "them from the bigbench==1.0.0 source archive)"
+    "a Natural Instructions folder: subtaskNNN_<source>_<name>/task.json files (fedllm prepare-real "
+    "--natural-instructions --bigbench-archive FILE extracts them from bigbench 1.0.0's source archive)"
 )
 
 
@@ -57,7 +57,11 @@ def resolve(dataset: str) -> Path | None:
     if dataset == NAME:
         folder = default_folder()
         if not folder.is_dir():
-            raise DataError(f"data.dataset = {NAME}: {folder} does not exist; run fedllm prepare-real first")
+            raise DataError(
+                f"data.dataset = {NAME}: {folder} does not exist; prepare it from a bigbench-1.0.0.tar.gz "
+                "(the package index no longer serves it) with fedllm prepare-real --natural-instructions "
+                "--bigbench-archive FILE, or give data.dataset a folder of subtask*/task.json"
+            )
         return folder
     path = Path(dataset).expanduser()
     if path.is_dir() and any(path.glob(f"subtask*/{TASK_FILE}")):

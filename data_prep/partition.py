@@ -201,6 +201,27 @@ def partition(
     )
 
 
+def source_units(examples: list[Example]) -> list[list[int]] | None:
+    """The examples' indices by :attr:`Example.group` (first appearance first; an example without a group is
+    a unit of its own), or None where no example has a group: the units every split keeps whole."""
+    if not any(e.group for e in examples):
+        return None
+    units: dict[object, list[int]] = {}
+    for i, e in enumerate(examples):
+        units.setdefault(e.group if e.group else ("#", i), []).append(i)
+    return list(units.values())
+
+
+def leading_units(units: list[list[int]], target: int) -> int:
+    """How many of ``units``, from the first, a split of ``target`` examples takes: whole units until it has
+    at least ``target`` (none for a target of 0)."""
+    taken = n = 0
+    while taken < target and n < len(units):
+        taken += len(units[n])
+        n += 1
+    return n
+
+
 def client_stats(examples: list[Example], parts: list[list[int]], method: str = "") -> list[dict]:
     """Size and category histogram of every client; under ``by_task`` / ``by_source`` also the client's
     name: what it holds (its sources, or its tasks)."""

@@ -25,7 +25,9 @@ class Example:
     ``None`` and the partitioner falls back as documented in ``partition.py``.
     ``turns``: a multi-turn conversation's (role, text) turns (``data_prep/sharegpt.py``), trained through
     the chat template with the loss on the assistant's turns; then ``instruction`` is its first user turn
-    and ``response`` its first answer.
+    and ``response`` its first answer. ``group``: the source several examples share (the chat a ShareGPT
+    record is one part of), which every split keeps whole, so a held-out example never has a part of its
+    source in training.
     """
 
     instruction: str
@@ -33,6 +35,7 @@ class Example:
     response: str
     category: str | None = None
     turns: tuple[tuple[str, str], ...] = ()
+    group: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

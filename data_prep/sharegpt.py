@@ -22,18 +22,27 @@ ShareGPT split in parts, about a third of the file) loses that opening turn, as 
 does: an answer without its question teaches nothing. A record with an empty turn, an unknown role, two
 turns of one side in a row, or no assistant turn is skipped (counted and reported), never guessed at.
 
-Partition (``data.partition=dirichlet``): a conversation's category is the kind of its first request, the
-first word of the first user turn (the 8 most frequent, the rest "other"; ``data_prep/partition.py``).
-Chosen over the two alternatives because it is what differs between real sites: one organization's users
-ask for code, another's for explanations or writing. The file's language is almost all English (so a split
-by language gives one client nearly everything), and the source conversation id (``abc_0``, ``abc_1`` are
-parts of one shared chat) spreads every kind of request over every client, near IID.
+Clients (``data.partition=dirichlet``): a conversation's category is the **kind of its chat, read from its
+content** (:func:`kind_of`): code (a code block in the first exchange, or a programming word in the first
+request), then the first of maths, translation, creative writing, business, other writing, advice and
+explanation whose keywords the first request holds, else "other". Every part of a chat that ShareGPT split
+into parts (``abc_0``, ``abc_1``, ...) takes the kind of its first part: a later part often opens with
+"continue", which says nothing of what the chat is about. Chosen because that is how real sites differ (one
+organization's users ask for code, another's for marketing copy); the first word of the first request, used
+before, left "other" the largest group of most clients and counted a chat's later parts as "continue"
+(85 of 89 such conversations). The file is nearly all English (9,364 of its 9,457 chats by their
+function words): a split by language would give one client everything. ``docs/which-method.md`` measures how
+far clients of either split are apart.
+
+``group``: a record's chat (its id without the part number): the held-out set and the clients' own test
+splits take whole chats, so no held-out conversation has a part of its chat in training.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -116,10 +125,80 @@ def to_turns(record: dict[str, Any]) -> tuple[tuple[str, str], ...] | str:
     return tuple(turns)
 
 
+def _words(*words: str) -> re.Pattern[str]:
+    return re.compile(r"\b(" + "|".join(words) + r")\b", re.IGNORECASE)
+
+
+# a chat's kind: the first rule whose words its first request holds (after code's own test, :func:`kind_of`)
+KIND_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("code", _words(
+        "python", "javascript", "typescript", "java", r"c\+\+", "c#", "golang", "rust", "sql", "html",
+        "css", "react", r"node\.?js", "api", "function", "code", "coding", "script", "bug", "debug",
+        "compile", "regex", "docker", "kubernetes", "git", "github", "linux", "bash", "json", "database",
+        "algorithm", "programming", "program", "django", "flask", "swift", "kotlin", "php", "excel formula",
+        "vba", "powershell", "aws", "backend", "frontend", "class", "variable", "array", "string", "error",
+        "implement", "app",
+    )),
+    ("math", _words(
+        "solve", "equation", "calculate", "probability", "integral", "derivative", "theorem", "proof",
+        "prove", "math", "mathematics", "algebra", "geometry", "statistics", "matrix", "formula",
+        "percentage",
+    )),
+    ("translation", _words(
+        "translate", "translation", "translator", "grammar", "proofread",
+        "in (english|chinese|spanish|french|german|japanese|korean|arabic|hindi)",
+    )),
+    ("creative", _words(
+        "story", "stories", "poem", "poetry", "song", "lyrics", "novel", "fiction", "character", "characters",
+        "screenplay", "joke", "rap", "fairy tale", "dialogue", "role ?play", "fantasy", "plot", "haiku",
+        "sonnet", "game master", "dungeon",
+    )),
+    ("business", _words(
+        "marketing", "business", "startup", "sales", "customer", "customers", "brand", "seo", "product",
+        "company", "revenue", "pitch", "ads?", "campaign", "investor", "client", "clients", "market",
+        "e-?commerce", "linkedin", "social media", "agency",
+    )),
+    ("writing", _words(
+        "essay", "article", "blog", "email", "letter", "resume", "cv", "post", "caption", "headline",
+        "summari[sz]e", "summary", "rewrite", "paraphrase", "outline", "write", "report", "speech", "content",
+    )),
+    ("advice", _words(
+        "advice", "should i", "recommend", "suggest", "suggestions", "tips", "plan", "travel", "trip",
+        "itinerary", "diet", "workout", "relationship", "career", "interview", "health", "help me", "ideas",
+    )),
+    ("explain", _words(
+        "explain", "what is", "what are", "why", "how does", "how do", "difference between", "define",
+        "definition", "history of", "meaning", "tell me about",
+    )),
+)  # fmt: skip
+KINDS = (*(name for name, _ in KIND_RULES), "other")
+
+
+def kind_of(turns: tuple[tuple[str, str], ...]) -> str:
+    """What a chat is about, from its first exchange: "code" where the first request or the first answer
+    holds a code block; else the first of :data:`KIND_RULES` whose words the first request (its first 1,500
+    characters) holds; else "other". Crude by design (keywords, no model), and so the same on every
+    machine and easy to check by hand."""
+    first = next((text for role, text in turns if role == USER), "")[:1500]
+    answer = next((text for role, text in turns if role == ASSISTANT), "")
+    if "```" in first or "```" in answer:
+        return "code"
+    return next((name for name, words in KIND_RULES if words.search(first)), "other")
+
+
+def chat_of(record_id: object) -> tuple[str, int]:
+    """A record's chat and part number: ShareGPT splits a long chat into records ``abc_0``, ``abc_1``, ...;
+    an id without a part number is a chat of its own (part 0)."""
+    text = str(record_id or "")
+    chat, _, part = text.rpartition("_")
+    return (chat, int(part)) if chat and part.isdigit() else (text, 0)
+
+
 def conversations(records: list[dict[str, Any]], where: str) -> list[Example]:
-    """The records as examples: ``turns`` set, ``instruction`` the first user turn (what the partition's
-    first-word category and a log line read), ``response`` the first answer."""
-    out: list[Example] = []
+    """The records as examples: ``turns`` set, ``instruction`` the first user turn, ``response`` the first
+    answer, ``category`` the kind of its chat (:func:`kind_of` of the chat's first part here) and ``group``
+    its chat (:func:`chat_of`)."""
+    kept: list[tuple[str, int, tuple[tuple[str, str], ...]]] = []
     skipped: Counter[str] = Counter()
     for k, rec in enumerate(records):
         if not is_sharegpt(rec):
@@ -130,9 +209,18 @@ def conversations(records: list[dict[str, Any]], where: str) -> list[Example]:
         if isinstance(turns, str):
             skipped[turns] += 1
             continue
+        chat, part = chat_of(rec.get("id")) if rec.get("id") is not None else (f"{where}#{k}", 0)
+        kept.append((chat, part, turns))
+    first_part: dict[str, tuple[int, tuple[tuple[str, str], ...]]] = {}
+    for chat, part, turns in kept:
+        if chat not in first_part or part < first_part[chat][0]:
+            first_part[chat] = (part, turns)
+    kinds = {chat: kind_of(turns) for chat, (_, turns) in first_part.items()}
+    out: list[Example] = []
+    for chat, _, turns in kept:
         first_user = next(text for role, text in turns if role == USER)
         first_answer = next(text for role, text in turns if role == ASSISTANT)
-        out.append(Example(first_user, "", first_answer, None, turns))
+        out.append(Example(first_user, "", first_answer, kinds[chat], turns, chat))
     if skipped:
         log.warning(
             "%s: %d of %d conversations skipped (%s)",

@@ -227,12 +227,16 @@ def tokenize_cached(
     row_of = np.full(len(examples), -1, dtype=np.int64)
     row_of[column(table, "example")] = np.arange(len(table))
     cut = column(table, "cut") if len(table) else np.zeros(0, dtype=np.int64)
-    dropped, shortened = int((row_of < 0).sum()), int((cut > 0).sum())
-    if dropped or shortened:
+    dropped = int((row_of < 0).sum())
+    talks = np.array([bool(examples[i].turns) for i in column(table, "example")], dtype=bool)
+    single, turned = int(((cut > 0) & ~talks).sum()), int(((cut > 0) & talks).sum())
+    if dropped or single or turned:
+        how = " (the prompt's start)" if truncation == "left" else " (the response's end)"
+        parts = [f"{single} are cut from the {truncation}{how}"] if single or not turned else []
+        if turned:  # conversations are cut after an answer, whatever data.truncation says
+            parts.append(f"{turned} conversations end at an earlier answer (cut at a turn boundary)")
         log.warning(
-            "max_seq_len = %d: %d of %d examples are longer; %d are cut from the %s%s, %d are dropped (no "
-            "response token left)",
-            max_seq_len, dropped + shortened, len(examples), shortened, truncation,
-            " (the prompt's start)" if truncation == "left" else " (the response's end)", dropped,
+            "max_seq_len = %d: %d of %d examples are longer; %s; %d are dropped (no response token left)",
+            max_seq_len, dropped + single + turned, len(examples), ", ".join(parts), dropped,
         )  # fmt: skip
     return TokenRows(table), row_of

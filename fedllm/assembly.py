@@ -33,7 +33,7 @@ from eval.mmlu_data import MMLUDataError
 from fedllm.aggregation import Strategy, strategy_from_config, with_server_opt
 from fedllm.client import ALGORITHMS
 from fedllm.client.runtime import ClientData, ClientRuntime
-from fedllm.config import Config, ConfigError
+from fedllm.config import Config, ConfigError, settle_clip
 from fedllm.factors import lora_scale
 from fedllm.features import FEATURES
 from fedllm.federation_data import Partitions, load_partitions, max_seq_len, prompt_template, tokenize_clients
@@ -289,7 +289,7 @@ def server_policy(cfg: Config) -> ServerPolicy:
     fed = cfg.federation
     policy = ServerPolicy(
         min_clients=fed.min_clients,
-        clip_norm_ratio=cfg.aggregation.clip_norm_ratio,
+        clip_norm_ratio=settle_clip(cfg, organizations=False),  # a driver of other sites settled it first
         client_timeout_s=fed.client_timeout_s,
         weighting=fed.weighting,
         max_client_weight=fed.max_client_weight,

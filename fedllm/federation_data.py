@@ -8,6 +8,7 @@ Flower site that rebuilds the partition all get the same clients.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,13 @@ import numpy as np
 from data_prep import natural_instructions as ni
 from data_prep.loaders import FLOWERTUNE_FORMATS, load_examples
 from data_prep.natural_instructions import Reference
-from data_prep.partition import client_stats, partition
+from data_prep.partition import client_stats, leading_units, partition, source_units
 from data_prep.schema import DataError, Example
 from data_prep.tokenized import TokenRows, tokenize_cached
+from eval.progress import bars_as_lines
 from fedllm.protocol import derive_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +66,9 @@ def load_partitions(cfg) -> Partitions:
     examples = load_examples(
         d.dataset, d.format, d.max_examples, d.builtin_examples_per_skill, seed, d.examples_per_task, heldout
     )
+    units = source_units(examples)
+    if units is not None:  # parts of one source (a ShareGPT chat): every split keeps them together
+        return _partitions_by_source(cfg, examples, units, folder, heldout)
     order = list(range(len(examples)))
     random.Random(derive_seed(seed, 3)).shuffle(order)
     n_eval = min(d.eval_size, len(examples) // 5)
@@ -95,6 +102,60 @@ def load_partitions(cfg) -> Partitions:
         clients.append(mine)
         tests.append(int(len(idx) * d.client_test_fraction))
     stats = client_stats(pool, parts, d.partition)
+    return Partitions(
+        eval_examples, clients, tests, stats, generation_set(cfg, eval_examples, folder, heldout)
+    )
+
+
+def own_split(examples: list[Example], fraction: float) -> tuple[list[Example], int]:
+    """A site's own examples ordered with its test share first, and that share's size: whole sources
+    (:attr:`Example.group`) where the examples have them, as :func:`load_partitions` splits a simulated
+    client's; else the first ``fraction`` of them, in their order."""
+    units = source_units(examples)
+    if units is None:
+        return examples, int(len(examples) * fraction)
+    n_test = leading_units(units, int(len(examples) * fraction))
+    return [examples[i] for u in units for i in u], sum(len(u) for u in units[:n_test])
+
+
+def _partitions_by_source(
+    cfg, examples: list[Example], units: list[list[int]], folder, heldout
+) -> Partitions:
+    """:func:`load_partitions` where examples share sources (:attr:`Example.group`): the held-out set, the
+    clients and each client's own test split take whole sources, so no held-out example has a part of its
+    source (another part of its chat) in any client's training. The partition draws over sources, each
+    with its first example's category (a chat's parts share its kind)."""
+    d, seed = cfg.data, cfg.federation.seed
+    order = list(range(len(units)))
+    random.Random(derive_seed(seed, 3)).shuffle(order)
+    units = [units[u] for u in order]
+    n_units = leading_units(units, min(d.eval_size, len(examples) // 5))
+    eval_examples = [examples[i] for u in units[:n_units] for i in u]
+    rest = units[n_units:]
+    if d.partition == "contiguous":  # the rest in file order: the shards are the dataset's own
+        rest.sort(key=lambda u: u[0])
+    parts = partition(
+        [examples[u[0]] for u in rest],
+        d.partition,
+        cfg.federation.num_clients,
+        seed,
+        d.dirichlet_alpha,
+        d.shards_per_client,
+        d.min_examples_per_client,
+    )
+    pool: list[Example] = []
+    pool_parts: list[list[int]] = []
+    clients, tests = [], []
+    for k, picked in enumerate(parts):
+        mine_units = [rest[j] for j in picked]
+        random.Random(derive_seed(seed, 5, k)).shuffle(mine_units)
+        n_test = leading_units(mine_units, int(sum(map(len, mine_units)) * d.client_test_fraction))
+        mine = [examples[i] for u in mine_units for i in u]
+        pool_parts.append(list(range(len(pool), len(pool) + len(mine))))
+        pool += mine
+        clients.append(mine)
+        tests.append(sum(len(u) for u in mine_units[:n_test]))
+    stats = client_stats(pool, pool_parts, d.partition)
     return Partitions(
         eval_examples, clients, tests, stats, generation_set(cfg, eval_examples, folder, heldout)
     )
@@ -176,7 +237,10 @@ def tokenize_clients(
     batched tokenization of all of them (``data_prep.tokenized``); ``ids``: the clients' ids for messages."""
     extra = extra or []
     everything = [e for examples in clients for e in examples] + extra
-    rows, row_of = tokenize_cached(everything, tokenizer, template, max_len, token_cache_dir(), truncation)
+    with bars_as_lines(log):  # datasets' "tokenizing" bar: whole lines in a log file
+        rows, row_of = tokenize_cached(
+            everything, tokenizer, template, max_len, token_cache_dir(), truncation
+        )
     out, first = [], 0
     for k, (examples, n_test) in enumerate(zip(clients, test_sizes, strict=True)):
         cid = ids[k] if ids else k

@@ -30,7 +30,7 @@ from eval.mmlu import Benchmark
 from fedllm import assembly
 from fedllm.client.runtime import ClientData, ClientRuntime
 from fedllm.client.store import ClientStore
-from fedllm.config import Config, ConfigError, flat_config
+from fedllm.config import Config, ConfigError, flat_config, settle_clip
 from fedllm.logs import set_names_clients
 from fedllm.model import precision
 from fedllm.model.evaluation import Generation
@@ -105,11 +105,21 @@ class RoundLoop(abc.ABC):
     # whether this driver can gather a round another way than update by update (a feature's
     # ``train_exchange``: secure aggregation's sum, on Flower only)
     runs_exchanges: bool = False
+    # whether the clients are other organizations (Flower's sites) rather than this job's own: what
+    # ``aggregation.clip_norm_ratio: auto`` settles on (no clip within one trust domain)
+    clients_are_organizations: bool = False
 
     def __init__(self, cfg: Config, run_dir: Path, accelerator=None):
         from accelerate import Accelerator
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        clip = settle_clip(cfg, self.clients_are_organizations)  # recorded in config.yaml as used
+        if clip > 0:
+            log.info(
+                "aggregation.clip_norm_ratio = %g: each update's change is clipped to that multiple of the "
+                "round's median (a robustness step no strategy's paper has)",
+                clip,
+            )
         self.exchange = assembly.train_exchange(cfg)
         if self.exchange is not None and not self.runs_exchanges:
             raise ConfigError(

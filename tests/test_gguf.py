@@ -413,3 +413,31 @@ def test_the_pin_is_the_installed_smollm2_packages_file():
             pytest.skip("SmolLM2 is not prepared: fedllm prepare-real")
         raise
     assert (path.name, gguf._sha256(path)) == gguf.PINNED[dist]
+
+
+def test_the_conversions_progress_bar_reaches_a_log_file_as_whole_lines(
+    whole_install, monkeypatch, caplog, capsys
+):
+    """transformers' GGUF conversion draws a tqdm bar on stderr: in a log file (no terminal) it came as
+    hundreds of carriage-return updates on one line. Each update now is a log line of its own (its last
+    state always), and nothing with a carriage return reaches stderr."""
+    import logging
+
+    import transformers
+    from tqdm.auto import tqdm
+
+    def converting(*args, **kwargs):  # what transformers' reader does while it dequantizes each tensor
+        for _ in tqdm(range(272), desc="Converting and de-quantizing GGUF tensors...", mininterval=0):
+            pass
+        raise RuntimeError("stop here: the bar is what this test reads")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", converting)
+    caplog.set_level(logging.INFO)
+    with pytest.raises(gguf.GGUFError, match="stop here"):
+        gguf.ensure_checkpoint("gguf:tiny-whole")
+    bars = [r.getMessage() for r in caplog.records if "de-quantizing" in r.getMessage()]
+    assert bars and bars[-1].endswith("]") and "272/272" in bars[-1]
+    assert (
+        all("\r" not in line for line in bars) and len(bars) < 20
+    )  # at most one a few seconds, and the last
+    assert "\r" not in capsys.readouterr().err

@@ -104,6 +104,45 @@ def test_mixed_precision_from_the_config_and_its_conflicts(monkeypatch, caplog):
     assert caplog.text == ""
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-with-bf16", "cpu-without-bf16"])
+def test_auto_precision_is_bf16_only_where_the_cpu_computes_it(
+    monkeypatch, caplog, tmp_path, builtin_base, native, request
+):
+    """model.mixed_precision=auto: bf16 autocast on a CPU with AVX-512 BF16 or AMX, float32 on one without
+    (where bf16 is emulated, about 35x slower); said once in the log, and the run's config.yaml records the
+    value used, so a comparison never mixes the two. An explicit bf16 stays bf16, with its warning."""
+    import logging
+
+    from accelerate.state import AcceleratorState
+
+    from fedllm.config import load_config
+    from fedllm.model import precision
+    from fedllm.run.reader import RunFolder
+    from fedllm.simulation import Simulation
+    from tests.conftest import tiny_overrides
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision.torch.cuda, "is_available", lambda: False)
+    caplog.set_level(logging.INFO)
+    want = "bf16" if native else "none"
+    over = ["model.mixed_precision=auto", "federation.rounds=1", "eval.personalized=false"]
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", *over, "client.local_steps=2"))
+    AcceleratorState._reset_state(True)  # accelerate keeps one mixed precision per process
+    request.addfinalizer(lambda: AcceleratorState._reset_state(True))
+    sim = Simulation(cfg, tmp_path / "r")
+    assert str(sim.acc.mixed_precision) == ("bf16" if native else "no")
+    sim.setup()
+    sim.run()
+    assert RunFolder(tmp_path / "r").config().model.mixed_precision == want
+    said = [r.getMessage() for r in caplog.records if "mixed_precision = auto" in r.getMessage()]
+    assert len(said) == 1 and ("bf16 autocast" if native else "float32") in said[0]
+    assert not any("emulates bfloat16" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    explicit = load_config(None, ["model.mixed_precision=bf16"])
+    assert precision.accelerator_kwargs(explicit) == {"mixed_precision": "bf16"}
+
+
 def test_a_router_loss_or_a_ddp_wrapper_is_seen():
     """A mixture-of-experts model whose .loss adds its router's auxiliary loss keeps the full forward (the
     shortcut would drop that term); DistributedDataParallel's wrapper is looked through."""

@@ -420,9 +420,11 @@ def test_a_hostile_or_failing_index_is_refused_cut_off_or_swept_and_never_kept(t
     assert sorted(downloads.iterdir()) == [running]  # neither the cut-off download nor the killed one
 
 
-def test_prepare_real_reports_the_tasks_it_could_not_prepare_and_exits_1(monkeypatch, capsys):
-    """The other parts are printed as prepared, the tasks as NOT PREPARED with the way out, the run config
-    that needs them is not suggested, and the exit status says that not everything was prepared."""
+def test_prepare_real_exits_0_when_every_part_asked_for_is_ready(monkeypatch, capsys):
+    """The default (SmolLM2, MMLU, ShareGPT) prepared: exit 0, Natural Instructions reported as not asked
+    for with the way to supply its archive, never as a failure. Asked for and unavailable: the other parts
+    still printed as prepared, the tasks as NOT PREPARED with the way out, the config that needs them not
+    suggested, exit 1. Asked for and there: exit 0 and the config suggested."""
     from fedllm.model import real_parts
 
     parts = {
@@ -430,14 +432,28 @@ def test_prepare_real_reports_the_tasks_it_could_not_prepare_and_exits_1(monkeyp
         "mmlu": {"file": "/m", "mb": 1.0, "note": "n"},
         "installed_now": [],
     }
-    monkeypatch.setattr(real_parts, "prepare", lambda archive: {**parts, "tasks": {"error": "not listed"}})
-    assert real_parts.main() == 1
+    monkeypatch.setattr(real_parts, "prepare", lambda: dict(parts))
+    monkeypatch.setattr(real_parts, "sharegpt", lambda: {"file": "/s", "mb": 2.0, "prepared_before": True})
+    asked: list = []
+
+    def tasks(archive):
+        asked.append(archive)
+        return tasks.result
+
+    monkeypatch.setattr(real_parts, "_tasks_or_why", tasks)
+    assert real_parts.main() == 0
+    out = capsys.readouterr().out
+    assert asked == [] and "NOT PREPARED" not in out and "not asked for" in out
+    assert "--bigbench-archive" in out and "real_smollm2_sharegpt.yaml" in out and "chat data   /s" in out
+    tasks.result = {"error": "not listed"}
+    assert real_parts.main(with_natural_instructions=True) == 1
     out = capsys.readouterr().out
     assert "real tasks  NOT PREPARED: not listed" in out and "real_smollm2_ni.yaml" not in out
-    done = {"folder": "/t", "tasks": 61, "mb": 3.0}
-    monkeypatch.setattr(real_parts, "prepare", lambda archive: {**parts, "tasks": done})
-    assert real_parts.main() == 0
+    assert "real LM     gguf:smollm2" in out and "chat data   /s" in out
+    tasks.result = {"folder": "/t", "tasks": 61, "mb": 3.0}
+    assert real_parts.main(archive="/a.tar.gz") == 0  # an archive given asks for the tasks
     assert "NOT PREPARED" not in (out := capsys.readouterr().out) and "real_smollm2_ni.yaml" in out
+    assert asked == [None, Path("/a.tar.gz")]
 
 
 def test_generation_in_length_order_gives_each_prompt_its_own_answer(builtin_base):

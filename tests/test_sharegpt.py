@@ -151,9 +151,10 @@ def test_a_local_sharegpt_file_loads_and_partitions_by_its_requests_kind(tmp_pat
     from data_prep.loaders import load_examples
     from data_prep.partition import categories_of, client_stats, partition
 
-    kinds = ["write", "explain", "what", "how"]
+    requests = ["Write a poem", "Fix my python code", "Explain why", "Plan a trip"]
+    kinds = ["creative", "code", "explain", "advice"]
     turns = [("gpt", "sure"), ("human", "more"), ("gpt", "fine")]
-    recs = [record(i, ("human", f"{kinds[i % 4].title()} thing {i}"), *turns) for i in range(40)]
+    recs = [record(i, ("human", f"{requests[i % 4]} {i}"), *turns) for i in range(40)]
     path = tmp_path / "chats.json"
     path.write_text(json.dumps(recs)[:-30])  # cut off, as the packaged file is
     examples = load_examples(str(path))
@@ -250,3 +251,107 @@ def test_a_local_sharegpt_file_gets_the_chat_template_by_itself(tmp_path):
     path.write_text(json.dumps(record(0, ("human", "hi"), ("gpt", "hello"))) + "\n")
     assert prompt_template(load_config(None, [f"data.dataset={path}"])) == "chat"
     assert prompt_template(load_config(None, ["data.dataset=builtin"])) == "plain"
+
+
+def test_a_cut_conversation_is_reported_as_cut_at_a_turn_boundary_whatever_truncation_says(
+    chat_tokenizer, tmp_path, caplog
+):
+    """Conversations are cut after an answer whatever data.truncation says; with truncation=left the log
+    said they were cut "from the left (the prompt's start)". It now says what was done to them."""
+    import logging
+
+    from data_prep.tokenized import tokenize_cached
+
+    caplog.set_level(logging.WARNING)
+    ex = _conversation()
+    whole = tokenize_conversation(ex, chat_tokenizer, 512)
+    tokenize_cached([ex], chat_tokenizer, "chat", len(whole.input_ids) - 3, tmp_path, "left")
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "1 conversations end at an earlier answer (cut at a turn boundary)" in said
+    assert "from the left" not in said
+
+
+def test_help_config_lists_every_named_dataset():
+    """`fedllm run --help-config` lists every name data.dataset takes (sharegpt was missing), from the one
+    table the loader's names come from."""
+    from data_prep.loaders import NAMED_DATASETS
+    from fedllm.config import help_text
+
+    line = next(x for x in help_text().splitlines() if x.startswith("data.dataset "))
+    assert {"builtin", "testbed", "sharegpt", "natural-instructions", "dolly", "alpaca", "wizard"} <= set(
+        NAMED_DATASETS
+    )
+    assert all(f"'{name}'" in line for name in NAMED_DATASETS)
+
+
+def test_a_chat_is_of_the_kind_its_first_part_says():
+    """Kinds from the content: a code block, then the first rule whose words the first request holds; a
+    later part of a chat ("continue") takes its first part's kind; ids parse into chat and part."""
+    assert sharegpt.kind_of((("user", "why does this fail?"), ("assistant", "```py\nx = 1\n```"))) == "code"
+    assert sharegpt.kind_of((("user", "Fix my Python function"), ("assistant", "ok"))) == "code"
+    assert (
+        sharegpt.kind_of((("user", "Translate this into English: hola"), ("assistant", "hi")))
+        == "translation"
+    )
+    assert sharegpt.kind_of((("user", "Solve x^2 = 4"), ("assistant", "2"))) == "math"
+    assert sharegpt.kind_of((("user", "Write a poem about rain"), ("assistant", "..."))) == "creative"
+    assert sharegpt.kind_of((("user", "Write a blog post"), ("assistant", "..."))) == "writing"
+    assert sharegpt.kind_of((("user", "Hello there"), ("assistant", "hi"))) == "other"
+    assert sharegpt.chat_of("abc_12") == ("abc", 12) and sharegpt.chat_of("plain") == ("plain", 0)
+    assert sharegpt.chat_of("a_b_3") == ("a_b", 3)
+    recs = [
+        {
+            "id": "c_1",
+            "conversations": [{"from": "human", "value": "continue"}, {"from": "gpt", "value": "x"}],
+        },
+        {
+            "id": "c_0",
+            "conversations": [{"from": "human", "value": "Write a poem"}, {"from": "gpt", "value": "y"}],
+        },
+        {
+            "id": "d_0",
+            "conversations": [{"from": "human", "value": "continue"}, {"from": "gpt", "value": "z"}],
+        },
+    ]
+    got = sharegpt.conversations(recs, "f.json")
+    assert [(e.group, e.category) for e in got] == [("c", "creative"), ("c", "creative"), ("d", "other")]
+
+
+def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
+    """ShareGPT splits a long chat into records abc_0, abc_1, ...: the held-out set, the clients and each
+    client's own test split take whole chats (15 of 32 held-out conversations of the old split had a part
+    of their chat in training). Data without sources splits as before."""
+    from fedllm.config import load_config
+    from fedllm.federation_data import load_partitions
+
+    kinds = ["Write a poem", "Fix my python code", "Explain why", "Plan a trip", "Solve 2x=4"]
+    recs = []
+    for c in range(60):
+        for part in range(1 + c % 4):  # chats of 1 to 4 parts
+            first = kinds[c % 5] if part == 0 else "continue"
+            turns = [
+                {"from": "human", "value": f"{first} {c}"},
+                {"from": "gpt", "value": f"answer {c}.{part}"},
+            ]
+            recs.append({"id": f"chat{c}_{part}", "conversations": turns})
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    over = [
+        f"data.dataset={path}",
+        "data.eval_size=20",
+        "federation.num_clients=4",
+        "data.client_test_fraction=0.3",
+        "data.min_examples_per_client=2",
+        "data.partition=dirichlet",
+    ]
+    parts = load_partitions(load_config(None, over))
+    held = {e.group for e in parts.eval_examples}
+    assert len(parts.eval_examples) >= 20 and held
+    trains = [{e.group for e in c[n:]} for c, n in zip(parts.clients, parts.test_sizes, strict=True)]
+    tests = [{e.group for e in c[:n]} for c, n in zip(parts.clients, parts.test_sizes, strict=True)]
+    owners = [{e.group for e in c} for c in parts.clients]
+    assert not held & set().union(*owners)  # no held-out chat with a part in any client
+    assert all(not a & b for i, a in enumerate(owners) for b in owners[i + 1 :])  # a chat on one client
+    assert all(not t & r for t, r in zip(tests, trains, strict=True)) and all(tests)
+    assert sum(map(len, parts.clients)) + len(parts.eval_examples) == len(recs)
+    assert {e.category for c in parts.clients for e in c} <= {"creative", "code", "explain", "advice", "math"}

@@ -327,16 +327,17 @@ def crashed(r, k, u):
 @pytest.mark.slow
 def test_a_hostile_client_end_to_end_is_contained(tmp_path, builtin_base):
     """One of four clients lies (a 1e12 count, a NaN scale) or sends 30x its honest update: the run finishes
-    normally; the liar is left out every round (the run equals one without it), and the 30x client is
-    clipped to the honest clients' size (the model stays within noise of the honest run, unlike without
-    clipping)."""
+    normally; the liar is left out every round (the run equals one without it), and, under the clip a
+    federation of other organizations gets, the 30x client is clipped to the honest clients' size (the model
+    stays within noise of the honest run, unlike without clipping)."""
     _, honest_summary, _ = tiny_run(tmp_path, "honest")
     _, without, _ = tiny_run(tmp_path, "without", crashed)
     for name, fault in [("count", lying("num_examples", 10**12)), ("scale", lying("scale", float("nan")))]:
         _, summary, rows = tiny_run(tmp_path, name, fault)
         assert all("0" in r["failed"] and r["n_updates"] == 3 for r in rows[1:])
         assert summary["loss_after"] == pytest.approx(without["loss_after"], rel=1e-5)
-    _, clipped, rows = tiny_run(tmp_path, "clipped", hostile_30x)
+    # the clip a Flower federation settles on (aggregation.clip_norm_ratio=auto across organizations)
+    _, clipped, rows = tiny_run(tmp_path, "clipped", hostile_30x, "aggregation.clip_norm_ratio=2")
     assert all(r["agg_clipped"] == 1 for r in rows[1:])
     _, unclipped, _ = tiny_run(tmp_path, "unclipped", hostile_30x, "aggregation.clip_norm_ratio=0")
     base = honest_summary["loss_after"]  # 0.78 on one machine; clipped 0.73, unclipped about 1000
@@ -486,6 +487,7 @@ def test_local_dp_still_bounds_a_client_on_the_server(tmp_path, builtin_base):
         "privacy.noise_multiplier=0.01",
         "privacy.noise_seed=0",
         "lora.trainable_modules=[]",
+        "aggregation.clip_norm_ratio=2",  # the clip a federation of organizations gets (auto on Flower)
     )
     _, _, rows = tiny_run(tmp_path, "local", huge, *extra)
     assert all(r["agg_clipped"] >= 1 for r in rows[1:])
@@ -573,3 +575,35 @@ def test_each_clients_last_aggregated_round_survives_a_checkpoint_of_either_name
         fresh.load_state_dict(tensors, old)
         assert fresh.last_aggregated == {k: 1 for k in server.clients}
         assert fresh.client_start(2, 0).last_aggregated == 1
+
+
+def test_the_clip_is_off_within_one_job_and_on_across_organizations(tmp_path, builtin_base):
+    """aggregation.clip_norm_ratio=auto: a simulation (every client this job's own) clips nothing, so each
+    strategy is its paper's; Flower's server (sites of other organizations) clips at 2x the median; either
+    way the run's config.yaml records the ratio used, and an explicit value is kept as given."""
+    from fedllm.config import CLIP_ACROSS_ORGANIZATIONS, load_config, settle_clip
+    from fedllm.flower.server_app import FlowerDriver
+    from fedllm.run.reader import RunFolder
+    from fedllm.simulation import Simulation
+    from tests.conftest import tiny_overrides
+
+    assert not Simulation.clients_are_organizations and FlowerDriver.clients_are_organizations
+    assert load_config(None, []).aggregation.clip_norm_ratio == "auto"
+    cfg = load_config(None, [])
+    assert settle_clip(cfg, organizations=True) == CLIP_ACROSS_ORGANIZATIONS == 2.0
+    assert cfg.aggregation.clip_norm_ratio == 2.0
+    cfg = load_config(None, ["aggregation.clip_norm_ratio=1.5"])
+    assert settle_clip(cfg, organizations=False) == 1.5
+    cfg = load_config(None, tiny_overrides(tmp_path / "r", "federation.rounds=1", "eval.personalized=false"))
+    sim = Simulation(cfg, tmp_path / "r")
+    sim.setup()
+    assert sim.server.policy.clip_norm_ratio == 0.0
+    rows = (
+        [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+        if sim.run()
+        else []
+    )
+    assert all(r.get("agg_clipped", 0) == 0 for r in rows)
+    assert RunFolder(tmp_path / "r").config().aggregation.clip_norm_ratio == 0.0
+    with pytest.raises(Exception, match="clip_norm_ratio"):
+        load_config(None, ["aggregation.clip_norm_ratio=0.5"])

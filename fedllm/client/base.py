@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from data_prep.prompts import TokenizedExample, collate
+from eval.progress import Progress
 from fedllm.logs import client_label
 from fedllm.model.loss import response_loss
 from fedllm.model.parallel import clips_gradients_itself, mean_over_processes, wrapped_for_training
@@ -343,10 +343,12 @@ class ClientAlgorithm:
         ) as (wrapped, optimizer):
             run.optimizer = optimizer
             wrapped.train()
-            for _ in range(work.steps):
-                run.zero_grad()
-                run.step(self.local_step(wrapped, params, batches, work, accelerator))
-            run.close()
+            try:
+                for _ in range(work.steps):
+                    run.zero_grad()
+                    run.step(self.local_step(wrapped, params, batches, work, accelerator))
+            finally:  # a failed or timed-out client's progress stops with it
+                run.close()
         model.eval()
         result = run.result()
         if layout is not None and layout.data_parallel:  # each process saw a share of every batch
@@ -382,13 +384,20 @@ class LocalRun:
         algo.begin(params, self.state, download or {})
         self.losses: list[float] = []
         self.step_sizes: list[float] = []
-        self._t0 = self._said = time.monotonic()
-        self.bar = tqdm(
-            total=work.steps,
-            desc=client_label(work.client_id),
-            leave=False,
-            disable=None if work.progress else True,
+        self.bar = Progress(
+            work.steps,
+            client_label(work.client_id),
+            "steps",
+            enabled=work.progress,
+            logger=log,
+            every_s=PROGRESS_EVERY_S,
+            detail=self._running_loss,
+            say_total=False,
         )
+
+    def _running_loss(self) -> str:
+        window = self.losses[-20:]  # a running mean: single batches' losses jump
+        return f"loss {sum(window) / len(window):.4f} (running mean)" if window else "no step done yet"
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -403,22 +412,7 @@ class LocalRun:
         self.optimizer.step()
         self.scheduler.step()
         self.losses.append(loss)
-        window = self.losses[-20:]  # a running mean: single batches' losses jump
-        if not self.bar.disable:
-            self.bar.update()
-            self.bar.set_postfix(loss=f"{sum(window) / len(window):.4f}", refresh=False)
-        elif time.monotonic() - self._said > PROGRESS_EVERY_S and len(self.losses) < work.steps:
-            self._said = time.monotonic()  # a compact line in logs (no terminal): at most every few seconds
-            done, rate = len(self.losses), len(self.losses) / max(1e-9, self._said - self._t0)
-            log.info(
-                "%s: step %d/%d, loss %.4f (running mean), %.1f steps/s, about %.0f s left",
-                client_label(work.client_id),
-                done,
-                work.steps,
-                sum(window) / len(window),
-                rate,
-                (work.steps - done) / max(rate, 1e-9),
-            )
+        self.bar.update()
         if work.deadline is not None and time.monotonic() > work.deadline:
             raise ClientTimeout(
                 f"stopped after {len(self.losses)} of {work.steps} steps: past its time budget "

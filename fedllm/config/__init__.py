@@ -572,6 +572,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(why)
 
 
+CLIP_ACROSS_ORGANIZATIONS = 2.0  # aggregation.clip_norm_ratio=auto where the sites are other organizations
+
+
+def settle_clip(cfg: Config, organizations: bool) -> float:
+    """Settle ``aggregation.clip_norm_ratio: auto`` in place and return the ratio the server uses: off where
+    one job runs every client (the operator's own code and data: a clip only changes the method from its
+    paper), :data:`CLIP_ACROSS_ORGANIZATIONS` where the clients are other organizations' sites, whose updates
+    the server cannot vouch for."""
+    if cfg.aggregation.clip_norm_ratio == "auto":
+        cfg.aggregation.clip_norm_ratio = CLIP_ACROSS_ORGANIZATIONS if organizations else 0.0
+    return float(cfg.aggregation.clip_norm_ratio)
+
+
 def save_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as YAML (atomically, via the checkpoint helper)."""
     from fedllm.files import atomic_write_text

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from data_prep.loaders import FORMATS
+from data_prep.loaders import DATASET_HELP, FORMATS
 from fedllm.options import fraction as _fraction
 from fedllm.options import nonneg as _nonneg
 from fedllm.options import opt
@@ -67,12 +67,13 @@ class ModelConfig:
         "launch",
         "autocast of local training and of generated answers: 'launch' (what accelerate launch "
         "--mixed_precision or ACCELERATE_MIXED_PRECISION says; none by default), 'none' (no autocast; a "
-        "launch that asks for one is refused), or 'bf16' (on a CPU: fast where it has AVX-512 BF16 or AMX, "
-        "slower than float32 where not). Held-out loss and the benchmark's log-likelihoods stay in the "
-        "weights' dtype (in a one-process run; under a data-parallel launch accelerate keeps the autocast on "
-        "the wrapped model's forward)",
-        lambda x: x in ("launch", "none", "bf16"),
-        "one of launch, none, bf16",
+        "launch that asks for one is refused), 'bf16' (on a CPU: fast where it has AVX-512 BF16 or AMX, "
+        "slower than float32 where not), or 'auto' (bf16 where the CPU or GPU computes it natively, else "
+        "none; the run's config.yaml records the one used). Held-out loss and the benchmark's "
+        "log-likelihoods stay in the weights' dtype (in a one-process run; under a data-parallel launch "
+        "accelerate keeps the autocast on the wrapped model's forward)",
+        lambda x: x in ("launch", "none", "bf16", "auto"),
+        "one of launch, none, bf16, auto",
     )
     builtin_pretrain_steps: int = opt(
         1000, "pretraining steps of the built-in base (cached per value)", _positive, "an integer >= 1"
@@ -102,11 +103,7 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = opt(
-        "builtin",
-        "'builtin', dolly, alpaca, wizard, a Hub id, a .json/.jsonl/.parquet file, or natural-instructions "
-        "(its tasks, from fedllm prepare-real; or a folder of subtask*/task.json)",
-    )
+    dataset: str = opt("builtin", DATASET_HELP)
     format: str = opt(
         "auto",
         "field layout of the dataset",
@@ -320,13 +317,16 @@ class AggregationSection:
         "aggregation.<optimizer>.*; for strategies whose global state is persisting parameters (fedit, "
         "ffa, fedsa, hetlora, rolora, fedsb's R)",
     )
-    clip_norm_ratio: float = opt(
-        2.0,
+    clip_norm_ratio: float | str = opt(
+        "auto",
         "clip each update's change (measured from what the server knows the client started from) to this "
         "multiple of the round's median change, so one client cannot move the model more than a few honest "
-        "ones do (0: off)",
-        lambda x: x == 0 or x >= 1,
-        "0 or a value >= 1",
+        "ones do (0: off). A robustness step no strategy's paper has: it also clips honest updates that "
+        "are large for a reason (the high-rank clients of a heterogeneous-rank federation). 'auto': off "
+        "where one job runs every client (simulation, accelerate launch: one trust domain), 2 on Flower, "
+        "where the sites are other organizations; the run's config.yaml records the value used",
+        lambda x: x == "auto" or (isinstance(x, float) and (x == 0 or x >= 1)),
+        "auto, 0 or a value >= 1",
     )
 
 

@@ -52,6 +52,7 @@ class FlowerDriver(RoundLoop):
     """The round loop over a Flower Grid (see module docstring)."""
 
     runs_exchanges = True  # a feature's way to gather a round (secure aggregation) runs here
+    clients_are_organizations = True  # aggregation.clip_norm_ratio=auto clips here
 
     def __init__(
         self, cfg: Config, run_dir: Path, grid: Grid, accelerator=None, startup_timeout_s: float = 600.0

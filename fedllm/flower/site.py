@@ -117,7 +117,7 @@ class Site:
         from accelerate import Accelerator
 
         from fedllm.assembly import assemble_site, codecs
-        from fedllm.federation_data import load_partitions
+        from fedllm.federation_data import load_partitions, own_split
 
         t0 = time.perf_counter()
         if not 0 <= client_id < cfg.federation.num_clients:
@@ -129,8 +129,7 @@ class Site:
         self.codecs = codecs(cfg)  # how the run's features change what travels (Feature.codec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if data_path:
-            examples = _site_examples(data_path, cfg)
-            n_test = int(len(examples) * cfg.data.client_test_fraction)
+            examples, n_test = own_split(_site_examples(data_path, cfg), cfg.data.client_test_fraction)
         else:  # the Simulation Engine: this partition of the run's own data
             parts = load_partitions(cfg)
             examples, n_test = parts.clients[client_id], parts.test_sizes[client_id]

@@ -338,10 +338,13 @@ def ensure_checkpoint(name: str) -> Path:
     try:
         import torch
 
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(src.parent), gguf_file=src.name, dtype=torch.float32, use_kernels=False
-        )
+        from eval.progress import bars_as_lines
+
+        with bars_as_lines(log):  # transformers' conversion bar: whole lines in a log file
+            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(src.parent), gguf_file=src.name, dtype=torch.float32, use_kernels=False
+            )
         # the dequantized weights are plain float32: what save_pretrained writes must not claim a quantizer
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

