@@ -155,6 +155,23 @@ class RoundLoop(abc.ABC):
     def layout(self):
         return self.runtime.layout
 
+    def warn_other_identity(self) -> None:
+        """A resumed run continues with the code, data and libraries of this process: say so where they are
+        not those that started it (``fedllm compare`` refuses such a run; a user resuming by hand decides)."""
+        from fedllm.run.identity import differences, run_identity
+        from fedllm.run.reader import RunFolder
+
+        if not self.acc.is_main_process:
+            return
+        differ = differences(RunFolder(self.run_dir).identity(), run_identity(self.cfg))
+        if differ:
+            log.warning(
+                "resuming %s with other code or data than started it (%s): its rounds will not all come "
+                "from one version",
+                self.run_dir,
+                "; ".join(differ),
+            )
+
     # ----------------------------------------------- what a driver fills in
     @abc.abstractmethod
     def setup(self) -> None:
@@ -303,6 +320,7 @@ class RoundLoop(abc.ABC):
             self.acc.init_trackers("fedllm", config=tracker_config(cfg))
         rows: list[dict] = []
         if resume:
+            self.warn_other_identity()
             self.restore()
             rows = self.writer.keep_rows_before(self.start_round)
             pending = (self.restored or {}).get("pending")

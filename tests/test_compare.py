@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,56 @@ def test_lm_eval_phase_is_read_at_minutes_and_at_hours():
     assert lm.harness_phase_s("Running loglikelihood requests: 100%|##| 1488/1488 [07:19<00:00]") == 439
     assert lm.harness_phase_s("100%|##| 9000/9000 [1:02:03<00:00, 2.4it/s]") == 3723
     assert lm.harness_phase_s("no bar here") is None
+
+
+def test_a_resumed_comparison_reruns_a_run_made_by_other_code(tmp_path, builtin_base):
+    """Every run records the identity of what made it (fedllm's source digest, the token cache, model and
+    data files, precision, libraries). A comparison run again after a source file changed does not reuse
+    the run: it says in one line that the source differs, keeps the old run aside and runs it again; with
+    nothing changed it reuses it. The comparison's JSON names the identity every row shares. (The package
+    is copied, so the edit touches the copy only: both the comparison and its runs import the copy.)"""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from fedllm.run.reader import RunFolder
+
+    repo = Path(__file__).resolve().parent.parent
+    code = tmp_path / "code"
+    for pkg in ("fedllm", "data_prep", "eval"):
+        shutil.copytree(repo / pkg, code / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(code), "FEDLLM_CACHE": os.environ["FEDLLM_CACHE"]}
+    common = [
+        o
+        for o in tiny_overrides(
+            tmp_path, "federation.rounds=1", "eval.personalized=false", "eval.benchmark=none"
+        )
+        if not o.startswith("output.dir")
+    ]
+    out = tmp_path / "cmp"
+    argv = [sys.executable, "-m", "fedllm.cli", "compare", "--variant", "fedit:aggregation.name=fedit"]
+    argv += ["--seeds", "1", "--output-dir", str(out), *common]
+
+    def compare() -> subprocess.CompletedProcess:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done
+
+    compare()
+    run = RunFolder(out / "fedit" / "seed-0")
+    first = run.identity()
+    assert first is not None and first["source"]["digest"] and first["tokens"] and first["libraries"]["torch"]
+    assert json.loads((out / "compare.json").read_text())["identity"] == first
+    again = compare()
+    assert "reused (same settings)" in again.stderr and "made by other code" not in again.stderr
+    with open(code / "fedllm" / "aggregation" / "fedit.py", "a") as f:
+        f.write("\n# an edit between two comparisons\n")
+    third = compare()
+    said = [line for line in third.stderr.splitlines() if "made by other code or data" in line]
+    assert len(said) == 1 and "source " + first["source"]["digest"] in said[0]
+    assert "reused (same settings)" not in third.stderr
+    now = RunFolder(out / "fedit" / "seed-0").identity()
+    assert now is not None and now["source"]["digest"] != first["source"]["digest"]
+    kept = list((out / ".superseded").iterdir())
+    assert any(RunFolder(p).identity() == first for p in kept if p.is_dir())

@@ -276,7 +276,7 @@ def test_a_users_own_gguf_path_may_be_a_link(tmp_path, monkeypatch):
     link = tmp_path / "model.gguf"
     link.symlink_to(blob)
     assert gguf.gguf_file(str(link)) == link
-    assert gguf._digest(link) == hashlib.sha256(b"GGUF user model").hexdigest()
+    assert gguf.file_digest(link) == hashlib.sha256(b"GGUF user model").hexdigest()
 
 
 @pytest.mark.parametrize("name", ["../evil.gguf", "/tmp/evil.gguf", ".hidden.gguf"])

@@ -213,7 +213,7 @@ def joined_file(dist: str) -> Path:
     published sha256 is deleted and refused."""
     whole, sha, parts = split_parts(dist)
     final = cache_root() / "files" / whole
-    if final.is_file() and _digest(final) == sha:
+    if final.is_file() and file_digest(final) == sha:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(final.parent, f".{whole}.")
@@ -292,7 +292,7 @@ def cache_root() -> Path:
     return default_cache_dir() / "gguf"
 
 
-def _digest(src: Path) -> str:
+def file_digest(src: Path) -> str:
     """``src``'s sha256, hashed once per (path, size, modification time) and remembered beside the cache:
     every later load of a 100 MB file then costs a stat, not a read."""
     st = src.stat()
@@ -316,7 +316,7 @@ def ensure_checkpoint(name: str) -> Path:
     src = gguf_file(name)
     # a pinned package's file was just checked against its pin: the folder is named by that sha256, not by
     # the digest cache's (keyed by a stat, it could name a conversion of other bytes made earlier)
-    digest = pinned_sha256(name) or _digest(src)
+    digest = pinned_sha256(name) or file_digest(src)
     folder = cache_root() / f"{src.stem}-{digest[:12]}"
     if (folder / SOURCE).exists():
         return folder

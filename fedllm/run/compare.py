@@ -14,8 +14,12 @@ Runs land in ``OUT/<variant>/seed-<s>``, each with its log beside it
 one continued, only if its resolved config (every key but ``output.*`` and
 ``flower.*``: evaluation included) and the fedllm version equal the requested
 ones; otherwise the comparison stops before any run starts and names the keys
-that differ (``--rerun`` runs such variants again in a fresh folder). The
-table and the JSON carry each variant's overrides and config digest.
+that differ (``--rerun`` runs such variants again in a fresh folder). A run of
+the same config made by other code, data, model file, precision or libraries
+(its identity, ``fedllm.run.identity``) is never reused: the comparison says in
+one line what differs, moves the old run to ``OUT/.superseded/`` and runs it
+again. The table and the JSON carry each variant's overrides and config
+digest, and the identity that made every row.
 ``fedllm report OUT/*/seed-*`` plots each variant's mean with a band.
 """
 
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedllm import __version__
+from fedllm.run.identity import differences, run_identity
 from fedllm.run.reader import RunFolder
 
 NOT_NUMBERS = ("output.", "flower.")  # config keys that change neither the trajectory nor the numbers
@@ -169,6 +174,36 @@ def stale_reason(run_dir: Path, wanted) -> str | None:
     if version != __version__:
         return f"another fedllm version ({version or 'unknown'} there, {__version__} here)"
     return None
+
+
+def settled(cfg):
+    """``cfg`` with what a run settles before it starts settled the same way here (``auto`` mixed precision
+    on this machine, the clip of a one-job run), so a finished run's config.yaml compares equal."""
+    from fedllm.config import settle_clip
+    from fedllm.model.precision import resolve
+
+    resolve(cfg)
+    settle_clip(cfg, organizations=False)
+    return cfg
+
+
+def supersede(out_root: Path, run_dir: Path) -> Path:
+    """Move a run made by other code or data (and its log) out of the comparison, kept under
+    ``OUT/.superseded/`` with the time it was moved; the new run takes its place."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = out_root / ".superseded" / f"{run_dir.parent.name}-{run_dir.name}-{stamp}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(run_dir), str(dest))
+    log = run_dir.with_name(run_dir.name + ".log")
+    if log.exists():
+        shutil.move(str(log), str(dest) + ".log")
+    return dest
+
+
+def common_identity(run_dirs: list[Path]) -> dict[str, Any] | None:
+    """The identity every run in ``run_dirs`` records, or None where they differ (or one has none)."""
+    found = [RunFolder(d).identity() for d in run_dirs]
+    return found[0] if found and all(i is not None and i == found[0] for i in found) else None
 
 
 def run_metrics(run_dir: Path) -> dict[str, float | None]:
@@ -355,10 +390,12 @@ def compare(
     tasks = [(v, s) for s in seeds for v in variants]
     digests: dict[str, str] = {}
     stale: list[str] = []
+    _build_bases(config, variants, extra)
+    identities: dict[str, dict[str, Any]] = {}
     for v, s in tasks:  # every folder checked before the first run starts
         run_dir = out_root / v.name / f"seed-{s}"
-        wanted = load_config(config, [*extra, *v.overrides, f"federation.seed={s}"])
-        digests.setdefault(v.name, config_digest(load_config(config, [*extra, *v.overrides])))
+        wanted = settled(load_config(config, [*extra, *v.overrides, f"federation.seed={s}"]))
+        digests.setdefault(v.name, config_digest(settled(load_config(config, [*extra, *v.overrides]))))
         why = stale_reason(run_dir, wanted)
         if why is not None:
             if not rerun:
@@ -366,12 +403,20 @@ def compare(
             else:
                 shutil.rmtree(run_dir)
                 run_dir.with_name(run_dir.name + ".log").unlink(missing_ok=True)
+        elif RunFolder(run_dir).is_run():
+            if v.name not in identities:
+                identities[v.name] = run_identity(wanted)
+            differ = differences(RunFolder(run_dir).identity(), identities[v.name])
+            if differ:
+                moved = supersede(out_root, run_dir)
+                said = "; ".join(differ)
+                print(f"{v.name} seed {s}: made by other code or data ({said}): running it again (the old "
+                      f"run moved to {moved})", file=sys.stderr)  # fmt: skip
     if stale:
         raise StaleRun(
             "these folders hold runs of other settings than asked (pass --rerun to run them again, or "
             "choose another --output-dir):\n  " + "\n  ".join(stale)
         )
-    _build_bases(config, variants, extra)
     results: dict[str, dict[int, dict]] = {v.name: {} for v in variants}
     bar = tqdm(total=len(tasks), desc="runs", unit="run", disable=not progress)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -400,6 +445,7 @@ def compare(
             "variants": {v.name: v.overrides for v in variants},
             "config_digests": digests,
             "fedllm_version": __version__,
+            "identity": common_identity([out_root / v.name / f"seed-{s}" for v in variants for s in seeds]),
             "threads_per_run": threads,
             "runs": {v.name: {str(s): str(out_root / v.name / f"seed-{s}") for s in seeds} for v in variants},
             "per_seed": {k: {str(s): m for s, m in sorted(r.items())} for k, r in results.items()},

@@ -371,9 +371,11 @@ class RunWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / CONFIG)
         from fedllm import __version__
+        from fedllm.run.identity import run_identity
 
-        # which code made the run (fedllm compare reuses a run only if it is this version)
-        atomic_write_text(self.run_dir / INFO, json.dumps({"fedllm_version": __version__}))
+        # which code, data and arithmetic made the run (fedllm compare reuses a run only if they are these)
+        info = {"fedllm_version": __version__, "identity": run_identity(cfg)}
+        atomic_write_text(self.run_dir / INFO, json.dumps(info, indent=1))
         atomic_write_text(self.run_dir / PARTITION, standard_json(partition_stats, indent=1))
         if len(partition_stats) > MANY_CLIENTS:  # one summary line; every client is in partition.json
             import statistics

@@ -87,6 +87,12 @@ class RunFolder:
         path = self.path / INFO
         return json.loads(path.read_text()).get("fedllm_version") if path.exists() else None
 
+    def identity(self) -> dict[str, Any] | None:
+        """What made the run besides its config (``run_info.json``; ``fedllm.run.identity``), None when it
+        was not recorded."""
+        path = self.path / INFO
+        return json.loads(path.read_text()).get("identity") if path.exists() else None
+
     def partition(self) -> list[dict]:
         path = self.path / PARTITION
         return json.loads(path.read_text()) if path.exists() else []
