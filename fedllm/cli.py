@@ -303,16 +303,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import json
 
     from fedllm.config import load_config
-    from fedllm.run.compare import compare, format_summary, parse_variant
+    from fedllm.run.compare import compare, format_corrected, format_summary, parse_variant
 
     variants = [parse_variant(v) for v in args.variant]
     for v in variants:  # every variant's config is checked before the first run starts
         load_config(args.config, [*args.overrides, *v.overrides])
     seeds = args.seed_list or list(range(args.seeds))
+    unknown = [r for r in args.reference if r not in {v.name for v in variants}]
+    if unknown:
+        raise ValueError(f"--reference {unknown[0]}: not a --variant of this comparison")
     summary = compare(
-        args.config, variants, seeds, Path(args.output_dir), args.jobs, args.overrides, rerun=args.rerun
+        args.config,
+        variants,
+        seeds,
+        Path(args.output_dir),
+        args.jobs,
+        args.overrides,
+        rerun=args.rerun,
+        references=args.reference,
     )
     print(format_summary(summary))
+    print(format_corrected(summary))
     print(json.dumps(summary))
     return 0
 
@@ -441,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run again, in a fresh folder, the variants whose folders hold runs of other settings",
     )
     c.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
+    c.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        help="a variant that is a reference, not a federated method (local-only, centralized): compared, "
+        "never taken as the best row (repeatable)",
+    )
     c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides common to every variant")
     c.set_defaults(func=cmd_compare)
 

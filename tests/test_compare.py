@@ -292,3 +292,58 @@ def test_a_resumed_comparison_reruns_a_run_made_by_other_code(tmp_path, builtin_
     assert now is not None and now["source"]["digest"] != first["source"]["digest"]
     kept = list((out / ".superseded").iterdir())
     assert any(RunFolder(p).identity() == first for p in kept if p.is_dir())
+
+
+def test_holm_and_bonferroni_match_hand_computed_numbers():
+    """p-values 0.01, 0.04, 0.03 in a family of 3: Holm's adjusted 0.03, 0.06, 0.06 (step-down, monotone);
+    the interval uses t at 1 - 0.05 / 6; the p-value is scipy's paired t-test."""
+    from scipy import stats
+
+    from fedllm.run.stats import Comparison, correct, paired_test
+
+    fam = [Comparison(n, 1.0, 1.0, 5, p) for n, p in (("a", 0.01), ("b", 0.04), ("c", 0.03))]
+    correct(fam)
+    assert [c.p_holm for c in fam] == pytest.approx([0.03, 0.06, 0.06])
+    half = stats.t.ppf(1 - 0.05 / 6, 4) * 1.0 / math.sqrt(5)
+    assert (fam[0].low, fam[0].high) == pytest.approx((1 - half, 1 + half))
+    v, r = [1.0, 2.5, 2.9, 4.2, 5.0], [0.5, 1.0, 2.4, 3.0, 4.9]
+    c = paired_test("x", v, r)
+    assert c.p == pytest.approx(stats.ttest_rel(v, r).pvalue) and c.diff == pytest.approx(
+        statistics.fmean(v) - 2.36
+    )
+
+
+def test_the_detectable_difference_is_found_with_the_stated_power():
+    """At the minimum detectable difference the family-level paired t-test rejects with probability 0.8
+    (both tails of the noncentral t), also at 5 seeds, where the textbook approximation falls to 0.73."""
+    from scipy import stats
+
+    from fedllm.run.stats import detectable
+
+    for n, m in ((5, 10), (8, 1), (20, 3)):
+        mde = detectable(1.0, n, m)
+        crit = stats.t.ppf(1 - 0.05 / (2 * m), n - 1)
+        nc = mde * math.sqrt(n)
+        power = stats.nct.sf(crit, n - 1, nc) + stats.nct.sf(crit, n - 1, -nc)
+        assert power == pytest.approx(0.8, abs=1e-6)
+
+
+def test_a_table_verdict_needs_the_corrected_interval_to_exclude_zero():
+    """Two methods 0.034 apart with a seed spread that gives an uncorrected interval excluding 0 but not the
+    family's: the uncorrected entry says "excludes", the corrected one does not; the best row is chosen
+    among federated rows only (a reference row that scores better is never "the best")."""
+    from fedllm.run.compare import summarize
+
+    res = {
+        "fedit": dict(enumerate([1.70, 1.69, 1.71, 1.70, 1.70])),
+        "flora": dict(enumerate([1.66, 1.68, 1.64, 1.67, 1.66])),
+        "other": dict(enumerate([1.70, 1.70, 1.70, 1.71, 1.69])),
+        "centralized": dict(enumerate([1.50, 1.51, 1.49, 1.50, 1.50])),
+    }
+    results = {k: {s: {"heldout_loss": x} for s, x in v.items()} for k, v in res.items()}
+    out = summarize(results, references=["centralized"])
+    assert out["metrics"]["heldout_loss"]["flora"]["vs_fedit"]["excludes_zero"]
+    fam = out["corrected"]["heldout_loss"]
+    flora = next(c for c in fam["vs_baseline"]["comparisons"] if c["name"] == "flora")
+    assert fam["vs_baseline"]["m"] == 3 and flora["low"] < 0 < flora["high"]
+    assert fam["vs_best"]["reference"] == "flora"  # not centralized, whose loss is lower

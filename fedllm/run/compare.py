@@ -100,6 +100,23 @@ METRICS = {
     "up_mb": ("comm:total_up_bytes", "megabytes"),
     "down_mb": ("comm:total_down_bytes", "megabytes"),
     "wall_s": ("summary:wall_s", "seconds"),
+    "client_loss_global": ("last:global_client_loss", "loss"),
+    "client_loss_personal": ("last:personal_loss", "loss"),
+}
+# which way is better, for the metrics a table ranks rows by ("the best row"): +1 higher, -1 lower
+BETTER = {
+    "accuracy": 1,
+    "accuracy_gain": 1,
+    "heldout_loss": -1,
+    "heldout_loss_drop": 1,
+    "rouge_l": 1,
+    "rouge_l_gain": 1,
+    "client_acc_global": 1,
+    "client_acc_personal": 1,
+    "client_loss_global": -1,
+    "client_loss_personal": -1,
+    "down_mb": -1,
+    "up_mb": -1,
 }
 FORMATS = {
     "points": (100.0, ".1f", " points"),
@@ -256,12 +273,45 @@ def paired(values: list[float], baseline: list[float]) -> dict[str, float | bool
     }
 
 
-def summarize(results: dict[str, dict[int, dict[str, float | None]]]) -> dict:
-    """Per metric: every variant's mean/std and its paired difference to the first variant."""
+def corrected(
+    per_seed: dict[str, list[float]],
+    base: str,
+    references: list[str],
+    better: int | None,
+    alpha: float = 0.05,
+) -> dict[str, Any]:
+    """One metric's two families of paired comparisons, each corrected for its own size
+    (``fedllm.run.stats``): every other row against ``base``, and (where the metric has a better
+    direction) every other federated row against the best federated one (``references``, e.g. local-only
+    and centralized, are never "the best"); with the smallest difference each family can detect (80 %
+    power, from the median spread of its per-seed differences)."""
+    from fedllm.run.stats import correct, detectable, paired_test
+
+    def family(ref: str, names: list[str]) -> dict[str, Any]:
+        comps = correct([paired_test(n, per_seed[n], per_seed[ref]) for n in names], alpha)
+        sds = [c.sd for c in comps if math.isfinite(c.sd)]
+        n = min((c.n for c in comps), default=0)
+        mde = detectable(statistics.median(sds), n, len(comps), alpha) if sds else math.nan
+        return {"reference": ref, "m": len(comps), "detectable": mde, "comparisons": [vars(c) for c in comps]}
+
+    out: dict[str, Any] = {"vs_baseline": family(base, [n for n in per_seed if n != base])}
+    federated = [n for n in per_seed if n not in references]
+    if better is not None and len(federated) > 1:
+        best = max(federated, key=lambda n: better * statistics.fmean(per_seed[n]))
+        out["vs_best"] = family(best, [n for n in per_seed if n != best])
+    return out
+
+
+def summarize(
+    results: dict[str, dict[int, dict[str, float | None]]], references: list[str] | None = None
+) -> dict:
+    """Per metric: every variant's mean/std and its paired difference to the first variant (95 %, each on its
+    own), and the corrected families of :func:`corrected` (over the seeds every variant has)."""
     names = list(results)
     base = names[0]
     seeds = sorted(set.intersection(*(set(r) for r in results.values())))
     table: dict = {}
+    families: dict = {}
     reported = [m for r in results.values() for per_seed in r.values() for m in per_seed]
     for metric in dict.fromkeys([*METRICS, *reported]):  # the built-in metrics first, then the features'
         per = {}
@@ -279,7 +329,10 @@ def summarize(results: dict[str, dict[int, dict[str, float | None]]]) -> dict:
             per[name] = entry
         if per:
             table[metric] = per
-    return {"baseline": base, "seeds": seeds, "metrics": table}
+            full = {n: [float(results[n][s][metric]) for s in seeds] for n in per}  # type: ignore[arg-type]
+            if len(full) > 1 and base in full and len(seeds) > 1:
+                families[metric] = corrected(full, base, references or [], BETTER.get(metric))
+    return {"baseline": base, "seeds": seeds, "metrics": table, "corrected": families}
 
 
 def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
@@ -324,6 +377,50 @@ def format_summary(summary: dict, metrics: list[str] | None = None) -> str:
                 text += f"   95% interval [{low}, {high}]" + ("" if own["excludes_zero"] else " (holds 0)")
             lines.append(text)
     return "\n".join(lines)
+
+
+def format_corrected(summary: dict, metrics: list[str] | None = None) -> str:
+    """A markdown table per metric: each row's mean +/- std, its difference to the baseline and to the best
+    federated row with the family-corrected interval and Holm's p, and a verdict only where the corrected
+    interval excludes 0; then the smallest difference each family can detect."""
+    out = []
+    seeds = summary["seeds"]
+    for metric, fam in summary.get("corrected", {}).items():
+        if metrics and metric not in metrics:
+            continue
+        scale, spec, unit = FORMATS[METRICS.get(metric, ("", "number"))[1]]
+
+        def num(x: float, signed: bool = False, scale=scale, spec=spec) -> str:
+            return "n/a" if not math.isfinite(x) else format(x * scale, ("+" if signed else "") + spec)
+
+        base = fam["vs_baseline"]
+        best = fam.get("vs_best")
+        head = f"| {metric}{unit} | mean +/- std | vs {base['reference']} (m = {base['m']}) | Holm p |"
+        rule = "|---|---|---|---|"
+        if best:
+            head += f" vs best: {best['reference']} (m = {best['m']}) | Holm p |"
+            rule += "---|---|"
+        out += [
+            f"\n{metric} over seeds {seeds}: intervals at 1 - 0.05 / m (Bonferroni, per family)",
+            head,
+            rule,
+        ]
+        by_base = {c["name"]: c for c in base["comparisons"]}
+        by_best = {c["name"]: c for c in best["comparisons"]} if best else {}
+        for name, e in summary["metrics"][metric].items():
+            cells = [name, f"{num(e['mean'])} +/- {num(e['std'])}"]
+            for by in (by_base, by_best) if best else (by_base,):
+                c = by.get(name)
+                if c is None:
+                    cells += ["(reference)", ""]
+                    continue
+                verdict = " **excludes 0**" if c["low"] > 0 or c["high"] < 0 else ""
+                cells += [f"{num(c['diff'], True)} [{num(c['low'], True)}, {num(c['high'], True)}]{verdict}",
+                          f"{c['p_holm']:.3f}"]  # fmt: skip
+            out.append("| " + " | ".join(cells) + " |")
+        mdes = [f"vs {f['reference']}: {num(f['detectable'])}{unit}" for f in (base, best) if f]
+        out.append(f"\nsmallest difference these seeds detect (80 % power): {'; '.join(mdes)}")
+    return "\n".join(out)
 
 
 def _run_one(
@@ -375,6 +472,7 @@ def compare(
     extra: list[str] | None = None,
     rerun: bool = False,
     progress: bool = True,
+    references: list[str] | None = None,
 ) -> dict:
     """Run every variant for every seed (``jobs`` at a time) and summarize; see the module docstring."""
     from tqdm.auto import tqdm
@@ -437,12 +535,13 @@ def compare(
             )
             bar.update()
     bar.close()
-    summary = summarize({v.name: dict(sorted(results[v.name].items())) for v in variants})
+    summary = summarize({v.name: dict(sorted(results[v.name].items())) for v in variants}, references)
     summary.update(
         {
             "config": config,
             "common_overrides": extra,
             "variants": {v.name: v.overrides for v in variants},
+            "references": references or [],
             "config_digests": digests,
             "fedllm_version": __version__,
             "identity": common_identity([out_root / v.name / f"seed-{s}" for v in variants for s in seeds]),
@@ -465,7 +564,10 @@ def write_results(out_root: Path, summary: dict) -> None:
 
     out_root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_root / "compare.json", json.dumps(summary, indent=1))
-    atomic_write_text(out_root / "compare.md", "```\n" + format_summary(summary) + "\n```\n")
+    atomic_write_text(
+        out_root / "compare.md",
+        "```\n" + format_summary(summary) + "\n```\n" + format_corrected(summary) + "\n",
+    )
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["metric", "variant", "mean", "std", "n", "diff", "low", "high", "excludes_zero"])

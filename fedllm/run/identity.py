@@ -125,7 +125,7 @@ def libraries() -> dict[str, str]:
     return out
 
 
-def run_identity(cfg, model_path: str | None = None) -> dict[str, Any]:
+def run_identity(cfg: Any, model_path: str | None = None) -> dict[str, Any]:
     """What decides a run of ``cfg`` besides its config (the module docstring); ``model_path``: the base's
     resolved folder where the caller has it (else resolved here, converting a GGUF once)."""
     from data_prep.tokenized import VERSION
