@@ -49,6 +49,53 @@ VERBATIM = {"flowertune"}  # templates whose texts go in unstripped, as their re
 CHAT = "chat"
 
 
+# Gemma's turn format, written from its published description (ai.google.dev, "Gemma formatting and system
+# instructions"): ``<start_of_turn>user`` / ``<start_of_turn>model`` turns, each closed by ``<end_of_turn>``
+# and a newline, after the BOS; Gemma has no system role: system instructions go at the start of the first
+# user turn, followed by a blank line. A base checkpoint without a chat template of its own (the Gemma 3
+# 270M GGUF) gets this one from ``fedllm.model.modeling.load_base``, so conversations can train on it.
+GEMMA_TURNS = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Gemma turns alternate: user, model, user, ... (one system turn first at most)') }}"
+    "{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' }}"
+    "{{ (prefix if loop.first else '') + m['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# model types whose checkpoints may come without a chat template, and the turn format they were made for
+TURN_FORMATS = {
+    "gemma3": GEMMA_TURNS,
+    "gemma3_text": GEMMA_TURNS,
+    "gemma2": GEMMA_TURNS,
+    "gemma": GEMMA_TURNS,
+}
+
+
+def turn_end_id(tokenizer) -> int | None:
+    """The token the chat template closes an answer with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``):
+    the first special or added token it writes after an answer's text; the EOS where it writes none. An answer
+    is trained up to it and generation stops at it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.eos_token_id
+    user = [{"role": "user", "content": "Hi"}]
+    before = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template([*user, {"role": "assistant", "content": "Yes"}], tokenize=False)
+    if not whole.startswith(before):
+        return tokenizer.eos_token_id
+    markers = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    markers -= {tokenizer.unk_token_id, tokenizer.pad_token_id} - {
+        tokenizer.eos_token_id
+    }  # "Yes" may be unknown
+    tail = tokenizer(whole[len(before) :], add_special_tokens=False)["input_ids"]
+    return next((t for t in tail if t in markers), tokenizer.eos_token_id)
+
+
 def chat_prompt(example: Example, tokenizer) -> str:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -124,7 +171,9 @@ def tokenize_batch(
     special = template != CHAT  # the chat template's text holds its special tokens already
     prompt_ids = tokenizer(prompts, add_special_tokens=special)["input_ids"] if prompts else []
     full_ids = tokenizer(fulls, add_special_tokens=special)["input_ids"] if fulls else []
-    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+    # a chat template's answer ends with its end of turn (ChatML's is the EOS; Gemma's is <end_of_turn>)
+    eos = turn_end_id(tokenizer) if template == CHAT else tokenizer.eos_token_id
+    bos = tokenizer.bos_token_id
     out: list[TokenizedExample | None] = []
     for p_ids, f_ids in zip(prompt_ids, full_ids, strict=True):
         ids = [*f_ids, eos] if eos is not None else list(f_ids)
@@ -177,10 +226,10 @@ def tokenize_conversation(example: Example, tokenizer, max_seq_len: int):
     input_ids: list[int] = []
     labels: list[int] = []
     answered = 0  # where the last assistant turn kept ends
-    eos = tokenizer.eos_token_id
+    eos = turn_end_id(tokenizer)
 
     def taught(answer: list[int]) -> list[int]:
-        """An answer's labels: its tokens up to the end of turn (the EOS, what generation stops at); what the
+        """An answer's labels: its tokens up to the end of turn (what generation stops at); what the
         template writes after it (a newline) is masked, as the single-turn path never trains it either."""
         if eos in answer:
             k = answer.index(eos) + 1

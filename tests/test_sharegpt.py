@@ -355,3 +355,79 @@ def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
     assert all(not t & r for t, r in zip(tests, trains, strict=True)) and all(tests)
     assert sum(map(len, parts.clients)) + len(parts.eval_examples) == len(recs)
     assert {e.category for c in parts.clients for e in c} <= {"creative", "code", "explain", "advice", "math"}
+
+
+@pytest.fixture(scope="module")
+def gemma_style(builtin_base):
+    """The built-in tokenizer with Gemma's turn markers as added tokens (not special, as in Gemma's own
+    vocabulary) and fedllm's Gemma turn format."""
+    from transformers import AutoTokenizer
+
+    from data_prep.prompts import GEMMA_TURNS
+
+    tok = AutoTokenizer.from_pretrained(builtin_base)
+    tok.add_tokens(["<start_of_turn>", "<end_of_turn>"])
+    tok.chat_template = GEMMA_TURNS
+    return tok
+
+
+def test_gemmas_turn_format_renders_as_published_and_trains_the_answers_to_their_end_of_turn(gemma_style):
+    """Gemma's format: <bos>, then <start_of_turn>user / model turns closed by <end_of_turn> and a newline; a
+    system turn (ShareGPT's 26 are a sharing tool's banner) opens the first user turn, then a blank line.
+    Labels: each answer and its <end_of_turn> (not the EOS, which Gemma's turns never write), the newline
+    after it and every user turn masked, token by token."""
+    from data_prep.prompts import turn_end_id
+
+    tok = gemma_style
+    ex = _conversation()  # system, user, answer, user, answer
+    text = tok.apply_chat_template([{"role": r, "content": t} for r, t in ex.turns], tokenize=False)
+    assert text == (
+        f"{tok.bos_token}<start_of_turn>user\nYou answer in one line.\n\nWhat is two plus two?<end_of_turn>\n"
+        "<start_of_turn>model\nFour.<end_of_turn>\n"
+        "<start_of_turn>user\nAnd three plus three?<end_of_turn>\n"
+        "<start_of_turn>model\nSix, as three doubled.<end_of_turn>\n"
+    )
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert turn_end_id(tok) == end != tok.eos_token_id
+    t = tokenize_conversation(ex, tok, 512)
+    taught = [i for i, lab in zip(t.input_ids, t.labels, strict=True) if lab != IGNORE_INDEX]
+    four = tok("Four.", add_special_tokens=False)["input_ids"]
+    six = tok("Six, as three doubled.", add_special_tokens=False)["input_ids"]
+    assert taught == [*four, end, *six, end]
+    last = max(k for k, lab in enumerate(t.labels) if lab != IGNORE_INDEX)
+    assert t.labels[last] == end and t.labels[last + 1 :] == [IGNORE_INDEX]  # then the newline, masked
+    with pytest.raises(Exception, match="alternate"):
+        tok.apply_chat_template([{"role": "assistant", "content": "no question first"}], tokenize=False)
+
+
+@pytest.mark.real
+def test_gemma3_real_tokenizer_gets_the_turn_format_and_its_answers_end_at_end_of_turn():
+    """The converted Gemma 3 270M has no chat template: load_base gives it Gemma's turn format; a real
+    ShareGPT conversation with a system banner renders with no refusal, the banner opens the first user turn,
+    and every taught span ends with <end_of_turn>, the token generation stops at."""
+    from data_prep.prompts import turn_end_id
+    from fedllm.config import load_config
+    from fedllm.model.gguf import GGUFError
+    from fedllm.model.modeling import load_base
+
+    try:
+        _, tok = load_base(load_config(None, ["model.name=gguf:gemma3-270m"]).model)
+    except (GGUFError, Exception) as e:
+        if "prepare-real" not in str(e) and "not installed" not in str(e):
+            raise
+        pytest.skip(f"Gemma 3 is not prepared ({e})")
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert tok.chat_template and turn_end_id(tok) == end == 106
+    try:
+        path = sharegpt.prepared_file()
+    except DataError as e:
+        pytest.skip(str(e))
+    recs = [r for r in sharegpt.read_records(path) if r["conversations"][0]["from"] == "system"][:10]
+    for ex in sharegpt.conversations(recs, str(path)):
+        t = tokenize_conversation(ex, tok, 512)
+        assert t is not None and t.input_ids[:3] == [tok.bos_token_id, 105, 2364]  # <bos><start_of_turn>user
+        banner = tok(ex.turns[0][1], add_special_tokens=False)["input_ids"]
+        assert t.input_ids[4 : 4 + len(banner)] == banner  # after "user\n": the system turn first
+        ends = [k for k, lab in enumerate(t.labels) if lab == end]
+        starts = [k for k in range(1, len(t.labels)) if t.labels[k] != IGNORE_INDEX == t.labels[k - 1]]
+        assert ends and len(ends) >= len(starts) - 1 and t.labels[ends[0]] == end

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.prompts import CHAT, build_prompt
+from data_prep.prompts import CHAT, build_prompt, turn_end_id
 from data_prep.schema import DataError, Example
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ def generate(
     torch.manual_seed(seed)
     texts = [build_prompt(e, template, tokenizer) for e in examples]
     special = template != CHAT  # the chat template's text holds its special tokens
+    # an answer ends at the EOS, or at the chat template's end of turn (Gemma's <end_of_turn> is not the EOS)
+    stops = sorted({tokenizer.eos_token_id, turn_end_id(tokenizer) if template == CHAT else None} - {None})
     cut = {"truncation": True, "max_length": max_prompt_tokens} if max_prompt_tokens else {}
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
     if max_prompt_tokens and (n_cut := sum(n > max_prompt_tokens for n in lengths)):
@@ -104,9 +106,9 @@ def generate(
                 top_p=None,
                 top_k=None,
                 pad_token_id=pad,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stops,
             )
-            new = out[:, enc["input_ids"].shape[1] :]
+            new = [_until(row.tolist(), stops) for row in out[:, enc["input_ids"].shape[1] :]]
             for i, text in zip(rows, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):
                 answers[i] = text.strip()
             bar.update(len(rows))
@@ -114,3 +116,10 @@ def generate(
         bar.close()
         tokenizer.padding_side, tokenizer.truncation_side = side, side_cut
     return answers
+
+
+def _until(ids: list[int], stops: list[int]) -> list[int]:
+    """A generated row up to its first stop token (the tokens after it are padding; a stop token that is not
+    a special token, Gemma's <end_of_turn>, would otherwise be decoded into the answer)."""
+    cut = next((k for k, t in enumerate(ids) if t in stops), len(ids))
+    return ids[:cut]

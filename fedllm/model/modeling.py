@@ -117,6 +117,8 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
     """Load the frozen base and its tokenizer through ``from_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from data_prep.prompts import TURN_FORMATS
+
     check_model_reference(model_cfg.name)
     path = resolve_model_path(model_cfg.name, model_cfg.builtin_pretrain_steps)
     dtype = DTYPES[model_cfg.dtype]
@@ -132,9 +134,12 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
         kwargs["quantization_config"] = qconfig
         kwargs["device_map"] = {"": device}
+    from eval.progress import bars_as_lines
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with bars_as_lines(log):  # transformers' "Loading weights" bar: whole lines in a log file
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         hint = " (HF_HUB_OFFLINE=1: download it first or pass a local path)" if _offline() else ""
         raise ModelError(f"model.name: cannot load {model_cfg.name!r}{hint}: {e}") from None
@@ -142,6 +147,12 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
         model.to(device)
     elif model_cfg.quantization == "4bit" and torch.device(device).type == "cpu":
         select_cpu_4bit_kernel(model, model_cfg.quant_cpu_kernel)
+    turns = TURN_FORMATS.get(getattr(model.config, "model_type", ""))
+    if turns is not None and not getattr(tokenizer, "chat_template", None):
+        # a base checkpoint without a chat template (the Gemma 3 270M GGUF): its family's own turn format,
+        # so that conversations (data.template=chat) can train on it
+        tokenizer.chat_template = turns
+        log.info("the tokenizer has no chat template: using %s's turn format", model.config.model_type)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ModelError(
