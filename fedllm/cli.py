@@ -148,8 +148,13 @@ def print_summary(s: dict) -> None:
         which = f"clients {ids}" if len(ids) <= 8 else f"{len(ids)} clients"
         print(
             f"clients' own data  global model {f(cl['global_acc_mean'])}, personalized "
-            f"{f(cl['personal_acc_mean'])} (mean over {which}, round {cl['round']})"
+            f"{f(cl['personal_acc_mean'])} (accuracy, mean over {which}, round {cl['round']})"
         )
+        if cl.get("global_loss_mean") is not None:  # on chat data exact answers are rare: the loss says more
+            print(
+                f"                   held-out loss: global model {f(cl['global_loss_mean'])}, personalized "
+                f"{f(cl.get('personal_loss_mean'))}"
+            )
     print(
         f"communication      up {c['total_up_params']:,} params ({c['total_up_bytes'] / 1e6:.2f} MB), "
         f"down {c['total_down_params']:,} params ({c['total_down_bytes'] / 1e6:.2f} MB"

@@ -100,21 +100,28 @@ def load_partitions(cfg) -> Partitions:
 
             mine = [shift_labels(e, k % d.label_shift_groups) for e in mine]
         clients.append(mine)
-        tests.append(int(len(idx) * d.client_test_fraction))
+        tests.append(test_size(len(idx), d))
     stats = client_stats(pool, parts, d.partition)
     return Partitions(
         eval_examples, clients, tests, stats, generation_set(cfg, eval_examples, folder, heldout)
     )
 
 
-def own_split(examples: list[Example], fraction: float) -> tuple[list[Example], int]:
-    """A site's own examples ordered with its test share first, and that share's size: whole sources
-    (:attr:`Example.group`) where the examples have them, as :func:`load_partitions` splits a simulated
-    client's; else the first ``fraction`` of them, in their order."""
+def test_size(n: int, d) -> int:
+    """How many of a client's ``n`` examples its own test split takes: ``data.client_test_fraction`` of them,
+    at most ``data.client_test_max`` (0: no cap)."""
+    size = int(n * d.client_test_fraction)
+    return min(size, d.client_test_max) if d.client_test_max else size
+
+
+def own_split(examples: list[Example], d) -> tuple[list[Example], int]:
+    """A site's own examples ordered with its test share first, and that share's size (:func:`test_size` of
+    the run's ``data`` section): whole sources (:attr:`Example.group`) where the examples have them, as
+    :func:`load_partitions` splits a simulated client's; else the first ones, in their order."""
     units = source_units(examples)
     if units is None:
-        return examples, int(len(examples) * fraction)
-    n_test = leading_units(units, int(len(examples) * fraction))
+        return examples, test_size(len(examples), d)
+    n_test = leading_units(units, test_size(len(examples), d))
     return [examples[i] for u in units for i in u], sum(len(u) for u in units[:n_test])
 
 
@@ -149,7 +156,7 @@ def _partitions_by_source(
     for k, picked in enumerate(parts):
         mine_units = [rest[j] for j in picked]
         random.Random(derive_seed(seed, 5, k)).shuffle(mine_units)
-        n_test = leading_units(mine_units, int(sum(map(len, mine_units)) * d.client_test_fraction))
+        n_test = leading_units(mine_units, test_size(sum(map(len, mine_units)), d))
         mine = [examples[i] for u in mine_units for i in u]
         pool_parts.append(list(range(len(pool), len(pool) + len(mine))))
         pool += mine

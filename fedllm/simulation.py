@@ -126,16 +126,22 @@ class Simulation(RoundLoop):
     def personalized(self, round_idx: int, clients: list[int]) -> dict[str, Any]:
         """Each of ``clients``' test data: the global model, then its personalization
         (ClientRuntime.personalized)."""
+        from eval.progress import Progress
+
         layout = self.runtime.layout
         rows = {}
-        for client in layout.my_clients([self.clients[k] for k in clients]):
-            if client.test:
+        mine = [c for c in layout.my_clients([self.clients[k] for k in clients]) if c.test]
+        with Progress(
+            len(mine), "clients' own held-out data", "clients", self.bars_disabled() is None, log
+        ) as bar:
+            for client in mine:
                 self.store.load(client)
                 start = self.server.client_start(round_idx + 1, client.client_id)
                 rows[str(client.client_id)] = self.runtime.personalized(
                     client, start, self.cfg.eval.batch_size
                 )
                 self.store.release(client)
+                bar.update()
         if layout.gathers:
             from accelerate.utils import gather_object
 

@@ -355,6 +355,13 @@ def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
     assert all(not t & r for t, r in zip(tests, trains, strict=True)) and all(tests)
     assert sum(map(len, parts.clients)) + len(parts.eval_examples) == len(recs)
     assert {e.category for c in parts.clients for e in c} <= {"creative", "code", "explain", "advice", "math"}
+    capped = load_partitions(load_config(None, [*over, "data.client_test_max=2"]))
+    for c, n in zip(capped.clients, capped.test_sizes, strict=True):  # whole chats, from 2 examples on
+        assert (
+            0 < n <= 2 + 3
+            and len({e.group for e in c[:n]}) <= 2
+            and not {e.group for e in c[:n]} & {e.group for e in c[n:]}
+        )
 
 
 @pytest.fixture(scope="module")

@@ -512,7 +512,8 @@ class ClientRuntime:
         router against the uniform mixture) gives both models; for the others
         the personalization is ``client.personalize_steps`` plain SGD steps on
         the client's own training data, on what its training trains (the
-        hook's training view: FFA-LoRA's B, Fed-SB's R).
+        hook's training view: FFA-LoRA's B, Fed-SB's R); with none, the
+        personalized model is the global one.
         """
         params, _ = self.switch_in(client, start)
         self.model.eval()
@@ -521,6 +522,10 @@ class ClientRuntime:
         if self.hook.personalizes:
             with self.view(client, start, "own"):
                 p_loss, p_acc = heldout(self.model, self.tokenizer, client.test, batch_size)
+        elif self.client_cfg.personalize_steps == 0:
+            # no view of its own and no personalization steps: the client's model is the global one as it
+            # gets it, already scored (a second pass would cost as much again)
+            p_loss, p_acc = g_loss, g_acc
         else:  # the personalization steps train what the client's training trains (the hook's train view)
             with self.view(client, start, "train") as session:
                 self.personalize(client, start, trained_params(params, session))

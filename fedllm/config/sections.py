@@ -171,6 +171,13 @@ class DataConfig:
     client_test_fraction: float = opt(
         0.1, "share of each client's data kept for personalized evaluation", lambda x: 0 <= x < 1, "in [0, 1)"
     )
+    client_test_max: int = opt(
+        0,
+        "at most this many of each client's examples kept for personalized evaluation (0: no cap; whole "
+        "sources, e.g. chats, still count whole): a large client's share would cost its evaluation minutes",
+        _nonneg,
+        "an integer >= 0",
+    )
     builtin_examples_per_skill: int = opt(
         400, "built-in dataset size per skill", _positive, "an integer >= 1"
     )

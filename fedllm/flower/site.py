@@ -129,7 +129,7 @@ class Site:
         self.codecs = codecs(cfg)  # how the run's features change what travels (Feature.codec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if data_path:
-            examples, n_test = own_split(_site_examples(data_path, cfg), cfg.data.client_test_fraction)
+            examples, n_test = own_split(_site_examples(data_path, cfg), cfg.data)
         else:  # the Simulation Engine: this partition of the run's own data
             parts = load_partitions(cfg)
             examples, n_test = parts.clients[client_id], parts.test_sizes[client_id]

@@ -491,8 +491,10 @@ class RunWriter:
                 "evaluated": sorted(int(k) for k in last["personal"]),
                 "global_acc_mean": last.get("global_client_acc"),
                 "personal_acc_mean": last.get("personal_acc"),
+                "global_loss_mean": last.get("global_client_loss"),
+                "personal_loss_mean": last.get("personal_loss"),
                 "per_client": {
-                    k: {m: v.get(m) for m in ("global_acc", "personal_acc")}
+                    k: {m: v.get(m) for m in ("global_acc", "personal_acc", "global_loss", "personal_loss")}
                     for k, v in last["personal"].items()
                 },
             }
