@@ -6,9 +6,11 @@ of sites that drop; the refusals. The Flower runs (in-process grid, Simulation E
 from __future__ import annotations
 
 import copy
+import importlib
 import itertools
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -413,7 +415,28 @@ def masking_lies(monkeypatch, node: int, edit) -> None:
     monkeypatch.setattr(VectorGrid, "send_and_receive", lying)
 
 
-def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
+class StateSites:
+    """fedllm's site admission on plain vectors: each node a site of the run's config (client = its index
+    in the round), its state folder under ``root`` (kept from one Flower run to the next, as a SuperNode's
+    state-dir is), so the real :func:`fedllm.secagg.flower.admitted` decides whether it trains."""
+
+    def __init__(self, root, nodes: list[int]) -> None:
+        self.root, self.index = root, {n: k for k, n in enumerate(nodes)}
+
+    def site(self, context, config_text):
+        from fedllm.config import config_from_text
+
+        node = context.node_id
+        return SimpleNamespace(
+            cfg=config_from_text(config_text),
+            client_id=self.index[node],
+            pinned=False,
+            codecs=[],
+            state_dir=self.root / f"node-{node}",
+        )
+
+
+def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int], sites: StateSites | None = None):
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
@@ -427,8 +450,10 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
 
     import fedllm.secagg.flower as sf
 
-    def fake_train(msg, ctx, sites=None):
+    def fake_train(msg, ctx, _=None):
         n = ctx.node_id
+        if sites is not None:  # the site's own admission first (fedllm's: once per round of its trajectory)
+            sf.admitted(msg, ctx, sites)
         return Message(
             RecordDict(
                 {
@@ -444,7 +469,21 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int]):
     return app, sf, fake_train
 
 
-def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True, deviating=False, node_config=None):
+def start_of(cfg, client: int, round_idx: int = 1) -> dict:
+    """A collect message's FitIns config as fedllm's server sends it: the start record with the run's config
+    (what each site checks the setup's parameters against) and the layout."""
+    from fedllm.config import config_to_text
+    from fedllm.flower.records import start_record
+    from fedllm.protocol import ClientStart
+    from fedllm.secagg.flower import LAYOUT, START, _to_bytes
+
+    record = start_record(ClientStart(round=round_idx), config_to_text(cfg), client, [])
+    return {START: _to_bytes(record), LAYOUT: "[]"}
+
+
+def protocol_round(
+    cfg, vectors, weights, dead_at=None, uniform=True, deviating=False, node_config=None, sites=None
+):
     """One SecAgg+ round of Flower's workflow as fedllm configures it (clipping range from the clip, the
     quantization bits from the field), on plain vectors; returns (mean, finishing nodes, grid)."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
@@ -454,10 +493,16 @@ def protocol_round(cfg, vectors, weights, dead_at=None, uniform=True, deviating=
 
     from fedllm.secagg.flower import SecureExchange, _round_strategy
 
-    app, sf, fake_train = vector_app(vectors, weights)
+    app, sf, fake_train = vector_app(vectors, weights, sites)
     grid = VectorGrid(app, bare_contexts(vectors, node_config), dead_at)
     ex = SecureExchange(cfg.secagg, cfg)
-    ins = [(GridClientProxy(n, grid, 1), FitIns(Parameters([], ""), {})) for n in vectors]
+    ins = [
+        (
+            GridClientProxy(n, grid, 1),
+            FitIns(Parameters([], ""), start_of(cfg, sites.index[n] if sites else k)),
+        )
+        for k, n in enumerate(vectors)
+    ]
     strategy = _round_strategy(ins)
     ctx = LegacyContext(
         Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}), strategy=strategy
@@ -746,10 +791,19 @@ def site_errors(monkeypatch) -> list[str]:
 
 
 def unguarded(monkeypatch) -> None:
-    """Flower's own mod alone, as fedllm's sites ran it before their guard."""
+    """Flower's own mod alone, as fedllm's sites ran it before their guard: no checks, and Flower's own mask
+    generator (its seed folded to 32 bits) on both ends."""
+    import importlib
+
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+
     import fedllm.secagg.flower as sf
+    from fedllm.secagg import prg
 
     monkeypatch.setattr(sf, "_guard", lambda msg, context: None)
+    monkeypatch.setattr(prg, "install", lambda: None)
+    for name in prg.FLOWER_MODULES:
+        monkeypatch.setattr(importlib.import_module(name), "pseudo_rand_gen", pseudo_rand_gen)
 
 
 @pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
@@ -922,25 +976,27 @@ def test_a_protocol_message_of_another_type_is_refused_not_trained_unmasked():
     assert reply.has_error() and "of type 'train.default'" in reply.error.reason
 
 
-def test_a_site_trains_once_per_round_and_a_pinned_site_refuses_a_known_noise_seed(tmp_path, monkeypatch):
+def test_a_site_trains_once_per_round_of_its_trajectory_across_runs_and_refuses_a_known_noise_seed(
+    tmp_path, monkeypatch
+):
     """The collect stage's training step on a site whose runtime is replaced by a counter: a second secure
-    training for the same round (a server that restarts the protocol to get two sums differing by one site)
-    is refused before the site trains; under distributed DP a pinned site refuses privacy.noise_seed >= 0
-    (the server that sent the seed could remove its noise)."""
-    from flwr.app import ConfigRecord, Context, RecordDict
-    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+    training for a round it trained (a server that restarts the protocol to get two sums differing by one
+    site) is refused before the site trains, also in a new Flower run (a new context.state, the same state
+    folder: the record lives there, per trajectory); under distributed DP a pinned site refuses
+    privacy.noise_seed >= 0 (the server that sent the seed could remove its noise)."""
+    from flwr.app import Context, RecordDict
 
     import fedllm.secagg.flower as sf
     from fedllm.secagg import guard
 
-    def run(cfg, pinned, rounds):
+    def run(cfg, pinned, rounds, state_dir):
         trained = []
         site = SimpleNamespace(
             cfg=cfg,
             client_id=0,
             pinned=pinned,
             codecs=[],
+            state_dir=state_dir,
             client=SimpleNamespace(num_examples=5),
             train=lambda start: trained.append(start.round) or SimpleNamespace(attachments={}),
         )
@@ -950,11 +1006,7 @@ def test_a_site_trains_once_per_round_and_a_pinned_site_refuses_a_known_noise_se
         monkeypatch.setattr(
             "fedllm.flower.records.read_start", lambda content, codecs: SimpleNamespace(round=content)
         )
-        state = RecordDict()
-        state.config_records[RECORD_KEY_STATE] = ConfigRecord(
-            SecAggPlusState(sample_num=4, share_num=4, threshold=3, nid=100).to_dict()
-        )
-        ctx = Context(run_id=1, node_id=100, node_config={}, state=state, run_config={})
+        ctx = Context(run_id=1, node_id=100, node_config={}, state=RecordDict(), run_config={})  # a new run
         errors = []
         for r in rounds:
             msg = SimpleNamespace(
@@ -970,16 +1022,18 @@ def test_a_site_trains_once_per_round_and_a_pinned_site_refuses_a_known_noise_se
 
     base = ("federation.num_clients=4", "flower.secure_aggregation=true")
     cfg = load_config(None, tiny_overrides(tmp_path / "a", *base, "secagg.clip_norm=1"))
-    trained, errors = run(cfg, False, [1, 1, 2])
+    trained, errors = run(cfg, False, [1, 1, 2], tmp_path / "site")
     assert trained == [1, 2] and len(errors) == 1 and "a second secure training for round 1" in errors[0]
+    trained, errors = run(cfg, False, [1, 2, 3], tmp_path / "site")  # run 2, the same trajectory
+    assert trained == [3] and len(errors) == 2 and "in this run or an earlier one" in errors[0]
     dp_cfg = load_config(
         None,
         tiny_overrides(
             tmp_path / "b", *base, "privacy.mode=distributed", "privacy.noise_seed=0", "privacy.delta=1e-5"
         ),
     )
-    assert run(dp_cfg, False, [1])[0] == [1]  # an unpinned site trusts the server's config
-    trained, errors = run(dp_cfg, True, [1])
+    assert run(dp_cfg, False, [1], tmp_path / "dp")[0] == [1]  # an unpinned site trusts the server's config
+    trained, errors = run(dp_cfg, True, [1], tmp_path / "dp-pinned")
     assert trained == [] and "privacy.noise_seed" in errors[0]
 
 
@@ -1036,13 +1090,27 @@ def test_a_site_refuses_a_setup_it_was_not_configured_to_accept(sample, share, t
 
 
 @pytest.mark.parametrize(
-    "sample, threshold, says",
-    [(5, 3, None), (3, 2, "below federation.min_clients=4"), (5, 2, "gives 3 for 5 neighbours")],
+    "change, says",
+    [
+        ({}, None),
+        ({"sample_num": 3, "share_num": 3, "threshold": 2}, "at least 4"),
+        ({"sample_num": 7, "share_num": 7, "threshold": 5}, "samples 6 a round"),
+        ({"threshold": 3}, "threshold=3 (the config gives 4)"),
+        ({"mod_range": 2}, "mod_range=2"),
+        ({"target_range": 1}, "target_range=1"),
+        ({"clipping_range": 1e-12}, "clipping_range=1e-12"),
+        ({"max_weight": 7.0}, "max_weight=7.0"),
+    ],
 )
-def test_the_protocols_parameters_must_be_those_the_runs_config_promises(tmp_path, sample, threshold, says):
-    """At the collect stage the site reads the run's config the server sent (min_clients 4, reconstruction
-    threshold 0.67): a round smaller than that quorum, or a threshold below what the config gives, is
-    refused before the site masks anything; the quorum is what its unmask check then requires."""
+def test_the_protocols_parameters_must_be_those_the_runs_config_promises(tmp_path, change, says):
+    """At the collect stage, before it trains or masks, the site checks every setup parameter against the
+    run's config the server sent (6 clients a round, min_clients 4, reconstruction threshold 0.67, a 32-bit
+    field, uniform weights): a round outside 4..6 sites, a threshold below the config's, and any other
+    modulus, target range, clipping range or maximum weight (a modulus of 2 made Flower's masks all 0 and a
+    target range of 1 the reply the sign of every value, in the clear) are refused; the quorum is returned,
+    which the unmask check then requires."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+
     from fedllm.secagg import guard
 
     cfg = load_config(
@@ -1051,15 +1119,19 @@ def test_the_protocols_parameters_must_be_those_the_runs_config_promises(tmp_pat
             tmp_path,
             "federation.num_clients=6",
             "federation.min_clients=4",
+            "federation.weighting=uniform",
             "flower.secure_aggregation=true",
             "secagg.clip_norm=1",
         ),
     )
+    honest = {"sample_num": 6, **guard.pinned(6, 6, cfg)}
+    assert honest["threshold"] == 4 and honest["mod_range"] == 2**32 and honest["max_weight"] == 1.0
+    state = SecAggPlusState(**{**honest, **change})
     if says is None:
-        assert guard.check_round_config(sample, sample, threshold, cfg, guard.Floor()) == 4
+        assert guard.check_round_config(state, cfg, guard.Floor()) == 4
     else:
-        with pytest.raises(guard.Refused, match=says):
-            guard.check_round_config(sample, sample, threshold, cfg, guard.Floor())
+        with pytest.raises(guard.Refused, match=re.escape(says)):
+            guard.check_round_config(state, cfg, guard.Floor())
 
 
 def test_a_round_that_loses_its_quorum_before_the_unmask_is_never_unmasked(tmp_path_factory, monkeypatch):
@@ -1491,3 +1563,218 @@ def test_the_run_summary_names_secure_aggregation_beside_dps_guarantee(tmp_path)
     assert "released models" in summary["guarantees"][0]
     assert "against the server itself" in summary["guarantees"][1]
     assert strategy.name == "fedit" and strategy.sums_uploads(cfg)
+
+
+# ---------------------------------------------------------- a deviating server, found by review (issue 78)
+def seven_sites(tmp_path):
+    return load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run",
+            "federation.num_clients=7",
+            "flower.secure_aggregation=true",
+            "secagg.clip_norm=1.0",
+            "secagg.reconstruction_threshold=0.6",
+        ),
+    )
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
+def test_a_neighbour_spelled_twice_does_not_shrink_a_sites_neighbourhood(tmp_path, monkeypatch, guarded):
+    """7 sites, threshold 4. The server hands site 100 the keys of 101-103 twice, once as "0101" ... (7 keys
+    to a count, 4 neighbours to Flower's int()), leaves 100 out of 104-106's share-keys the same way, then
+    shows each site unmask lists consistent on their own. Under Flower's mod alone 100 masks with 101-103
+    only and the server rebuilds its vector; fedllm's sites refuse an id not written as Flower writes one."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    cfg = seven_sites(tmp_path)
+    target, partners, others = 100, [101, 102, 103], [104, 105, 106]
+    lists = {
+        100: ([100, 101, 102, 103], []),
+        101: ([101, 100, 104, 105], [102, 103]),
+        102: ([102, 100, 104, 105], [101, 103]),
+        103: ([103, 100, 104, 105], [101, 102]),
+        104: ([104, 105, 106, 101], [102, 103]),
+        105: ([105, 104, 106, 102], [101, 103]),
+        106: ([106, 104, 105, 103], [101, 102]),
+    }
+
+    def deviate(stage, node, c):
+        if stage == "share_keys":
+            drop = others if node == target else ([target] if node in others else [])
+            for i, n in enumerate(drop):
+                keep = partners[i] if node == target else next(o for o in others if o != node)
+                del c[str(n)]
+                c["0" * (i + 1) + str(keep)] = c[str(keep)]  # the kept neighbour once more, spelled anew
+        if stage == "collect_masked_vectors" and node == target:
+            keep = [i for i, s in enumerate(c[Key.SOURCE_LIST]) if s in partners]
+            c[Key.SOURCE_LIST] = [c[Key.SOURCE_LIST][i] for i in keep]
+            c[Key.CIPHERTEXT_LIST] = [c[Key.CIPHERTEXT_LIST][i] for i in keep]
+        if stage == "unmask":
+            c[Key.ACTIVE_NODE_ID_LIST], c[Key.DEAD_NODE_ID_LIST] = list(lists[node][0]), list(lists[node][1])
+
+    if not guarded:
+        unguarded(monkeypatch)
+    server_sends(monkeypatch, deviate)
+    errors = site_errors(monkeypatch)
+    vectors = clipped_vectors(7, 200, seed=3)
+    _, _, grid = protocol_round(cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    got = rebuild_from_partners(grid, target, partners, lists, cfg)
+    if guarded:
+        assert got is None and any("not written as Flower writes one" in e for e in errors), errors
+        assert not _masked(grid)  # no site sent a masked vector
+    else:
+        assert np.abs(got - vectors[target]).max() <= quantization_error(cfg)
+        assert np.corrcoef(got, vectors[target])[0, 1] > 0.999999
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
+def test_a_setup_of_modulus_2_and_target_range_1_does_not_reveal_the_signs(secure_cfg, monkeypatch, guarded):
+    """5 sites, an ordinary round but for the setup: modulus 2, target range 1, a clipping range of 1e-12.
+    Under Flower's mod alone (and its generator, whose masks stop at M - 2: all 0 here) every site's masked
+    reply is the sign of every value of its change, in the clear, without any unmask stage; fedllm's sites
+    refuse the round's parameters before they train or mask (they are not what the run's config gives)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    def deviate(stage, node, c):
+        if stage == "setup":
+            c[Key.MOD_RANGE], c[Key.TARGET_RANGE], c[Key.CLIPPING_RANGE] = 2, 1, 1e-12
+
+    if not guarded:
+        unguarded(monkeypatch)
+    server_sends(monkeypatch, deviate)
+    errors = site_errors(monkeypatch)
+    vectors = clipped_vectors(5, 2000, seed=1)
+    _, _, grid = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    masked = _masked(grid)
+    if guarded:
+        assert masked == {} and len(errors) == 5 and all("mod_range=2" in e for e in errors), errors
+    else:
+        assert len(masked) == 5
+        assert all(np.array_equal(m[1:], (vectors[n] > 0).astype(m.dtype)) for n, m in masked.items())
+
+
+def strip_pairwise(cfg, target: int, masked, pk1: dict, own_key_shares: list) -> list:
+    """The target's masked arrays without its pairwise masks, from a threshold of shares of its own secret
+    key (what a server gets by listing it as dropped after it sent its vector): its quantized values plus its
+    private mask, in the field."""
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.common.secure_aggregation.ndarrays_arithmetic import (
+        get_parameters_shape,
+        parameters_addition,
+        parameters_mod,
+        parameters_subtraction,
+    )
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+    mod = 2**cfg.secagg.modulus_bits
+    shapes = get_parameters_shape(masked)
+    # the generator the sites drew their pairwise masks with (Flower's, or fedllm's where installed)
+    draw = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod").pseudo_rand_gen
+    own = bytes_to_private_key(combine_shares(own_key_shares))
+    vec = list(masked)
+    for j in pk1:
+        if j != target:
+            mask = draw(generate_shared_key(own, bytes_to_public_key(pk1[j])), mod, shapes)
+            vec = parameters_subtraction(vec, mask) if target > j else parameters_addition(vec, mask)
+    return parameters_mod(vec, mod)
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
+def test_a_private_mask_is_not_found_by_searching_32_bit_seeds(secure_cfg, monkeypatch, guarded):
+    """An ordinary 5-site round in which the server tells the others that site 104 dropped after it received
+    104's masked vector (what Flower's workflow sends for a late vector), and so gets 104's secret-key
+    shares and strips its pairwise masks. Left: 104's values under its private mask. Flower's generator draws
+    that mask from the seed folded to 32 bits: trying seeds finds it (here 4,096 candidates around the true
+    fold stand in for the 2^32, about 2 minutes on one core) and gives 104's exact vector. fedllm's sites
+    draw from ChaCha20 keyed by the whole seed: no 32-bit seed of that search (nor the true fold) gives the
+    mask."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+    from flwr.common.secure_aggregation.ndarrays_arithmetic import factor_extract, parameters_subtraction
+    from flwr.common.secure_aggregation.quantization import dequantize
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE, Key
+
+    from fedllm.secagg.bounds import clipping_range, quantization_bits
+
+    target = 104
+
+    def late(stage, node, c):
+        if stage == "unmask" and node != target:
+            c[Key.ACTIVE_NODE_ID_LIST] = [n for n in c[Key.ACTIVE_NODE_ID_LIST] if n != target]
+            c[Key.DEAD_NODE_ID_LIST] = [*c[Key.DEAD_NODE_ID_LIST], target]
+
+    if not guarded:
+        unguarded(monkeypatch)
+    server_sends(monkeypatch, late)
+    vectors = clipped_vectors(5, 400, seed=21)
+    _, _, grid = protocol_round(secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True)
+    pk1, masked, replies = server_view(grid, target)
+    assert masked is not None and len(replies) == 5  # every site answered: this much the protocol allows
+    own_shares = [  # shares of 104's secret key, from the sites told it dropped
+        s
+        for node, nids, shares in replies
+        if node != target
+        for n, s in zip(nids, shares, strict=True)
+        if n == target
+    ]
+    left = strip_pairwise(secure_cfg, target, masked, pk1, own_shares[:3])
+    seed = SecAggPlusState(**dict(grid.contexts[target].state.config_records[RECORD_KEY_STATE])).rd_seed
+    fold = 0
+    for i in range(0, len(seed), 4):
+        fold ^= int.from_bytes(seed[i : i + 4], "little")
+    mod, q = 2**secure_cfg.secagg.modulus_bits, 2 ** quantization_bits(secure_cfg)
+    found = None
+    for candidate in range(max(0, fold - 2048), fold + 2048):
+        gen = np.random.RandomState(candidate)  # Flower's draw from a 32-bit seed
+        mask = [np.array(gen.randint(0, mod - 1), dtype=np.int64) if not a.shape else
+                gen.randint(0, mod - 1, a.shape, dtype=np.int64) for a in left]  # fmt: skip
+        values = [np.mod(v, mod) for v in parameters_subtraction(left, mask)]
+        if all(int(v.max(initial=0)) <= q for v in values[1:]):  # one site's quantized values, in range
+            found = values
+            break
+    if guarded:
+        assert found is None
+    else:
+        assert found is not None
+        _, arrays = factor_extract(found)
+        got = dequantize(arrays, clipping_range(secure_cfg), q)[0]
+        assert np.abs(got - vectors[target]).max() <= quantization_error(secure_cfg)
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
+def test_a_second_run_of_the_same_round_does_not_give_a_sites_update(tmp_path, monkeypatch, guarded):
+    """Run 1: sites 100-103, round 1; run 2 (a new Flower run: new contexts) from the same start: sites
+    101-103, round 1 again. A site's training from the same start is the same in both, so 4 x the first mean
+    minus 3 x the second is site 100's change. Under Flower's mod alone (its "once per round" record lived in
+    the run's context.state) the server gets both sums; fedllm's sites keep the record in their state folder,
+    per trajectory, and refuse run 2's training."""
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run",
+            "federation.num_clients=4",
+            "federation.weighting=uniform",
+            "flower.secure_aggregation=true",
+            "secagg.clip_norm=1.0",
+        ),
+    )
+    vectors = clipped_vectors(4, 300, seed=5)
+    if not guarded:
+        unguarded(monkeypatch)
+    errors = site_errors(monkeypatch)
+    sites = StateSites(tmp_path / "sites", list(vectors)) if guarded else None
+    first, nodes, _ = protocol_round(cfg, vectors, {n: 1 for n in vectors}, sites=sites)
+    assert nodes == [100, 101, 102, 103]
+    rest = {n: v for n, v in vectors.items() if n != 100}
+    second, _, _ = protocol_round(cfg, rest, {n: 1 for n in rest}, deviating=True, sites=sites)
+    if guarded:
+        assert (
+            second is None
+            and len(errors) == 3
+            and all("a second secure training for round 1" in e for e in errors)
+        )
+    else:
+        got = 4 * first - 3 * second
+        assert np.abs(got - vectors[100]).max() <= 8 * quantization_error(cfg)
+        assert np.corrcoef(got, vectors[100])[0, 1] > 0.9999

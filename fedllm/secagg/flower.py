@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 import fedllm.secagg.guard as guard
 from fedllm.checks import one_line
 from fedllm.protocol import SummedUpdates, seeded_generator
+from fedllm.secagg import prg
 from fedllm.secagg.bounds import (
     clip_of,
     clipping_range,
@@ -48,7 +50,6 @@ from fedllm.secagg.summand import (
 log = logging.getLogger(__name__)
 
 START, LAYOUT = "fedllm-start", "fedllm-layout"  # what a site's FitIns config carries
-TRAINED = "fedllm-secagg-trained"  # the last round a site trained in under the protocol (its context.state)
 
 
 def _to_bytes(record) -> bytes:
@@ -110,6 +111,7 @@ class SecureExchange:
         self.last: dict[str, Any] = {}  # the last round's protocol outcome (tests and the row read it)
         self.size = 0  # values in the round's layout
         self.least = max(3, int(cfg.federation.min_clients))  # never unmask a sum of fewer sites
+        prg.install()  # masks from the whole shared secret, as the sites draw theirs
         self.workflow(1.0, None)  # Flower checks its parameters here, once, not in every round
 
     def tolerances(self, server, clients: list[int], max_weight: float) -> tuple[float, float]:
@@ -276,6 +278,8 @@ def secure_mod(sites):
     training step; every other message passes to the app unchanged. ``sites``: the ClientApp's access to a
     message's site and its state (``site(context, config_text)``, ``keep(context, site)``)."""
 
+    prg.install()  # masks from the whole shared secret (Flower's own draw folds it to 32 bits)
+
     def mod(msg, context, call_next):
         from flwr.app.message_type import MessageType
         from flwr.client.mod import secaggplus_mod
@@ -323,9 +327,11 @@ def _guard(msg, context) -> None:
         return
     state = _protocol_state(context)
     if stage == Stage.SHARE_KEYS:
-        guard.check_share_keys(configs, int(state.share_num))
+        guard.check_share_keys(configs, int(state.share_num), int(state.nid))
     elif stage == Stage.COLLECT_MASKED_VECTORS:
         guard.check_collect(configs, {int(n) for n in state.public_keys_dict}, int(state.nid))
+        least = guard.check_round_config(state, _run_config(msg), floor)
+        context.state.config_records[guard.STATE] = ConfigRecord({"least": least})
     elif stage == Stage.UNMASK:
         record = context.state.config_records.get(guard.STATE)
         least = int(record["least"]) if record is not None else floor.sites
@@ -333,12 +339,51 @@ def _guard(msg, context) -> None:
         guard.check_unmask(configs, int(state.nid), neighbours, int(state.share_num), least)
 
 
-def _secure_train(msg, context, sites):
-    """The site's round under secure aggregation: train from the start in the FitIns, reply with the padded
-    change for the mod to quantize and mask (its weight: its own example count, or 1 under uniform
-    weighting; no metrics leave the site)."""
-    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+ROUNDS = "secagg-rounds.json"  # in a site's state folder: the last round it trained under the protocol
 
+
+def claim_round(state_dir: Path, round_idx: int) -> None:
+    """Record, before the site trains, that it trains ``round_idx`` of this trajectory under the protocol;
+    refused if it trained that round (or a later one) already, in this run or an earlier one. Two sums over
+    sets that differ by one site, from the same start, give that site's update (a site's training from the
+    same start is the same, run after run); the record lives in the state folder the site keeps per
+    trajectory (the run's config but what a resume may change), not in the run's memory. A resumed secure
+    run therefore continues from the round after the last one its sites trained."""
+    from fedllm.files import atomic_write_text
+
+    path = state_dir / ROUNDS
+    last = int(json.loads(path.read_text())["round"]) if path.exists() else 0
+    if last >= round_idx:
+        raise guard.Refused(
+            f"a second secure training for round {round_idx} (this site trained round {last} of this "
+            "trajectory already, in this run or an earlier one): two sums that differ by one site give that "
+            "site's update"
+        )
+    state_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"round": round_idx}))
+
+
+def _run_config(msg):
+    """The run's config a collect message carries in its start record (what every setup parameter is
+    checked against before the site trains); refused when it carries none."""
+    from fedllm.config import ConfigError, config_from_text
+    from fedllm.flower.records import start_config
+
+    config = msg.content.config_records.get("fitins.config")
+    if config is None or START not in config:
+        raise guard.Refused(
+            "a collect message without the run's start and config: nothing to check it against"
+        )
+    try:
+        return config_from_text(start_config(_from_bytes(bytes(config[START])))[0], "the server's config")
+    except (ConfigError, KeyError, ValueError) as e:
+        raise guard.Refused(f"the collect message's config does not load: {e}") from None
+
+
+def admitted(msg, context, sites):
+    """The site, its start and the round's layout for a collect message, once the site agrees to train:
+    the config is a secure one with a clip, the message is for this site's client, a pinned site's noise
+    is its own, and the site has not trained this round of its trajectory (:func:`claim_round`)."""
     from fedllm.flower.records import read_start, start_config
 
     config = msg.content.config_records["fitins.config"]
@@ -348,28 +393,24 @@ def _secure_train(msg, context, sites):
     site = sites.site(context, config_text)
     if not site.cfg.flower.secure_aggregation or clip_of(site.cfg) <= 0:
         raise RuntimeError("a secure aggregation message under a config without it (or without a clip)")
-    protocol = _protocol_state(context)  # the parameters the server set at setup, against its own config
-    least = guard.check_round_config(
-        int(protocol.sample_num),
-        int(protocol.share_num),
-        int(protocol.threshold),
-        site.cfg,
-        guard.Floor.of(context.node_config),
-    )
-    context.state.config_records[guard.STATE] = ConfigRecord({"least": least})
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
     start = read_start(content, site.codecs)
-    trained = context.state.config_records.get(TRAINED)  # one secure training per round of a run
-    if trained is not None and int(trained["round"]) >= int(start.round):
-        raise guard.Refused(
-            f"a second secure training for round {start.round} (this site trained round "
-            f"{int(trained['round'])} already): two sums that differ by one site give that site's update"
-        )
     why = known_noise(site.cfg) if site.pinned else ""
     if why:
         raise guard.Refused(why)
-    context.state.config_records[TRAINED] = ConfigRecord({"round": int(start.round)})
+    claim_round(Path(site.state_dir), int(start.round))
+    return site, start, lay
+
+
+def _secure_train(msg, context, sites):
+    """The site's round under secure aggregation: train from the start in the FitIns, reply with the padded
+    change for the mod to quantize and mask (its weight: its own example count, or 1 under uniform
+    weighting; no metrics leave the site)."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+    site, start, lay = admitted(msg, context, sites)
+    client_id = site.client_id
     update = site.train(start)
     sites.keep(context, site)
     changes = update.attachments.get(KEY)

@@ -108,10 +108,11 @@ def check_setup(configs: Any, floor: Floor) -> None:
             f"{floor.sites} (node config secagg-min-sites, never below 3): the sum of fewer would reveal too "
             "much of each"
         )
-    if not floor.sites <= share <= sample:
+    if share != sample:
         raise Refused(
-            f"a neighbourhood of {share} in a round of {sample}: expected {floor.sites} to {sample} (its "
-            "secrets are shared among its neighbours only)"
+            f"a neighbourhood of {share} in a round of {sample}: this site takes part only where every site "
+            "is every other's neighbour (secagg.num_shares=1): in smaller, overlapping neighbourhoods a "
+            "server can show each site a view consistent on its own and unmask one of them"
         )
     if not majority(threshold, share) or threshold > share:
         raise Refused(
@@ -125,18 +126,36 @@ def check_setup(configs: Any, floor: Floor) -> None:
         )
 
 
-def check_share_keys(configs: Any, share_num: int) -> None:
-    """Every neighbour the setup announced, itself included: a server that hands a site fewer (the rest
-    "dropped") makes it mask with those few only, whose secret keys a threshold of the others can then
-    hand over one by one. The price: a site that drops before sharing its keys fails the round."""
+def canonical(node_id: object) -> bool:
+    """Whether a node id is written as Flower writes one (``str(int(k)) == k``: digits, no sign, no
+    leading zero): Flower reads each key of the share-keys message with ``int()``, so "101" and "0101"
+    would be one neighbour to it and two to a count of the keys."""
+    return (
+        isinstance(node_id, str) and node_id.isascii() and node_id.isdigit() and str(int(node_id)) == node_id
+    )
+
+
+def check_share_keys(configs: Any, share_num: int, nid: int, extra: tuple[str, ...] = ()) -> None:
+    """Every neighbour the setup announced, each once and the site itself among them: a server that hands
+    a site fewer (the rest "dropped"), or one neighbour under two spellings, makes it mask with a few only,
+    whose secret keys a threshold of the others can then hand over one by one. The price: a site that drops
+    before sharing its keys fails the round. ``extra``: prefixes of fedllm's own keys in the message."""
     from flwr.common.secure_aggregation.secaggplus_constants import Key
 
-    keys = [k for k in configs if k != Key.STAGE]
+    keys = [k for k in configs if k != Key.STAGE and not k.startswith(extra)]
+    odd = [k for k in keys if not canonical(k)]
+    if odd:
+        raise Refused(
+            f"node id(s) {odd[:4]} not written as Flower writes one (digits, no leading zero): one node "
+            "under two spellings is one neighbour to Flower and two to a count"
+        )
     if len(keys) != share_num:
         raise Refused(
             f"{len(keys)} neighbours' keys where the setup announced {share_num}: this site masks with every "
-            "neighbour of its round or with none"
+            "neighbour or with none"
         )
+    if str(nid) not in keys:
+        raise Refused("the share-keys message leaves this site out of its own round")
 
 
 def check_collect(configs: Any, neighbours: set[int], nid: int) -> None:
@@ -153,21 +172,45 @@ def check_collect(configs: Any, neighbours: set[int], nid: int) -> None:
         )
 
 
-def check_round_config(sample_num: int, share_num: int, threshold: int, cfg: Any, floor: Floor) -> int:
-    """At the collect stage, against the run's config the server sent: the round's quorum, which the unmask
-    stage then requires of the survivors (returned)."""
+def pinned(sample_num: int, share_num: int, cfg: Any) -> dict[str, Any]:
+    """Every setup parameter as the run's config implies it for a round of ``sample_num`` sites: what
+    fedllm's ServerApp sends (:class:`fedllm.secagg.flower.SecureExchange`), and all a site accepts."""
+    from fedllm.secagg.bounds import clipping_range, quantization_bits, uniform
+
+    want: dict[str, Any] = {
+        "share_num": sample_num,  # every site every other's neighbour
+        "threshold": flower_threshold(float(cfg.secagg.reconstruction_threshold), share_num),
+        "clipping_range": float(clipping_range(cfg)),
+        "target_range": 2 ** quantization_bits(cfg),
+        "mod_range": 2 ** int(cfg.secagg.modulus_bits),
+    }
+    if uniform(cfg):
+        want["max_weight"] = 1.0
+    return want
+
+
+def check_round_config(state: Any, cfg: Any, floor: Floor) -> int:
+    """At the collect stage, before the site trains or masks anything: the round's setup against the run's
+    config the server sent. A round of ``least`` to the config's sample of sites; every parameter exactly
+    what the config implies (:func:`pinned`): a modulus of 2 or a target range of 1 would make the masked
+    reply the sign of every value, in the clear; a threshold below the config's, fewer shares to unmask a
+    site. The round's quorum, which the unmask stage requires of the survivors, is returned."""
+    from fedllm.secagg.bounds import per_round, uniform
+
+    sample_num = int(state.sample_num)
     least = max(floor.sites, int(cfg.federation.min_clients))
-    if sample_num < least:
+    if not least <= sample_num <= per_round(cfg):
         raise Refused(
-            f"a secure round of {sample_num} sites, below federation.min_clients="
-            f"{cfg.federation.min_clients} of the run's own config"
+            f"a secure round of {sample_num} sites: the run's own config samples {per_round(cfg)} a round, "
+            f"and this site takes part in rounds of at least {least} (federation.min_clients, its floor)"
         )
-    promised = flower_threshold(float(cfg.secagg.reconstruction_threshold), share_num)
-    if threshold < promised:
-        raise Refused(
-            f"threshold {threshold}: the run's config (secagg.reconstruction_threshold="
-            f"{cfg.secagg.reconstruction_threshold:g}) gives {promised} for {share_num} neighbours"
-        )
+    want = pinned(sample_num, int(state.share_num), cfg)
+    got = {k: getattr(state, k) for k in want}
+    differ = [f"{k}={got[k]!r} (the config gives {v!r})" for k, v in want.items() if got[k] != v]
+    if differ:
+        raise Refused("the round's setup is not the run's config: " + ", ".join(differ))
+    if not uniform(cfg) and not 1 <= float(state.max_weight) < 2**31:
+        raise Refused(f"max_weight={state.max_weight!r}: expected an example count (1 to 2^31)")
     return least
 
 

@@ -29,9 +29,11 @@ class SecAggOptions:
     num_shares: float = opt(
         1.0,
         "the share of the round's sites each site's secrets are split among (SecAgg+'s neighbourhood; 1: "
-        "all of them, SecAgg)",
-        _fraction,
-        "in (0, 1]",
+        "all of them, SecAgg). Only 1 is accepted: with smaller, overlapping neighbourhoods a server can "
+        "show each site a view consistent on its own and unmask one site (docs/trust.md); fedllm's sites "
+        "refuse such rounds",
+        lambda x: x == 1.0,
+        "1 (every site is every other's neighbour)",
     )
     reconstruction_threshold: float = opt(
         0.67,
