@@ -385,13 +385,14 @@ class VectorGrid:
 
 
 def bare_contexts(nodes, node_config=None) -> dict:
+    """Each node's context; ``node_config``: one for every node, or (a callable) each node's own."""
     from flwr.app import Context, RecordDict
 
+    def own(n):
+        return dict(node_config(n) if callable(node_config) else node_config or {})
+
     return {
-        n: Context(
-            run_id=1, node_id=n, node_config=dict(node_config or {}), state=RecordDict(), run_config={}
-        )
-        for n in nodes
+        n: Context(run_id=1, node_id=n, node_config=own(n), state=RecordDict(), run_config={}) for n in nodes
     }
 
 
@@ -1037,6 +1038,44 @@ def test_a_site_trains_once_per_round_of_its_trajectory_across_runs_and_refuses_
     assert trained == [] and "privacy.noise_seed" in errors[0]
 
 
+class Federation:
+    """Node keys (ECDSA P-384, as ``ssh-keygen -t ecdsa -b 384`` makes) of clients 0..n-1 and the
+    federation's registry of them (the file ``flower.registry`` reads, a copy on every site)."""
+
+    def __init__(self, root, n: int = 8) -> None:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.root, self.keys, lines = root, {}, []
+        for k in range(n):
+            key = ec.generate_private_key(ec.SECP384R1())
+            path = root / f"client{k}.pem"
+            path.write_bytes(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+            self.keys[k] = path
+            public = key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+            lines.append(f"{k}: {public.decode()}")
+        self.registry = root / "registry.txt"
+        self.registry.write_text("\n".join(lines) + "\n")
+
+    def node_config(self, node: int, client: int) -> dict:
+        """A bound site's node config: its client id, its node key and the federation's registry."""
+        return {"client-id": client, "sign-key": str(self.keys[client]), "registry": str(self.registry)}
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    return Federation(tmp_path_factory.mktemp("federation"))
+
+
 def setup_message(node: int, sample: int, share: int, threshold: int):
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.app.message_type import MessageType
@@ -1070,14 +1109,16 @@ def setup_message(node: int, sample: int, share: int, threshold: int):
         (5, 2, 2, {}, "a neighbourhood of 2"),
     ],
 )
-def test_a_site_refuses_a_setup_it_was_not_configured_to_accept(sample, share, threshold, node_config, says):
+def test_a_site_refuses_a_setup_it_was_not_configured_to_accept(
+    sample, share, threshold, node_config, says, federation
+):
     """Whatever the server sends at setup, even with the site pinned to secure aggregation: a round too small
     to hide a site, a threshold two disjoint halves of the neighbours could each reach, or below the site's
     own floors (``--node-config secagg-min-sites`` / ``secagg-min-threshold``)."""
     from flwr.app import Context, RecordDict
 
     app, _, _ = vector_app({100: np.zeros(3)}, {100: 1})
-    config = {"secure-aggregation": "required", **node_config}
+    config = {"secure-aggregation": "required", **federation.node_config(100, 0), **node_config}
     ctx = Context(run_id=1, node_id=100, node_config=config, state=RecordDict(), run_config={})
     grid = VectorGrid(app, {100: ctx})
     (reply,) = grid.send_and_receive([setup_message(100, sample, share, threshold)])
@@ -1778,3 +1819,187 @@ def test_a_second_run_of_the_same_round_does_not_give_a_sites_update(tmp_path, m
         got = 4 * first - 3 * second
         assert np.abs(got - vectors[100]).max() <= 8 * quantization_error(cfg)
         assert np.corrcoef(got, vectors[100])[0, 1] > 0.9999
+
+
+def bound(federation, vectors) -> callable:
+    """Each node's node config in a federation whose sites hold their node keys and its registry: node n is
+    client n - 100."""
+    return lambda n: federation.node_config(n, n - 100)
+
+
+def test_a_round_of_bound_sites_sums_as_a_plain_round_does(secure_cfg, federation):
+    """5 sites with their node keys and the federation's registry: each signs its keys, checks its
+    neighbours', signs the survivors list and checks theirs; the unmasked mean is the plain mean within the
+    quantization (the binding adds messages, not error)."""
+    vectors = clipped_vectors(5, 300, seed=2)
+    mean, nodes, grid = protocol_round(
+        secure_cfg, vectors, {n: 1 for n in vectors}, node_config=bound(federation, vectors)
+    )
+    assert nodes == sorted(vectors)
+    plain = np.mean([vectors[n] for n in nodes], axis=0)
+    assert np.abs(mean - plain).max() <= quantization_error(secure_cfg)
+    stages = [stage for _, stage, _ in grid.received]
+    assert stages.count("fedllm-consistency") == 5  # the survivors' round: one more message per site
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["flowers-mod-alone", "fedllm-site"])
+def test_a_server_that_swaps_in_its_own_keys_cannot_read_a_sites_shares(
+    secure_cfg, monkeypatch, federation, guarded
+):
+    """5 sites, threshold 3. The server hands site 100 keys of its own in place of each real neighbour's
+    (a key-agreement relayed unauthenticated): 100 encrypts its mask seed's shares to the server, which reads
+    them, answers 100's collect stage as its fake neighbours, and strips every mask from 100's vector. Under
+    Flower's mod alone it rebuilds 100's exact vector; fedllm's bound sites refuse keys that no registered
+    node key signed, before sharing anything."""
+    from flwr.common import bytes_to_ndarray
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
+        decrypt,
+        encrypt,
+        generate_shared_key,
+    )
+    from flwr.common.secure_aggregation.ndarrays_arithmetic import (
+        factor_extract,
+        get_parameters_shape,
+        parameters_addition,
+        parameters_mod,
+        parameters_subtraction,
+    )
+    from flwr.common.secure_aggregation.quantization import dequantize
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+    from flwr.common.secure_aggregation.secaggplus_utils import (
+        share_keys_plaintext_concat,
+        share_keys_plaintext_separate,
+    )
+    from flwr.supercore.primitives.asymmetric import (
+        bytes_to_public_key,
+        generate_key_pairs,
+        public_key_to_bytes,
+    )
+
+    from fedllm.secagg.bounds import clipping_range, quantization_bits
+
+    target = 100
+    fakes = {}  # neighbour -> the server's (sk1, pk1, sk2, pk2) in its place
+    seen: dict = {}
+    original = VectorGrid.send_and_receive
+
+    def swapping(self, messages, timeout=None):
+        for m in messages:
+            records = m.content.config_records
+            if RECORD_KEY_CONFIGS not in records:
+                continue
+            c, node = records[RECORD_KEY_CONFIGS], m.metadata.dst_node_id
+            if c["stage"] == "share_keys" and node == target:
+                for k in [k for k in c if k.isdigit() and int(k) != target]:
+                    sk1, pk1 = generate_key_pairs()
+                    sk2, pk2 = generate_key_pairs()
+                    fakes[int(k)] = (sk1, pk1, sk2, pk2)
+                    c[k] = [public_key_to_bytes(pk1), public_key_to_bytes(pk2)]
+            if c["stage"] == "collect_masked_vectors":
+                if node == target:  # "from" each fake neighbour, a share of nothing, under its fake key
+                    pk2_t = bytes_to_public_key(seen["pk2"])
+                    c[Key.SOURCE_LIST] = list(fakes)
+                    c[Key.CIPHERTEXT_LIST] = [
+                        encrypt(
+                            generate_shared_key(f[2], pk2_t),
+                            share_keys_plaintext_concat(j, target, b"x", b"y"),
+                        )
+                        for j, f in fakes.items()
+                    ]
+                else:  # the others do without the target's shares, which the server took
+                    keep = [i for i, src in enumerate(c[Key.SOURCE_LIST]) if src != target]
+                    c[Key.SOURCE_LIST] = [c[Key.SOURCE_LIST][i] for i in keep]
+                    c[Key.CIPHERTEXT_LIST] = [c[Key.CIPHERTEXT_LIST][i] for i in keep]
+        replies = original(self, messages, timeout)
+        for r in replies:
+            if r.has_error() or r.metadata.src_node_id != target:
+                continue
+            c = r.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            if Key.PUBLIC_KEY_2 in c:
+                seen["pk1"], seen["pk2"] = c[Key.PUBLIC_KEY_1], c[Key.PUBLIC_KEY_2]
+            if Key.CIPHERTEXT_LIST in c and Key.DESTINATION_LIST in c:  # its shares, under the fake keys
+                pk2_t = bytes_to_public_key(seen["pk2"])
+                seen["seed_shares"] = [
+                    share_keys_plaintext_separate(decrypt(generate_shared_key(fakes[j][2], pk2_t), ct))[2]
+                    for j, ct in zip(c[Key.DESTINATION_LIST], c[Key.CIPHERTEXT_LIST], strict=True)
+                ]
+            if Key.MASKED_PARAMETERS in c:
+                seen["masked"] = [bytes_to_ndarray(b) for b in c[Key.MASKED_PARAMETERS]]
+        return replies
+
+    if not guarded:
+        unguarded(monkeypatch)
+    monkeypatch.setattr(VectorGrid, "send_and_receive", swapping)
+    errors = site_errors(monkeypatch)
+    vectors = clipped_vectors(5, 300, seed=4)
+    protocol_round(
+        secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True, node_config=bound(federation, vectors)
+    )
+    if guarded:
+        assert "seed_shares" not in seen and "masked" not in seen
+        assert any("not signed by client" in e for e in errors), errors
+        return
+    draw = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod").pseudo_rand_gen
+    mod, q = 2**secure_cfg.secagg.modulus_bits, 2 ** quantization_bits(secure_cfg)
+    assert "masked" in seen, errors
+    masked = seen["masked"]
+    shapes = get_parameters_shape(masked)
+    vec = parameters_subtraction(masked, draw(combine_shares(seen["seed_shares"][:3]), mod, shapes))
+    pk1_t = bytes_to_public_key(seen["pk1"])
+    for j, (sk1, *_) in fakes.items():
+        mask = draw(generate_shared_key(sk1, pk1_t), mod, shapes)
+        vec = parameters_subtraction(vec, mask) if target > j else parameters_addition(vec, mask)
+    _, arrays = factor_extract(parameters_mod(vec, mod))
+    got = dequantize(arrays, clipping_range(secure_cfg), q)[0]
+    assert np.abs(got - vectors[target]).max() <= quantization_error(secure_cfg)
+
+
+def test_a_site_answers_only_the_survivors_list_it_signed_and_a_threshold_signed(
+    secure_cfg, federation, monkeypatch
+):
+    """Bell et al.'s consistency round. The server shows every site one survivors list, then an unmask
+    message with another (104 moved to the dropped): every bound site refuses it, so no share leaves. And a
+    list signed by fewer than the threshold (the server drops the others' signatures) is refused too."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    from fedllm.secagg import binding
+
+    for edit, says in (
+        ("other-list", "not the list this site signed"),
+        ("few-signatures", "survivors signed"),
+    ):
+
+        def deviate(stage, node, c, edit=edit):
+            if stage == "unmask" and edit == "other-list":
+                c[Key.ACTIVE_NODE_ID_LIST] = [n for n in c[Key.ACTIVE_NODE_ID_LIST] if n != 104]
+                c[Key.DEAD_NODE_ID_LIST] = [*c[Key.DEAD_NODE_ID_LIST], 104]
+            if stage == "unmask" and edit == "few-signatures":
+                c[binding.SIGNERS], c[binding.SIGNATURES] = c[binding.SIGNERS][:2], c[binding.SIGNATURES][:2]
+
+        with monkeypatch.context() as m:
+            server_sends(m, deviate)
+            errors = site_errors(m)
+            vectors = clipped_vectors(5, 40, seed=6)
+            mean, _, grid = protocol_round(
+                secure_cfg,
+                vectors,
+                {n: 1 for n in vectors},
+                deviating=True,
+                node_config=bound(federation, vectors),
+            )
+            assert mean is None and not [r for r in grid.received if r[1] == "unmask"]
+            unmasked = [e for e in errors if says in e]
+            assert len(unmasked) >= 4, errors  # 104 itself is told it dropped: it refuses as before
+
+
+def test_a_pinned_site_without_its_federations_registry_refuses_to_start(federation):
+    """A site pinned to secure aggregation must be able to check its neighbours' keys: without the registry
+    in its node config it refuses the setup, saying what to give it."""
+    from flwr.app import Context, RecordDict
+
+    app, _, _ = vector_app({100: np.zeros(3)}, {100: 1})
+    config = {"secure-aggregation": "required", "client-id": 0, "sign-key": str(federation.keys[0])}
+    ctx = Context(run_id=1, node_id=100, node_config=config, state=RecordDict(), run_config={})
+    (reply,) = VectorGrid(app, {100: ctx}).send_and_receive([setup_message(100, 5, 5, 3)])
+    assert reply.has_error() and "registry=PATH" in reply.error.reason

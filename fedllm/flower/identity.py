@@ -38,11 +38,13 @@ def pem_of(key_text: str, where: str) -> bytes:
     return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def load_registry(path: str, num_clients: int) -> dict[bytes, int]:
-    """``{PEM public key: client id}`` from lines ``K: <OpenSSH public key or path to a .pub file>``."""
+def load_registry(path: str, num_clients: int | None) -> dict[bytes, int]:
+    """``{PEM public key: client id}`` from lines ``K: <OpenSSH public key or path to a .pub file>``;
+    ``num_clients`` None: any client ids, not necessarily all of them (a site's copy, read before it knows
+    the run's config)."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"flower.registry: {path} is not a file")
+        raise ConfigError(f"flower.registry (or a site's registry): {path} is not a file")
     out: dict[bytes, int] = {}
     seen: set[int] = set()
     for i, line in enumerate(file.read_text().splitlines(), 1):
@@ -54,7 +56,7 @@ def load_registry(path: str, num_clients: int) -> dict[bytes, int]:
         if not sep or not head.strip().isdigit():
             raise ConfigError(f"{where}: expected 'client-id: public key', got {line[:60]!r}")
         k = int(head)
-        if not 0 <= k < num_clients:
+        if num_clients is not None and not 0 <= k < num_clients:
             raise ConfigError(f"{where}: client id {k} is outside 0..{num_clients - 1}")
         if k in seen:
             raise ConfigError(f"{where}: client id {k} is registered twice")
@@ -69,7 +71,7 @@ def load_registry(path: str, num_clients: int) -> dict[bytes, int]:
             raise ConfigError(f"{where}: this key is already registered for client {out[pem]}")
         out[pem] = k
         seen.add(k)
-    missing = sorted(set(range(num_clients)) - seen)
+    missing = sorted(set(range(num_clients)) - seen) if num_clients is not None else []
     if missing:
         raise ConfigError(f"flower.registry {path}: no key for clients {missing}")
     return out

@@ -23,7 +23,7 @@ import numpy as np
 import fedllm.secagg.guard as guard
 from fedllm.checks import one_line
 from fedllm.protocol import SummedUpdates, seeded_generator
-from fedllm.secagg import prg
+from fedllm.secagg import binding, prg
 from fedllm.secagg.bounds import (
     clip_of,
     clipping_range,
@@ -128,11 +128,40 @@ class SecureExchange:
         """Flower's SecAgg+ workflow, with the quorum checked before the unmask stage: when fewer than
         ``self.least`` sites sent their masked vectors, the round ends there and no sum of fewer is unmasked
         (Flower's own checks ask only for the threshold of each neighbourhood)."""
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
         from flwr.server.workflow import SecAggPlusWorkflow
 
         least = self.least
 
         class QuorumWorkflow(SecAggPlusWorkflow):
+            """Flower's workflow, with what fedllm's sites need of it (:mod:`fedllm.secagg.binding`): each
+            site's signed keys relayed beside its keys, the survivors' consistency stage before the unmask,
+            and the quorum checked before it."""
+
+            signed: dict[int, tuple[int, bytes]]
+
+            def setup_stage(self, grid, context, state) -> bool:
+                self.signed = {}
+
+                def seen(reply) -> None:  # a site's client and the signature over its keys
+                    configs = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+                    if binding.SIGNATURE in configs and binding.CLIENT in configs:
+                        pair = (int(configs[binding.CLIENT]), bytes(configs[binding.SIGNATURE]))
+                        self.signed[int(reply.metadata.src_node_id)] = pair
+
+                return bool(super().setup_stage(_Relay(grid, seen=seen), context, state))
+
+            def share_keys_stage(self, grid, context, state) -> bool:
+                def edit(msg) -> None:  # each neighbour's signature and client beside its keys
+                    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+                    for k in [k for k in configs if guard.canonical(k)]:
+                        if int(k) in self.signed:
+                            client, signature = self.signed[int(k)]
+                            configs[binding.NEIGHBOUR_CLIENT + k] = client
+                            configs[binding.NEIGHBOUR_SIGNATURE + k] = signature
+
+                return bool(super().share_keys_stage(_Relay(grid, edit=edit), context, state))
+
             def unmask_stage(self, grid, context, state) -> bool:
                 if len(state.active_node_ids) < least:
                     log.warning(
@@ -142,7 +171,44 @@ class SecureExchange:
                         least,
                     )
                     return False
-                return bool(super().unmask_stage(grid, context, state))
+                signatures = self.consistency(grid, context, sorted(state.active_node_ids))
+
+                def edit(msg) -> None:  # every survivor's signature over the list, for the sites to check
+                    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+                    configs[binding.SIGNERS] = list(signatures)
+                    configs[binding.SIGNATURES] = list(signatures.values())
+
+                return bool(super().unmask_stage(_Relay(grid, edit=edit), context, state))
+
+            def consistency(self, grid, context, survivors: list[int]) -> dict[int, bytes]:
+                """Send every survivor the list of survivors; its signature of it, by node."""
+                from flwr.app import ConfigRecord, Message, RecordDict
+                from flwr.app.message_type import MessageType
+
+                group = str(context.state.config_records["config"]["current_round"])
+                messages = [
+                    Message(
+                        RecordDict(
+                            {
+                                RECORD_KEY_CONFIGS: ConfigRecord(
+                                    {"stage": binding.CONSISTENCY, binding.SURVIVORS: survivors}
+                                )
+                            }
+                        ),
+                        dst_node_id=n,
+                        message_type=MessageType.TRAIN,
+                        group_id=group,
+                    )
+                    for n in survivors
+                ]
+                out: dict[int, bytes] = {}
+                for reply in grid.send_and_receive(messages, timeout=self.timeout):
+                    if not reply.has_error():
+                        configs = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+                        signature = configs.get(binding.SURVIVORS_SIGNATURE, b"")
+                        if isinstance(signature, bytes) and signature:
+                            out[int(reply.metadata.src_node_id)] = signature
+                return out
 
         return QuorumWorkflow(
             num_shares=float(self.o.num_shares),
@@ -232,6 +298,29 @@ class SecureExchange:
         return summed
 
 
+class _Relay:
+    """The Grid as one stage of Flower's workflow sees it, with fedllm's additions: ``edit(message)`` on each
+    message before it leaves, ``seen(reply)`` on each reply that is not an error; the rest is the Grid's."""
+
+    def __init__(self, grid, edit=None, seen=None) -> None:
+        self.grid, self.edit, self.seen = grid, edit, seen
+
+    def send_and_receive(self, messages, timeout=None):
+        messages = list(messages)
+        if self.edit is not None:
+            for m in messages:
+                self.edit(m)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        if self.seen is not None:
+            for r in replies:
+                if not r.has_error():
+                    self.seen(r)
+        return replies
+
+    def __getattr__(self, name: str):
+        return getattr(self.grid, name)
+
+
 def norm_limit(clip: float, tau: float, d: int, p: float = 1e-9) -> float:
     """The largest L2 norm an honest mean has but with probability ``2 p``: the mean is ``s + z`` with
     ``||s|| <= clip`` (a weighted mean of clipped changes) and ``z ~ N(0, tau^2 I_d)`` (the sites' noise),
@@ -292,8 +381,16 @@ def secure_mod(sites):
                 f"a secure aggregation message of type {msg.metadata.message_type!r}: the protocol's are "
                 f"{MessageType.TRAIN!r}"
             )
+        stage = msg.content.config_records[RECORD_KEY_CONFIGS].get("stage")
+        if stage == binding.CONSISTENCY:  # fedllm's own stage: Flower's mod never sees it
+            return _consistency(msg, context)
         _guard(msg, context)
+        configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+        for key in [k for k in configs if k.startswith(binding.PREFIX)]:
+            del configs[key]  # fedllm's entries, checked: Flower's mod reads a share-keys entry as a node id
         reply = secaggplus_mod(msg, context, lambda m, c: _secure_train(m, c, sites))
+        if stage == "setup" and not reply.has_error():
+            _sign_keys(reply, context)
         counts = None if reply.has_error() else reply.content.metric_records.get("fitres.num_examples")
         if counts is not None:
             # the weight is masked into the vector (Flower's factor); the plain copy beside it would tell the
@@ -313,30 +410,144 @@ def _protocol_state(context):
     return SecAggPlusState(**dict(record)) if record is not None else SecAggPlusState()
 
 
-def _guard(msg, context) -> None:
-    """The site's checks of a protocol message before Flower's mod answers it (:mod:`fedllm.secagg.guard`)."""
+def _registry_path(context) -> str | None:
+    """The site's copy of the federation's registry of node keys (``--node-config registry=PATH``), which
+    binds its neighbours' SecAgg+ keys to their identities (:mod:`fedllm.secagg.binding`)."""
+    from fedllm.flower.site import node_setting
+
+    path = node_setting(context.node_config, "registry")
+    return str(path) if path else None
+
+
+def _own_client(context) -> int:
+    from fedllm.flower.site import node_setting
+
+    return int(
+        node_setting(context.node_config, "client-id", node_setting(context.node_config, "partition-id", -1))
+    )
+
+
+def _record(context) -> dict:
+    """What the guard keeps of the round between the protocol's stages (the quorum, the neighbours' clients,
+    the round's keys, the survivors list signed)."""
+    record = context.state.config_records.get(guard.STATE)
+    return dict(record) if record is not None else {}
+
+
+def _keep(context, record: dict) -> None:
     from flwr.app import ConfigRecord
+
+    context.state.config_records[guard.STATE] = ConfigRecord(record)
+
+
+def _guard(msg, context) -> None:
+    """The site's checks of a protocol message before Flower's mod answers it (:mod:`fedllm.secagg.guard`),
+    fedllm's own entries (signatures) included."""
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    from fedllm.flower.site import pinned_secure
 
     configs = msg.content.config_records[RECORD_KEY_CONFIGS]
     stage = configs.get(Key.STAGE)
     floor = guard.Floor.of(context.node_config)
+    registry_path = _registry_path(context)
     if stage == Stage.SETUP:
         guard.check_setup(configs, floor)
-        context.state.config_records[guard.STATE] = ConfigRecord({"least": floor.sites})
+        if pinned_secure(context.node_config) and registry_path is None:
+            raise guard.Refused(
+                "this site is pinned to secure aggregation but holds no registry of its federation's node "
+                "keys (--node-config registry=PATH): it cannot tell its neighbours' keys from a server's"
+            )
+        _keep(context, {"least": floor.sites})
         return
     state = _protocol_state(context)
+    record = _record(context)
     if stage == Stage.SHARE_KEYS:
-        guard.check_share_keys(configs, int(state.share_num), int(state.nid))
+        guard.check_share_keys(configs, int(state.share_num), int(state.nid), (binding.PREFIX,))
+        if registry_path is not None:
+            clients = guard.check_bound_keys(
+                configs,
+                binding.registry(registry_path),
+                int(context.run_id),
+                int(state.nid),
+                _own_client(context),
+            )
+            keys = {int(k): [bytes(x) for x in v] for k, v in configs.items() if guard.canonical(k)}
+            record.update(
+                nodes=list(clients), clients=list(clients.values()), keyset=binding.keyset_digest(keys)
+            )
+            _keep(context, record)
     elif stage == Stage.COLLECT_MASKED_VECTORS:
         guard.check_collect(configs, {int(n) for n in state.public_keys_dict}, int(state.nid))
-        least = guard.check_round_config(state, _run_config(msg), floor)
-        context.state.config_records[guard.STATE] = ConfigRecord({"least": least})
+        record["least"] = guard.check_round_config(state, _run_config(msg), floor)
+        _keep(context, record)
     elif stage == Stage.UNMASK:
-        record = context.state.config_records.get(guard.STATE)
-        least = int(record["least"]) if record is not None else floor.sites
+        least = int(record.get("least", floor.sites))
         neighbours = {int(n) for n in state.public_keys_dict}
         guard.check_unmask(configs, int(state.nid), neighbours, int(state.share_num), least)
+        if registry_path is not None:
+            survivors = [int(n) for n in configs[Key.ACTIVE_NODE_ID_LIST]]
+            keyset = bytes(record.get("keyset", b""))
+            guard.check_survivor_signatures(
+                configs,
+                survivors,
+                [int(n) for n in record.get("signed", [])],
+                dict(zip(record.get("nodes", []), record.get("clients", []), strict=True)),
+                binding.registry(registry_path),
+                binding.survivors_digest(int(context.run_id), keyset, survivors),
+                int(state.threshold),
+            )
+
+
+def _sign_keys(reply, context) -> None:
+    """A setup reply's keys signed by the site's node key, with the client it is (:mod:`.binding`)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    from fedllm.flower.site import signing_key
+
+    key = signing_key(context.node_config)
+    if key is None:
+        return
+    configs = reply.content.config_records[RECORD_KEY_CONFIGS]
+    client = _own_client(context)
+    digest = binding.keys_digest(
+        int(context.run_id),
+        int(context.node_id),
+        client,
+        bytes(configs[Key.PUBLIC_KEY_1]),
+        bytes(configs[Key.PUBLIC_KEY_2]),
+    )
+    configs[binding.SIGNATURE] = binding.sign(key, digest)
+    configs[binding.CLIENT] = client
+
+
+def _consistency(msg, context):
+    """fedllm's survivors stage (:mod:`.binding`): check the list, sign it (one list a round, for this round's
+    keys), reply with the signature (empty where the site has no node key)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
+
+    from fedllm.flower.site import signing_key
+
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    state = _protocol_state(context)
+    if state.current_stage != Stage.COLLECT_MASKED_VECTORS:
+        raise guard.Refused(
+            f"a survivors list at the {state.current_stage!r} stage: expected after the collect"
+        )
+    record = _record(context)
+    survivors = sorted(int(n) for n in configs[binding.SURVIVORS])
+    neighbours = {int(n) for n in state.public_keys_dict}
+    guard.check_survivors(survivors, int(state.nid), neighbours, int(record.get("least", 3)))
+    if "signed" in record and sorted(int(n) for n in record["signed"]) != survivors:
+        raise guard.Refused("a second survivors list this round: a site signs one")
+    record["signed"] = survivors
+    _keep(context, record)
+    key = signing_key(context.node_config)
+    digest = binding.survivors_digest(int(context.run_id), bytes(record.get("keyset", b"")), survivors)
+    signature = binding.sign(key, digest) if key is not None else b""
+    reply = ConfigRecord({binding.SURVIVORS_SIGNATURE: signature})
+    return Message(RecordDict({RECORD_KEY_CONFIGS: reply}), reply_to=msg)
 
 
 ROUNDS = "secagg-rounds.json"  # in a site's state folder: the last round it trained under the protocol

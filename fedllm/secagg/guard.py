@@ -236,3 +236,82 @@ def check_unmask(configs: Any, nid: int, neighbours: set[int], share_num: int, l
             f"{len(active)} surviving site(s): below the round's quorum of {min(least, share_num)}; the sum "
             "of fewer is never unmasked"
         )
+
+
+def check_bound_keys(
+    configs: Any, registry: dict[int, bytes], run_id: int, nid: int, own_client: int
+) -> dict[int, int]:
+    """Every neighbour's keys signed by the node key the federation's registry holds for the client it
+    claims (:mod:`fedllm.secagg.binding`), each client once, the site's own entry its own client: a server
+    that swaps in keys of its own (to read the shares a site sends) or answers for nodes that do not exist
+    has no registered key to sign them with. Returns node id -> client id."""
+    from fedllm.secagg import binding
+
+    clients: dict[int, int] = {}
+    for k, keys in configs.items():
+        if not canonical(k):
+            continue
+        client = configs.get(binding.NEIGHBOUR_CLIENT + k)
+        signature = configs.get(binding.NEIGHBOUR_SIGNATURE + k)
+        if not isinstance(client, int) or isinstance(client, bool) or client not in registry:
+            raise Refused(f"node {k}'s keys claim no client the federation's registry holds ({client!r})")
+        pk1, pk2 = (bytes(x) for x in keys)
+        if not binding.verify(
+            registry[client], signature, binding.keys_digest(run_id, int(k), client, pk1, pk2)
+        ):
+            raise Refused(
+                f"node {k}'s keys are not signed by client {client}'s registered key: a server's keys in "
+                "place of a neighbour's would read the shares this site sends it"
+            )
+        if client in clients.values():
+            raise Refused(f"client {client} appears as two nodes of one round")
+        clients[int(k)] = client
+    if clients.get(nid) != own_client:
+        raise Refused(
+            f"the share-keys message names this site as client {clients.get(nid)}, not {own_client}"
+        )
+    return clients
+
+
+def check_survivors(survivors: list[int], nid: int, neighbours: set[int], least: int) -> None:
+    """A survivors list a site signs: each node once, the site among them, only its neighbours, at least
+    the round's quorum."""
+    if len(set(survivors)) != len(survivors):
+        raise Refused("the survivors list repeats a node")
+    if nid not in survivors:
+        raise Refused("the survivors list leaves this site out")
+    strangers = set(survivors) - neighbours
+    if strangers:
+        raise Refused(f"the survivors list names node(s) {sorted(strangers)} this site shared no keys with")
+    if len(survivors) < least:
+        raise Refused(f"{len(survivors)} survivors: below the round's quorum of {least}")
+
+
+def check_survivor_signatures(
+    configs: Any,
+    survivors: list[int],
+    signed: list[int],
+    clients: dict[int, int],
+    registry: dict[int, bytes],
+    digest: bytes,
+    threshold: int,
+) -> None:
+    """Before any unmask share leaves: the survivors the unmask message lists are the list this site signed,
+    and at least ``threshold`` of them (registered, distinct) signed that same list for this round's keys.
+    Sites sign one list a round, so a server cannot gather a strict majority for two lists and ask one half
+    for a site's seed and the other for its secret key."""
+    from fedllm.secagg import binding
+
+    if sorted(survivors) != sorted(signed):
+        raise Refused("the unmask message's survivors are not the list this site signed for the round")
+    nodes, signatures = list(configs.get(binding.SIGNERS, [])), list(configs.get(binding.SIGNATURES, []))
+    valid = {
+        n
+        for n, s in zip(nodes, signatures, strict=False)
+        if n in survivors and n in clients and binding.verify(registry[clients[n]], s, digest)
+    }
+    if len(valid) < threshold:
+        raise Refused(
+            f"{len(valid)} of the survivors signed this survivors list; the unmask needs {threshold} (the "
+            "threshold): without them the server could show other sites another list"
+        )
