@@ -183,7 +183,9 @@ for k in $(seq 0 $((n - 1))); do
   if [ $tls = 1 ]; then
     flwr supernode register "$work/site-$k/node-key.pub" fedllm-local > "$work/site-$k/register.log" 2>&1
     auth=(--auth-supernode-private-key "$work/site-$k/node-key")
-    sign=" sign-key='$work/site-$k/node-key'"  # the site signs every reply with the key it authenticates with
+    # the site signs every reply (and its secure aggregation keys) with the key it authenticates with, and
+    # checks its neighbours' keys against the federation's registry (a copy each site holds, not the server's)
+    sign=" sign-key='$work/site-$k/node-key' registry='$work/registry.txt'"
   fi
   if [ -n "$node_port" ]; then port=$((node_port + k)); need_port "$port" "SUPERNODE_PORT (+$k)"; else port=$(free_port); fi
   OMP_NUM_THREADS=$site_threads flower-supernode "${node_tls[@]}" "${auth[@]}" --superlink "127.0.0.1:$link_port" --port "$port" \

@@ -1107,6 +1107,9 @@ def setup_message(node: int, sample: int, share: int, threshold: int):
         (5, 5, 3, {"secagg-min-threshold": "0.8"}, "below this site's floor"),
         (5, 5, 4, {"secagg-min-threshold": "0.8"}, None),
         (5, 2, 2, {}, "a neighbourhood of 2"),
+        # the default config's smaller neighbourhoods (6 sites, 5 neighbours, threshold 3): each site's view
+        # consistent on its own, the counting argument (every site the same neighbourhood) void (issue 78)
+        (6, 5, 3, {}, "a neighbourhood of 5 in a round of 6"),
     ],
 )
 def test_a_site_refuses_a_setup_it_was_not_configured_to_accept(
@@ -2003,3 +2006,11 @@ def test_a_pinned_site_without_its_federations_registry_refuses_to_start(federat
     ctx = Context(run_id=1, node_id=100, node_config=config, state=RecordDict(), run_config={})
     (reply,) = VectorGrid(app, {100: ctx}).send_and_receive([setup_message(100, 5, 5, 3)])
     assert reply.has_error() and "registry=PATH" in reply.error.reason
+
+
+def test_a_config_with_smaller_neighbourhoods_is_refused_before_any_run(tmp_path):
+    """secagg.num_shares below 1 (SecAgg+'s overlapping neighbourhoods) is refused with the reason: no site
+    of fedllm takes part in such a round (the setup check above)."""
+    with pytest.raises(ConfigError, match="secagg.num_shares"):
+        load_config(None, tiny_overrides(tmp_path, "flower.secure_aggregation=true", "secagg.clip_norm=1",
+                                          "secagg.num_shares=0.8"))  # fmt: skip

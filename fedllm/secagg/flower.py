@@ -12,6 +12,7 @@ the protocol's messages only; its training step is the site's own, replying with
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -577,7 +578,7 @@ def claim_round(state_dir: Path, round_idx: int) -> None:
 def _run_config(msg):
     """The run's config a collect message carries in its start record (what every setup parameter is
     checked against before the site trains); refused when it carries none."""
-    from fedllm.config import ConfigError, config_from_text
+    from fedllm.config import ConfigError
     from fedllm.flower.records import start_config
 
     config = msg.content.config_records.get("fitins.config")
@@ -586,9 +587,18 @@ def _run_config(msg):
             "a collect message without the run's start and config: nothing to check it against"
         )
     try:
-        return config_from_text(start_config(_from_bytes(bytes(config[START])))[0], "the server's config")
+        return _config_of(start_config(_from_bytes(bytes(config[START])))[0])
     except (ConfigError, KeyError, ValueError) as e:
         raise guard.Refused(f"the collect message's config does not load: {e}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _config_of(text: str):
+    """The run's config from its text, parsed once per text (every round sends the same; the guard only
+    reads it)."""
+    from fedllm.config import config_from_text
+
+    return config_from_text(text, "the server's config")
 
 
 def admitted(msg, context, sites):
