@@ -16,6 +16,7 @@ QUIET_LOGGERS = (
     "torch.distributed",
     "DeepSpeed",
     "transformers",
+    "kernels",  # transformers' Hub kernels: "skipping publisher trust check ... offline" at every load
     "peft",
     "datasets",
     "huggingface_hub",
