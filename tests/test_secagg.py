@@ -11,6 +11,8 @@ import itertools
 import json
 import math
 import re
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -453,8 +455,9 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int], sites: S
 
     def fake_train(msg, ctx, _=None):
         n = ctx.node_id
-        if sites is not None:  # the site's own admission first (fedllm's: once per round of its trajectory)
-            sf.admitted(msg, ctx, sites)
+        sf.admitted(
+            msg, ctx, sites
+        )  # the site's own admission first: the setup against the config, once a round
         return Message(
             RecordDict(
                 {
@@ -494,6 +497,7 @@ def protocol_round(
 
     from fedllm.secagg.flower import SecureExchange, _round_strategy
 
+    sites = sites or StateSites(Path(tempfile.mkdtemp(prefix="fedllm-sites-")), list(vectors))
     app, sf, fake_train = vector_app(vectors, weights, sites)
     grid = VectorGrid(app, bare_contexts(vectors, node_config), dead_at)
     ex = SecureExchange(cfg.secagg, cfg)
@@ -792,8 +796,8 @@ def site_errors(monkeypatch) -> list[str]:
 
 
 def unguarded(monkeypatch) -> None:
-    """Flower's own mod alone, as fedllm's sites ran it before their guard: no checks, and Flower's own mask
-    generator (its seed folded to 32 bits) on both ends."""
+    """Flower's own mod alone, as fedllm's sites ran it before their guard: no checks (nor fedllm's admission
+    of a training), and Flower's own mask generator (its seed folded to 32 bits) on both ends."""
     import importlib
 
     from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
@@ -802,6 +806,7 @@ def unguarded(monkeypatch) -> None:
     from fedllm.secagg import prg
 
     monkeypatch.setattr(sf, "_guard", lambda msg, context: None)
+    monkeypatch.setattr(sf, "admitted", lambda msg, context, sites: None)
     monkeypatch.setattr(prg, "install", lambda: None)
     for name in prg.FLOWER_MODULES:
         monkeypatch.setattr(importlib.import_module(name), "pseudo_rand_gen", pseudo_rand_gen)
@@ -985,7 +990,9 @@ def test_a_site_trains_once_per_round_of_its_trajectory_across_runs_and_refuses_
     site) is refused before the site trains, also in a new Flower run (a new context.state, the same state
     folder: the record lives there, per trajectory); under distributed DP a pinned site refuses
     privacy.noise_seed >= 0 (the server that sent the seed could remove its noise)."""
-    from flwr.app import Context, RecordDict
+    from flwr.app import ConfigRecord, Context, RecordDict
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
 
     import fedllm.secagg.flower as sf
     from fedllm.secagg import guard
@@ -1007,7 +1014,11 @@ def test_a_site_trains_once_per_round_of_its_trajectory_across_runs_and_refuses_
         monkeypatch.setattr(
             "fedllm.flower.records.read_start", lambda content, codecs: SimpleNamespace(round=content)
         )
-        ctx = Context(run_id=1, node_id=100, node_config={}, state=RecordDict(), run_config={})  # a new run
+        state = RecordDict()  # the round's setup, as the config gives it (checked before training)
+        state.config_records[RECORD_KEY_STATE] = ConfigRecord(
+            SecAggPlusState(sample_num=4, nid=100, **{"max_weight": 5.0, **guard.pinned(4, 4, cfg)}).to_dict()
+        )
+        ctx = Context(run_id=1, node_id=100, node_config={}, state=state, run_config={})  # a new run
         errors = []
         for r in rounds:
             msg = SimpleNamespace(
@@ -1067,8 +1078,13 @@ class Federation:
         self.registry.write_text("\n".join(lines) + "\n")
 
     def node_config(self, node: int, client: int) -> dict:
-        """A bound site's node config: its client id, its node key and the federation's registry."""
-        return {"client-id": client, "sign-key": str(self.keys[client]), "registry": str(self.registry)}
+        """A bound site's node config: its client id, its node key, the federation's registry, its state."""
+        return {
+            "client-id": client,
+            "sign-key": str(self.keys[client]),
+            "registry": str(self.registry),
+            "state-dir": str(self.root / f"state-{client}"),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -2014,3 +2030,130 @@ def test_a_config_with_smaller_neighbourhoods_is_refused_before_any_run(tmp_path
     with pytest.raises(ConfigError, match="secagg.num_shares"):
         load_config(None, tiny_overrides(tmp_path, "flower.secure_aggregation=true", "secagg.clip_norm=1",
                                           "secagg.num_shares=0.8"))  # fmt: skip
+
+
+def test_bound_sites_sum_with_flowers_64_bit_node_ids(secure_cfg, federation):
+    """Flower's run and node ids are random 64-bit values, half of them at or above 2^63: the signed digests
+    frame them unsigned (a signed framing failed every such round)."""
+    big = {2**63 + 5 + i: v for i, v in enumerate(clipped_vectors(5, 40, seed=12).values())}
+    clients = {n: k for k, n in enumerate(sorted(big))}
+    mean, nodes, _ = protocol_round(
+        secure_cfg, big, {n: 1 for n in big}, node_config=lambda n: federation.node_config(n, clients[n])
+    )
+    assert nodes == sorted(big)
+    assert np.abs(mean - np.mean(list(big.values()), axis=0)).max() <= quantization_error(secure_cfg)
+
+
+def test_a_trajectory_is_what_decides_the_update_not_the_servers_other_settings(tmp_path):
+    """The once-a-round record is keyed by what decides a site's update: a server that changes a timeout,
+    the evaluation or secure aggregation's own settings keeps the trajectory (so it cannot make a site train
+    the same round again by renaming it); a change of what the site trains (its learning rate) is another
+    trajectory, whose updates differ."""
+    from fedllm.secagg.flower import training_digest
+
+    base = ["federation.num_clients=4", "flower.secure_aggregation=true", "secagg.clip_norm=1"]
+
+    def digest(*extra):
+        return training_digest(load_config(None, tiny_overrides(tmp_path, *base, *extra)))
+
+    same = digest()
+    for cosmetic in (
+        "secagg.timeout_s=7",
+        "federation.client_timeout_s=9",
+        "eval.limit=3",
+        "federation.min_clients=4",
+    ):
+        assert digest(cosmetic) == same, cosmetic
+    assert digest("client.lr=0.01") != same and digest("federation.seed=5") != same
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        ("consistency-before-collect", "expected after the collect"),
+        ("second-list", "a second survivors list"),
+        ("client-as-bool", "claim no client"),
+        ("client-as-text", "claim no client"),
+        ("share-keys-replayed", "expected after 'setup'"),
+    ],
+)
+def test_a_bound_site_refuses_what_the_protocol_never_sends(secure_cfg, federation, monkeypatch, edit, says):
+    """What a server can still try once keys are bound: a survivors list before the masked vectors, a second
+    and different list in the same round, one registered client under two nodes, a client id that is not an
+    integer, a share-keys message after the collect (to rewrite what the site keeps of the round): each is
+    refused before the site answers."""
+    from fedllm.secagg import binding
+
+    sent: dict = {}
+    injected: list[str] = []  # the site's answers to what the server slipped in
+    original = VectorGrid.send_and_receive
+
+    def slip(self, message, timeout):
+        injected.extend(r.error.reason for r in original(self, [message], timeout) if r.has_error())
+
+    def deviating(self, messages, timeout=None):
+        messages = list(messages)
+        for m in messages:
+            c = m.content.config_records.get("secaggplus_configs")
+            if c is None:
+                continue
+            stage, node = c["stage"], m.metadata.dst_node_id
+            if stage == "share_keys":
+                sent.setdefault("share_keys", copy.deepcopy(m))
+                if edit in ("client-as-bool", "client-as-text") and node == 100:
+                    c[binding.NEIGHBOUR_CLIENT + "101"] = True if edit == "client-as-bool" else "1"
+            if stage == "collect_masked_vectors" and edit == "consistency-before-collect" and node == 100:
+                early = copy.deepcopy(m)
+                early.content.config_records["secaggplus_configs"] = type(c)(
+                    {"stage": binding.CONSISTENCY, binding.SURVIVORS: [100, 101, 102, 103, 104]}
+                )
+                slip(self, early, timeout)
+            if stage == binding.CONSISTENCY and edit == "second-list" and node == 100:
+                other = copy.deepcopy(m)
+                other.content.config_records["secaggplus_configs"][binding.SURVIVORS] = [100, 101, 102, 103]
+                slip(self, m, timeout)  # the list it signs ...
+                messages[messages.index(m)] = other  # ... then another
+            if stage == "unmask" and edit == "share-keys-replayed" and node == 100:
+                slip(self, copy.deepcopy(sent["share_keys"]), timeout)
+        return original(self, messages, timeout)
+
+    monkeypatch.setattr(VectorGrid, "send_and_receive", deviating)
+    errors = site_errors(monkeypatch)
+    vectors = clipped_vectors(5, 40, seed=13)
+    protocol_round(
+        secure_cfg, vectors, {n: 1 for n in vectors}, deviating=True, node_config=bound(federation, vectors)
+    )
+    assert any(says in e for e in errors + injected), errors + injected
+
+
+def test_one_registered_client_under_two_nodes_is_refused(tmp_path, federation):
+    """A site that colludes with the server runs a second node with its own registered key, to fill a round
+    with nodes it controls: every bound site refuses a round in which one client appears as two nodes."""
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path / "run",
+            "federation.num_clients=6",
+            "flower.secure_aggregation=true",
+            "secagg.clip_norm=1.0",
+        ),
+    )
+    vectors = clipped_vectors(6, 30, seed=14)
+    clients = {100: 0, 101: 1, 102: 2, 103: 3, 104: 4, 105: 1}  # 105 signs with client 1's key
+    errors: list[str] = []
+    original = VectorGrid.send_and_receive
+
+    def recording(self, messages, timeout=None):
+        replies = original(self, messages, timeout)
+        errors.extend(r.error.reason for r in replies if r.has_error())
+        return replies
+
+    VectorGrid.send_and_receive = recording
+    try:
+        mean, _, _ = protocol_round(
+            cfg, vectors, {n: 1 for n in vectors}, deviating=True,
+            node_config=lambda n: federation.node_config(n, clients[n]),
+        )  # fmt: skip
+    finally:
+        VectorGrid.send_and_receive = original
+    assert mean is None and any("client 1 appears as two nodes" in e for e in errors), errors

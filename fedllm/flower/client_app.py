@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from fedllm.features import FEATURES
+from fedllm.flower.node import pinned_secure, signing_key
 from fedllm.flower.records import (
     evaluation_record,
     info_record,
@@ -29,7 +30,7 @@ from fedllm.flower.records import (
     start_config,
     update_record,
 )
-from fedllm.flower.site import Site, pinned_secure, signing_key, site_for
+from fedllm.flower.site import Site, site_for
 from fedllm.logs import setup_logging
 
 log = logging.getLogger(__name__)

@@ -15,66 +15,28 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fedllm.config import ConfigError, token_modules
+from fedllm.flower import node
 
 log = logging.getLogger(__name__)
 
 
 def pem_of(key_text: str, where: str) -> bytes:
     """A public key (OpenSSH ``ecdsa-sha2-...`` line or PEM) as Flower stores it: PEM SubjectPublicKeyInfo."""
-    from cryptography.hazmat.primitives import serialization
-
-    data = key_text.strip().encode()
     try:
-        key = (
-            serialization.load_pem_public_key(data)
-            if data.startswith(b"-----BEGIN")
-            else serialization.load_ssh_public_key(data)
-        )
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: not a public key ({e})") from None
-    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return node.pem_of(key_text, where)
+    except node.RegistryError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_registry(path: str, num_clients: int | None) -> dict[bytes, int]:
-    """``{PEM public key: client id}`` from lines ``K: <OpenSSH public key or path to a .pub file>``;
-    ``num_clients`` None: any client ids, not necessarily all of them (a site's copy, read before it knows
-    the run's config)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"flower.registry (or a site's registry): {path} is not a file")
-    out: dict[bytes, int] = {}
-    seen: set[int] = set()
-    for i, line in enumerate(file.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"flower.registry {path}, line {i}"
-        head, sep, key = line.partition(":")
-        if not sep or not head.strip().isdigit():
-            raise ConfigError(f"{where}: expected 'client-id: public key', got {line[:60]!r}")
-        k = int(head)
-        if num_clients is not None and not 0 <= k < num_clients:
-            raise ConfigError(f"{where}: client id {k} is outside 0..{num_clients - 1}")
-        if k in seen:
-            raise ConfigError(f"{where}: client id {k} is registered twice")
-        key = key.strip()
-        if not key.startswith(("ecdsa-", "ssh-", "-----BEGIN")):  # a path to the key file
-            key_path = (file.parent / key).expanduser()
-            if not key_path.is_file():
-                raise ConfigError(f"{where}: {key} is neither a public key nor a file")
-            key = key_path.read_text()
-        pem = pem_of(key, where)
-        if pem in out:
-            raise ConfigError(f"{where}: this key is already registered for client {out[pem]}")
-        out[pem] = k
-        seen.add(k)
-    missing = sorted(set(range(num_clients)) - seen) if num_clients is not None else []
-    if missing:
-        raise ConfigError(f"flower.registry {path}: no key for clients {missing}")
-    return out
+    """``{PEM public key: client id}`` of the operator's registry (:func:`fedllm.flower.node.load_registry`),
+    a problem reported as the config's error."""
+    try:
+        return node.load_registry(path, num_clients)
+    except node.RegistryError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass

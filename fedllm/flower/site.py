@@ -26,6 +26,7 @@ import torch
 from fedllm.config import Config, ConfigError, config_from_text
 from fedllm.factors import adapter_from_tensors, adapter_tensors, prefixed, unprefixed
 from fedllm.files import atomic_write_text, save_tensors_atomic
+from fedllm.flower.node import node_setting, pinned_secure
 from fedllm.model import precision
 from fedllm.protocol import ClientStart, ClientUpdate
 
@@ -43,27 +44,6 @@ def trajectory_digest(cfg: Config) -> str:
 
     keys = {k: v for k, v in flat_config(cfg).items() if not k.startswith(RESUMABLE_CHANGES)}
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def node_setting(node_config, key: str, default=None):
-    value = node_config.get(key, default) if node_config else default
-    return value if value not in ("", None) else default
-
-
-_KEYS: dict[str, object] = {}
-
-
-def signing_key(node_config):
-    """The site's node key for signing its replies (``sign-key`` in its node config), loaded once; None
-    when the SuperNode runs without one (a plain deployment, the Simulation Engine)."""
-    path = node_setting(node_config, "sign-key")
-    if path is None:
-        return None
-    if path not in _KEYS:
-        from fedllm.flower.signing import load_private_key
-
-        _KEYS[path] = load_private_key(path)
-    return _KEYS[path]
 
 
 def site_for(config_text: str, node_config, run_id: int) -> Site:
@@ -95,11 +75,6 @@ def site_for(config_text: str, node_config, run_id: int) -> Site:
             pinned_secure(node_config),
         )
     return _SITES[key]
-
-
-def pinned_secure(node_config) -> bool:
-    """Whether the SuperNode's operator pinned it to secure aggregation (``secure-aggregation=required``)."""
-    return str(node_setting(node_config, "secure-aggregation", "")).lower() in ("required", "true", "1")
 
 
 class Site:

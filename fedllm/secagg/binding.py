@@ -45,17 +45,31 @@ _KEYS = b"fedllm-secagg-keys-v1\0"
 _SURVIVORS = b"fedllm-secagg-survivors-v1\0"
 
 
-def _framed(*parts: bytes | int) -> bytes:
+def _framed(*parts: bytes | str | int) -> bytes:
+    """Each part length-prefixed: integers as unsigned 64-bit (Flower's run and node ids are random 64-bit
+    values), text as UTF-8."""
     out = b""
     for part in parts:
-        data = part.to_bytes(8, "big", signed=True) if isinstance(part, int) else bytes(part)
+        if isinstance(part, int):
+            if not 0 <= part < 2**64:
+                raise ValueError(f"{part}: not an unsigned 64-bit id")
+            data = part.to_bytes(8, "big")
+        else:
+            data = part.encode() if isinstance(part, str) else bytes(part)
         out += struct.pack(">I", len(data)) + data
     return out
 
 
-def keys_digest(run_id: int, node_id: int, client: int, pk1: bytes, pk2: bytes) -> bytes:
-    """What a site signs of its setup reply: the run, its node id, the client it claims to be, its keys."""
-    return hashlib.sha256(_KEYS + _framed(run_id, node_id, client, pk1, pk2)).digest()
+def setup_digest(group: str, setup: dict[str, Any]) -> bytes:
+    """The round as a site's setup message shows it: its group (the round's label) and every parameter."""
+    return hashlib.sha256(_framed(group, *(f"{k}={setup[k]!r}" for k in sorted(setup)))).digest()
+
+
+def keys_digest(run_id: int, node_id: int, client: int, round_of: bytes, pk1: bytes, pk2: bytes) -> bytes:
+    """What a site signs of its setup reply: the run, its node id, the client it claims to be, the round's
+    setup (:func:`setup_digest`: a signature made for another round or setup does not count here), its
+    keys."""
+    return hashlib.sha256(_KEYS + _framed(run_id, node_id, client, round_of, pk1, pk2)).digest()
 
 
 def keyset_digest(public_keys: dict[int, list[bytes]]) -> bytes:
@@ -94,7 +108,7 @@ _REGISTRIES: dict[str, dict[int, bytes]] = {}
 def registry(path: str) -> dict[int, bytes]:
     """A site's copy of the federation's registry: ``{client id: PEM public key}`` (read once a process)."""
     if path not in _REGISTRIES:
-        from fedllm.flower.identity import load_registry
+        from fedllm.flower.node import load_registry
 
         _REGISTRIES[path] = {k: pem for pem, k in load_registry(path, None).items()}
     return _REGISTRIES[path]

@@ -12,7 +12,7 @@ the protocol's messages only; its training step is the site's own, replying with
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import logging
 import math
@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
+import fedllm.secagg.binding as binding
 import fedllm.secagg.guard as guard
+import fedllm.secagg.prg as prg
 from fedllm.checks import one_line
 from fedllm.protocol import SummedUpdates, seeded_generator
-from fedllm.secagg import binding, prg
 from fedllm.secagg.bounds import (
     clip_of,
     clipping_range,
@@ -391,7 +392,7 @@ def secure_mod(sites):
             del configs[key]  # fedllm's entries, checked: Flower's mod reads a share-keys entry as a node id
         reply = secaggplus_mod(msg, context, lambda m, c: _secure_train(m, c, sites))
         if stage == "setup" and not reply.has_error():
-            _sign_keys(reply, context)
+            _sign_keys(reply, msg, context)
         counts = None if reply.has_error() else reply.content.metric_records.get("fitres.num_examples")
         if counts is not None:
             # the weight is masked into the vector (Flower's factor); the plain copy beside it would tell the
@@ -414,14 +415,14 @@ def _protocol_state(context):
 def _registry_path(context) -> str | None:
     """The site's copy of the federation's registry of node keys (``--node-config registry=PATH``), which
     binds its neighbours' SecAgg+ keys to their identities (:mod:`fedllm.secagg.binding`)."""
-    from fedllm.flower.site import node_setting
+    from fedllm.flower.node import node_setting
 
     path = node_setting(context.node_config, "registry")
     return str(path) if path else None
 
 
 def _own_client(context) -> int:
-    from fedllm.flower.site import node_setting
+    from fedllm.flower.node import node_setting
 
     return int(
         node_setting(context.node_config, "client-id", node_setting(context.node_config, "partition-id", -1))
@@ -446,7 +447,7 @@ def _guard(msg, context) -> None:
     fedllm's own entries (signatures) included."""
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
-    from fedllm.flower.site import pinned_secure
+    from fedllm.flower.node import node_setting, pinned_secure
 
     configs = msg.content.config_records[RECORD_KEY_CONFIGS]
     stage = configs.get(Key.STAGE)
@@ -454,22 +455,39 @@ def _guard(msg, context) -> None:
     registry_path = _registry_path(context)
     if stage == Stage.SETUP:
         guard.check_setup(configs, floor)
+        _keep(context, {"least": floor.sites, "round": _round_of(msg), "group": str(msg.metadata.group_id)})
         if pinned_secure(context.node_config) and registry_path is None:
             raise guard.Refused(
                 "this site is pinned to secure aggregation but holds no registry of its federation's node "
                 "keys (--node-config registry=PATH): it cannot tell its neighbours' keys from a server's"
             )
-        _keep(context, {"least": floor.sites})
+        if pinned_secure(context.node_config) and node_setting(context.node_config, "state-dir") is None:
+            raise guard.Refused(
+                "this site is pinned to secure aggregation but has no state-dir (--node-config "
+                "state-dir=PATH): the rounds it trained would be forgotten with the run"
+            )
         return
     state = _protocol_state(context)
+    after = {
+        Stage.SHARE_KEYS: Stage.SETUP,
+        Stage.COLLECT_MASKED_VECTORS: Stage.SHARE_KEYS,
+        Stage.UNMASK: Stage.COLLECT_MASKED_VECTORS,
+    }
+    if stage in after and state.current_stage != after[stage]:  # Flower's order, before anything is kept
+        raise guard.Refused(
+            f"a {stage!r} message at the {state.current_stage!r} stage: expected after {after[stage]!r}"
+        )
     record = _record(context)
     if stage == Stage.SHARE_KEYS:
         guard.check_share_keys(configs, int(state.share_num), int(state.nid), (binding.PREFIX,))
         if registry_path is not None:
+            if str(msg.metadata.group_id) != record.get("group"):
+                raise guard.Refused("a share-keys message of another round than the setup's")
             clients = guard.check_bound_keys(
                 configs,
                 binding.registry(registry_path),
                 int(context.run_id),
+                bytes(record.get("round", b"")),
                 int(state.nid),
                 _own_client(context),
             )
@@ -480,8 +498,6 @@ def _guard(msg, context) -> None:
             _keep(context, record)
     elif stage == Stage.COLLECT_MASKED_VECTORS:
         guard.check_collect(configs, {int(n) for n in state.public_keys_dict}, int(state.nid))
-        record["least"] = guard.check_round_config(state, _run_config(msg), floor)
-        _keep(context, record)
     elif stage == Stage.UNMASK:
         least = int(record.get("least", floor.sites))
         neighbours = {int(n) for n in state.public_keys_dict}
@@ -500,11 +516,21 @@ def _guard(msg, context) -> None:
             )
 
 
-def _sign_keys(reply, context) -> None:
-    """A setup reply's keys signed by the site's node key, with the client it is (:mod:`.binding`)."""
+def _round_of(msg) -> bytes:
+    """This round's setup as a setup message shows it (:func:`fedllm.secagg.binding.setup_digest`)."""
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-    from fedllm.flower.site import signing_key
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    setup = {k: v for k, v in configs.items() if k != Key.STAGE and not k.startswith(binding.PREFIX)}
+    return binding.setup_digest(str(msg.metadata.group_id), setup)
+
+
+def _sign_keys(reply, msg, context) -> None:
+    """A setup reply's keys signed by the site's node key, with the client it is and the round's setup
+    (:mod:`.binding`)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    from fedllm.flower.node import signing_key
 
     key = signing_key(context.node_config)
     if key is None:
@@ -515,6 +541,7 @@ def _sign_keys(reply, context) -> None:
         int(context.run_id),
         int(context.node_id),
         client,
+        _round_of(msg),
         bytes(configs[Key.PUBLIC_KEY_1]),
         bytes(configs[Key.PUBLIC_KEY_2]),
     )
@@ -528,7 +555,7 @@ def _consistency(msg, context):
     from flwr.app import ConfigRecord, Message, RecordDict
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
 
-    from fedllm.flower.site import signing_key
+    from fedllm.flower.node import signing_key
 
     configs = msg.content.config_records[RECORD_KEY_CONFIGS]
     state = _protocol_state(context)
@@ -551,63 +578,63 @@ def _consistency(msg, context):
     return Message(RecordDict({RECORD_KEY_CONFIGS: reply}), reply_to=msg)
 
 
-ROUNDS = "secagg-rounds.json"  # in a site's state folder: the last round it trained under the protocol
+CLAIMS = "secagg-claims.json"  # beside a site's state folders: the rounds it trained under the protocol
+# what in a config does not decide a site's update (a server may change it at will): whole sections, and
+# federation keys by a word of their name
+NOT_TRAINING = ("flower", "eval", "output", "secagg")
+NOT_TRAINING_KEYS = ("timeout", "min_clients")
 
 
-def claim_round(state_dir: Path, round_idx: int) -> None:
-    """Record, before the site trains, that it trains ``round_idx`` of this trajectory under the protocol;
-    refused if it trained that round (or a later one) already, in this run or an earlier one. Two sums over
-    sets that differ by one site, from the same start, give that site's update (a site's training from the
-    same start is the same, run after run); the record lives in the state folder the site keeps per
-    trajectory (the run's config but what a resume may change), not in the run's memory. A resumed secure
-    run therefore continues from the round after the last one its sites trained."""
+def training_digest(cfg) -> str:
+    """A digest of what decides a site's update in ``cfg``: every section but :data:`NOT_TRAINING`, and the
+    federation's keys but its timeouts and quorum. A server that changes any of it makes another trajectory,
+    whose updates differ from this one's."""
+    values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_TRAINING}
+    fed = values.get("federation", {})
+    values["federation"] = {k: v for k, v in fed.items() if not any(w in k for w in NOT_TRAINING_KEYS)}
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def claim_round(claims: Path, trajectory: str, round_idx: int) -> None:
+    """Record, before the site trains, that it trains ``round_idx`` of ``trajectory``
+    (:func:`training_digest`) under the protocol; refused if it trained that round, or a later one, already,
+    in this Flower run or an earlier one. Two sums over sets that differ by one site, of the same round from
+    the same start, give that site's update (a site's training from the same start, round and config is the
+    same run after run). The record is a file beside the site's state folders (the SuperNode's
+    ``state-dir``), keyed by what decides the update, not by the server's other settings; read and written
+    under a lock, so that two runs on one SuperNode cannot both pass. A resumed secure run therefore
+    continues from the round after the last one its sites trained."""
+    import fcntl
+
     from fedllm.files import atomic_write_text
 
-    path = state_dir / ROUNDS
-    last = int(json.loads(path.read_text())["round"]) if path.exists() else 0
-    if last >= round_idx:
-        raise guard.Refused(
-            f"a second secure training for round {round_idx} (this site trained round {last} of this "
-            "trajectory already, in this run or an earlier one): two sums that differ by one site give that "
-            "site's update"
-        )
-    state_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"round": round_idx}))
+    claims.parent.mkdir(parents=True, exist_ok=True)
+    with open(claims.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = json.loads(claims.read_text()) if claims.exists() else {}
+        last = int(done.get(trajectory, 0))
+        if last >= round_idx:
+            raise guard.Refused(
+                f"a second secure training for round {round_idx} (this site trained round {last} of this "
+                "trajectory already, in this run or an earlier one): two sums that differ by one site give "
+                "that site's update"
+            )
+        done[trajectory] = round_idx
+        atomic_write_text(claims, json.dumps(done, sort_keys=True))
 
 
-def _run_config(msg):
-    """The run's config a collect message carries in its start record (what every setup parameter is
-    checked against before the site trains); refused when it carries none."""
-    from fedllm.config import ConfigError
-    from fedllm.flower.records import start_config
+def admitted(msg, context, sites):
+    """The site, its start and the round's layout for a collect message, once the site agrees to train:
+    the config is a secure one with a clip, the message is for this site's client, every setup parameter is
+    what the config gives (:func:`fedllm.secagg.guard.check_round_config`), a pinned site's noise is its
+    own, and the site has not trained this round of its trajectory (:func:`claim_round`)."""
+    from fedllm.flower.records import read_start, start_config
 
     config = msg.content.config_records.get("fitins.config")
     if config is None or START not in config:
         raise guard.Refused(
             "a collect message without the run's start and config: nothing to check it against"
         )
-    try:
-        return _config_of(start_config(_from_bytes(bytes(config[START])))[0])
-    except (ConfigError, KeyError, ValueError) as e:
-        raise guard.Refused(f"the collect message's config does not load: {e}") from None
-
-
-@functools.lru_cache(maxsize=4)
-def _config_of(text: str):
-    """The run's config from its text, parsed once per text (every round sends the same; the guard only
-    reads it)."""
-    from fedllm.config import config_from_text
-
-    return config_from_text(text, "the server's config")
-
-
-def admitted(msg, context, sites):
-    """The site, its start and the round's layout for a collect message, once the site agrees to train:
-    the config is a secure one with a clip, the message is for this site's client, a pinned site's noise
-    is its own, and the site has not trained this round of its trajectory (:func:`claim_round`)."""
-    from fedllm.flower.records import read_start, start_config
-
-    config = msg.content.config_records["fitins.config"]
     content = _from_bytes(bytes(config[START]))
     config_text, client_id = start_config(content)
     lay = [(name, tuple(shape)) for name, shape in json.loads(str(config[LAYOUT]))]
@@ -616,11 +643,19 @@ def admitted(msg, context, sites):
         raise RuntimeError("a secure aggregation message under a config without it (or without a clip)")
     if site.client_id != client_id:
         raise RuntimeError(f"message for client {client_id} reached the site of client {site.client_id}")
+    # the round's setup against the run's config, before anything is trained or masked: the quorum is what
+    # the unmask check requires of the survivors
+    record = _record(context)
+    record["least"] = guard.check_round_config(
+        _protocol_state(context), site.cfg, guard.Floor.of(context.node_config)
+    )
+    _keep(context, record)
     start = read_start(content, site.codecs)
     why = known_noise(site.cfg) if site.pinned else ""
     if why:
         raise guard.Refused(why)
-    claim_round(Path(site.state_dir), int(start.round))
+    claims = Path(site.state_dir).parent / f"client-{site.client_id}-{CLAIMS}"
+    claim_round(claims, training_digest(site.cfg), int(start.round))
     return site, start, lay
 
 

@@ -31,20 +31,13 @@ So a site refuses, before it answers (a refusal is the site's error reply; nothi
   with, list the site itself as dropped or omit it from the survivors, or hold fewer survivors than the
   round's quorum (the sum of fewer sites than the floor is never unmasked).
 
-What no check here can stop: a server that shows different sites different rounds. Each check reads one
-message; SecAgg's defence against a server that sends inconsistent views (Bell et al.'s consistency round, in
-which the sites sign the set of survivors) is not in Flower 1.42's protocol. Within one view shared by all
-its sites the checks above suffice: to unmask a site T the server needs a threshold t of seed shares (sites
-listing T as surviving) and, for each of T's n - 1 partners, t secret-key shares (sites listing it as
-dropped), while each site lists at least t survivors; that needs ``n (n - t) >= (n - 1) t``, which no strict
-majority allows. A server that runs several overlapping rounds (more real sites than one round's, each shown
-another neighbourhood) can draw the dropped-lists from sites outside T's view, and so can a server that
-invents sites: SecAgg+'s public keys in Flower 1.42 are not bound to the SuperNodes' identities, so a server
-that answers the protocol for nodes that do not exist holds the shares sent to them.
-
-With as many invented neighbours as the threshold such a server rebuilds a real site's masks. docs/trust.md
-says so; binding the protocol's keys to the registered node keys, and a consistency round, would need a
-change of Flower's workflow messages.
+What the checks above cannot stop alone, and what does (``fedllm/secagg/binding.py``): a server that
+invents sites, or swaps its own keys in for a real neighbour's, and one that shows different sites different
+survivor lists. Sites that hold their node key and the federation's registry sign their SecAgg+ keys and
+check every neighbour's, and sign one survivors list a round; the unmask is answered only for that list,
+signed by a threshold. Every setup parameter is checked against the run's config before the site trains
+(:func:`check_round_config`, from ``fedllm.secagg.flower.admitted``), and the masks come from a full-seed
+stream (``fedllm/secagg/prg.py``). docs/trust.md says what each covers, with its test.
 """
 
 from __future__ import annotations
@@ -239,13 +232,15 @@ def check_unmask(configs: Any, nid: int, neighbours: set[int], share_num: int, l
 
 
 def check_bound_keys(
-    configs: Any, registry: dict[int, bytes], run_id: int, nid: int, own_client: int
+    configs: Any, registry: dict[int, bytes], run_id: int, round_of: bytes, nid: int, own_client: int
 ) -> dict[int, int]:
     """Every neighbour's keys signed by the node key the federation's registry holds for the client it
-    claims (:mod:`fedllm.secagg.binding`), each client once, the site's own entry its own client: a server
-    that swaps in keys of its own (to read the shares a site sends) or answers for nodes that do not exist
-    has no registered key to sign them with. Returns node id -> client id."""
-    from fedllm.secagg import binding
+    claims (:mod:`fedllm.secagg.binding`) for this round's setup (``round_of``, as this site saw it), each
+    client once, the site's own entry its own client: a server that swaps in keys of its own (to read the
+    shares a site sends) or answers for nodes that do not exist has no registered key to sign them with,
+    and a signature made for another round or another setup does not count. Returns node id -> client
+    id."""
+    import fedllm.secagg.binding as binding
 
     clients: dict[int, int] = {}
     for k, keys in configs.items():
@@ -257,7 +252,7 @@ def check_bound_keys(
             raise Refused(f"node {k}'s keys claim no client the federation's registry holds ({client!r})")
         pk1, pk2 = (bytes(x) for x in keys)
         if not binding.verify(
-            registry[client], signature, binding.keys_digest(run_id, int(k), client, pk1, pk2)
+            registry[client], signature, binding.keys_digest(run_id, int(k), client, round_of, pk1, pk2)
         ):
             raise Refused(
                 f"node {k}'s keys are not signed by client {client}'s registered key: a server's keys in "
@@ -300,7 +295,7 @@ def check_survivor_signatures(
     and at least ``threshold`` of them (registered, distinct) signed that same list for this round's keys.
     Sites sign one list a round, so a server cannot gather a strict majority for two lists and ask one half
     for a site's seed and the other for its secret key."""
-    from fedllm.secagg import binding
+    import fedllm.secagg.binding as binding
 
     if sorted(survivors) != sorted(signed):
         raise Refused("the unmask message's survivors are not the list this site signed for the round")

@@ -9,8 +9,9 @@ short of the field (``randint(0, M - 1)`` excludes ``M - 1``): with a modulus of
 
 :func:`masks` keeps Flower's signature and replaces the generator on both ends (a fedllm site's mod and
 fedllm's ServerApp workflow): ChaCha20 (the ``cryptography`` package's, which Flower itself depends on)
-keyed by SHA-256 of a domain tag and the whole seed, read as 64-bit words reduced to the field ``[0, M)``
-(exactly uniform for a power-of-two modulus, as fedllm's is; otherwise biased by at most M / 2^64).
+keyed by SHA-256 of a domain tag and the whole seed, read as 64-bit words whose low bits are the mask in the
+field ``[0, M)``: exactly uniform, as fedllm's modulus is a power of two (``2^secagg.modulus_bits``, at most
+2^62, so that Flower's int64 sums of masks wrap within a multiple of the field).
 Nothing of the protocol changes but the stream: key agreement, secret sharing and dropout recovery stay
 Flower's. Both ends must use it, or the masks do not cancel and the round's sum is refused as out of range.
 """
@@ -35,16 +36,15 @@ FLOWER_MODULES = (
 def masks(seed: bytes, num_range: int, dimensions_list: list[tuple[int, ...]]) -> list[np.ndarray]:
     """Masks of the given shapes, uniform over ``[0, num_range)``, from the whole ``seed`` (see the module
     docstring); int64 arrays, as Flower's generator returns."""
-    if not 2 <= num_range <= 2**63:
-        raise ValueError(f"a mask's field of {num_range}: expected 2 to 2^63")
+    if not 2 <= num_range <= 2**62 or num_range & (num_range - 1):
+        raise ValueError(
+            f"a mask's field of {num_range}: expected a power of two, 2 to 2^62 (fedllm's modulus)"
+        )
     sizes = [math.prod(d) for d in dimensions_list]
     key = hashlib.sha256(DOMAIN + bytes(seed)).digest()
     stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
     words = np.frombuffer(stream.update(bytes(8 * sum(sizes))), dtype="<u8")
-    if num_range & (num_range - 1) == 0:
-        words = words & np.uint64(num_range - 1)
-    else:
-        words = words % np.uint64(num_range)
+    words = words & np.uint64(num_range - 1)  # a power of two: the low bits, exactly uniform
     out, start = [], 0
     for dims, n in zip(dimensions_list, sizes, strict=True):
         out.append(words[start : start + n].astype(np.int64).reshape(dims))
