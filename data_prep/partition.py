@@ -212,14 +212,22 @@ def source_units(examples: list[Example]) -> list[list[int]] | None:
     return list(units.values())
 
 
-def leading_units(units: list[list[int]], target: int) -> int:
-    """How many of ``units``, from the first, a split of ``target`` examples takes: whole units until it has
-    at least ``target`` (none for a target of 0)."""
-    taken = n = 0
-    while taken < target and n < len(units):
-        taken += len(units[n])
-        n += 1
-    return n
+def split_units(
+    units: list[list[int]], target: int, keep: int = 0
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``units`` split into (taken, rest): whole units, in order, each taken where it still fits a split of at
+    most ``target`` examples (a unit that would pass it stays in the rest: the split never outgrows its
+    size), while the rest keeps at least ``keep`` units (a client keeps something to train on)."""
+    taken: list[list[int]] = []
+    rest: list[list[int]] = []
+    size = 0
+    for u in units:
+        if size + len(u) <= target and len(units) - len(taken) - 1 >= keep:
+            taken.append(u)
+            size += len(u)
+        else:
+            rest.append(u)
+    return taken, rest
 
 
 def client_stats(examples: list[Example], parts: list[list[int]], method: str = "") -> list[dict]:

@@ -79,21 +79,22 @@ TURN_FORMATS = {
 
 def turn_end_id(tokenizer) -> int | None:
     """The token the chat template closes an answer with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``):
-    the first special or added token it writes after an answer's text; the EOS where it writes none. An answer
-    is trained up to it and generation stops at it."""
+    the first special or added token it writes after an answer's text (what it writes before the text, a
+    "<think>" block, is not looked at); the EOS where it writes none. An answer is trained up to it and
+    generation stops at it."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer.eos_token_id
     user = [{"role": "user", "content": "Hi"}]
     before = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
     whole = tokenizer.apply_chat_template([*user, {"role": "assistant", "content": "Yes"}], tokenize=False)
-    if not whole.startswith(before):
+    tail = whole[len(before) :] if whole.startswith(before) else ""
+    if "Yes" not in tail:
         return tokenizer.eos_token_id
+    after = tail[tail.index("Yes") + len("Yes") :]
     markers = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    markers -= {tokenizer.unk_token_id, tokenizer.pad_token_id} - {
-        tokenizer.eos_token_id
-    }  # "Yes" may be unknown
-    tail = tokenizer(whole[len(before) :], add_special_tokens=False)["input_ids"]
-    return next((t for t in tail if t in markers), tokenizer.eos_token_id)
+    markers -= {tokenizer.unk_token_id} - {tokenizer.eos_token_id}
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    return next((t for t in ids if t in markers), tokenizer.eos_token_id)
 
 
 def chat_prompt(example: Example, tokenizer) -> str:

@@ -34,8 +34,11 @@ before, left "other" the largest group of most clients and counted a chat's late
 function words): a split by language would give one client everything. ``docs/which-method.md`` measures how
 far clients of either split are apart.
 
-``group``: a record's chat (its id without the part number): the held-out set and the clients' own test
-splits take whole chats, so no held-out conversation has a part of its chat in training.
+``group``: a record's source: its chat (its id without the part number), joined with the chats that hold the
+same first exchange under another id (the file repeats chats: 862 first exchanges appear under more than one
+chat id, in 1,889 records); the
+held-out set and the clients' own test splits take whole sources, so no held-out conversation has a part of
+its chat, or a copy of it, in training.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def to_turns(record: dict[str, Any]) -> tuple[tuple[str, str], ...] | str:
 
 
 def _words(*words: str) -> re.Pattern[str]:
-    return re.compile(r"\b(" + "|".join(words) + r")\b", re.IGNORECASE)
+    return re.compile(r"(?<!\w)(" + "|".join(words) + r")(?!\w)", re.IGNORECASE)  # "c++", "c#" end in no word
 
 
 # a chat's kind: the first rule whose words its first request holds (after code's own test, :func:`kind_of`)
@@ -194,10 +197,41 @@ def chat_of(record_id: object) -> tuple[str, int]:
     return (chat, int(part)) if chat and part.isdigit() else (text, 0)
 
 
+def _first_exchange(turns: tuple[tuple[str, str], ...]) -> str:
+    """A digest of a conversation's first request and first answer (what a 256-token cut keeps of it)."""
+    import hashlib
+
+    user = next(text for role, text in turns if role == USER)
+    answer = next(text for role, text in turns if role == ASSISTANT)
+    return hashlib.sha256(f"{user}\0{answer}".encode()).hexdigest()
+
+
+def _sources(chats: list[tuple[str, str]]) -> dict[str, str]:
+    """Each chat id's source: chats joined when they share a first exchange (ShareGPT holds one chat under
+    several ids: 862 first exchanges appear under more than one chat id, in 1,889 records), named by the
+    smallest chat id of the group."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    by_exchange: dict[str, str] = {}
+    for chat, exchange in chats:
+        other = by_exchange.setdefault(exchange, chat)
+        a, b = root(chat), root(other)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    return {chat: root(chat) for chat, _ in chats}
+
+
 def conversations(records: list[dict[str, Any]], where: str) -> list[Example]:
     """The records as examples: ``turns`` set, ``instruction`` the first user turn, ``response`` the first
-    answer, ``category`` the kind of its chat (:func:`kind_of` of the chat's first part here) and ``group``
-    its chat (:func:`chat_of`)."""
+    answer, ``group`` its source (its chat, :func:`chat_of`, joined with every chat that has the same first
+    exchange under another id) and ``category`` the kind of that source (:func:`kind_of` of its first chat's
+    first part here)."""
     kept: list[tuple[str, int, tuple[tuple[str, str], ...]]] = []
     skipped: Counter[str] = Counter()
     for k, rec in enumerate(records):
@@ -216,11 +250,13 @@ def conversations(records: list[dict[str, Any]], where: str) -> list[Example]:
         if chat not in first_part or part < first_part[chat][0]:
             first_part[chat] = (part, turns)
     kinds = {chat: kind_of(turns) for chat, (_, turns) in first_part.items()}
+    source = _sources([(chat, _first_exchange(turns)) for chat, _, turns in kept])
     out: list[Example] = []
     for chat, _, turns in kept:
         first_user = next(text for role, text in turns if role == USER)
         first_answer = next(text for role, text in turns if role == ASSISTANT)
-        out.append(Example(first_user, "", first_answer, kinds[chat], turns, chat))
+        group = source[chat]
+        out.append(Example(first_user, "", first_answer, kinds[group], turns, group))
     if skipped:
         log.warning(
             "%s: %d of %d conversations skipped (%s)",

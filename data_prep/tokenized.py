@@ -29,8 +29,9 @@ from data_prep.schema import Example
 log = logging.getLogger(__name__)
 
 # bump when what a row holds changes (4: conversations' labels end at each answer's EOS; 5: a left cut
-# keeps the BOS; 6: ... the BOS the tokenizer added, not a chat template's first token)
-VERSION = 6
+# keeps the BOS; 6: ... the BOS the tokenizer added, not a chat template's first token; 7: a chat template's
+# answer ends at the template's own end of turn, Gemma's <end_of_turn>)
+VERSION = 7
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -188,6 +188,10 @@ class _BarLines:
     def isatty(self) -> bool:
         return False
 
+    @property
+    def encoding(self) -> str:
+        return str(getattr(self.real, "encoding", "utf-8"))
+
     def fileno(self) -> int:
         return int(self.real.fileno())
 

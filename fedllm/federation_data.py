@@ -18,7 +18,7 @@ import numpy as np
 from data_prep import natural_instructions as ni
 from data_prep.loaders import FLOWERTUNE_FORMATS, load_examples
 from data_prep.natural_instructions import Reference
-from data_prep.partition import client_stats, leading_units, partition, source_units
+from data_prep.partition import client_stats, partition, source_units, split_units
 from data_prep.schema import DataError, Example
 from data_prep.tokenized import TokenRows, tokenize_cached
 from eval.progress import bars_as_lines
@@ -121,8 +121,8 @@ def own_split(examples: list[Example], d) -> tuple[list[Example], int]:
     units = source_units(examples)
     if units is None:
         return examples, test_size(len(examples), d)
-    n_test = leading_units(units, test_size(len(examples), d))
-    return [examples[i] for u in units for i in u], sum(len(u) for u in units[:n_test])
+    test, train = split_units(units, test_size(len(examples), d), keep=1)
+    return [examples[i] for u in test + train for i in u], sum(map(len, test))
 
 
 def _partitions_by_source(
@@ -135,10 +135,8 @@ def _partitions_by_source(
     d, seed = cfg.data, cfg.federation.seed
     order = list(range(len(units)))
     random.Random(derive_seed(seed, 3)).shuffle(order)
-    units = [units[u] for u in order]
-    n_units = leading_units(units, min(d.eval_size, len(examples) // 5))
-    eval_examples = [examples[i] for u in units[:n_units] for i in u]
-    rest = units[n_units:]
+    held, rest = split_units([units[u] for u in order], min(d.eval_size, len(examples) // 5))
+    eval_examples = [examples[i] for u in held for i in u]
     if d.partition == "contiguous":  # the rest in file order: the shards are the dataset's own
         rest.sort(key=lambda u: u[0])
     parts = partition(
@@ -156,12 +154,12 @@ def _partitions_by_source(
     for k, picked in enumerate(parts):
         mine_units = [rest[j] for j in picked]
         random.Random(derive_seed(seed, 5, k)).shuffle(mine_units)
-        n_test = leading_units(mine_units, test_size(sum(map(len, mine_units)), d))
-        mine = [examples[i] for u in mine_units for i in u]
+        test, train = split_units(mine_units, test_size(sum(map(len, mine_units)), d), keep=1)
+        mine = [examples[i] for u in test + train for i in u]
         pool_parts.append(list(range(len(pool), len(pool) + len(mine))))
         pool += mine
         clients.append(mine)
-        tests.append(sum(len(u) for u in mine_units[:n_test]))
+        tests.append(sum(map(len, test)))
     stats = client_stats(pool, pool_parts, d.partition)
     return Partitions(
         eval_examples, clients, tests, stats, generation_set(cfg, eval_examples, folder, heldout)

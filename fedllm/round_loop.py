@@ -171,6 +171,7 @@ class RoundLoop(abc.ABC):
                 self.run_dir,
                 "; ".join(differ),
             )
+            self.writer.mark_mixed(differ)  # fedllm compare never takes such a run for either version
 
     # ----------------------------------------------- what a driver fills in
     @abc.abstractmethod

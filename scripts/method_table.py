@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedllm.run.compare import format_corrected, run_metrics, summarize
+from fedllm.run.identity import differences
 from fedllm.run.reader import RunFolder
 
 METRICS = [
@@ -28,12 +29,26 @@ METRICS = [
     "rouge_l",
     "general_agreement",
     "client_loss_personal",
+    "client_loss_own_trained",
     "client_loss_global",
     "accuracy",
     "down_mb",
     "up_mb",
     "wall_s",
 ]
+
+
+def contrast(results: dict, a: str, b: str, metric: str) -> dict | None:
+    """A pre-registered paired contrast (a family of one): ``a - b`` over the seeds both have."""
+    from fedllm.run.stats import correct, paired_test
+
+    if a not in results or b not in results:
+        return None
+    seeds = sorted(s for s in results[a] if s in results[b])
+    va, vb = [results[a][s].get(metric) for s in seeds], [results[b][s].get(metric) for s in seeds]
+    if len(seeds) < 2 or any(v is None for v in va + vb):
+        return None
+    return vars(correct([paired_test(f"{a} - {b}", va, vb)])[0])
 
 
 def clipped(run: Path) -> int:
@@ -47,19 +62,20 @@ def main() -> None:
     ap.add_argument("--baseline", default="fedit")
     ap.add_argument("--reference", nargs="*", default=[], help="rows never taken as the best (references)")
     ap.add_argument("--metrics", nargs="*", default=METRICS)
+    ap.add_argument(
+        "--contrast", nargs="*", default=[], help="pre-registered paired contrasts A:B (each a family of one)"
+    )
     args = ap.parse_args()
 
     runs = {p.parent.name: {} for p in sorted(args.out.glob("*/seed-*"))}
     for run in sorted(args.out.glob("*/seed-*")):
         if RunFolder(run).is_finished():
             runs[run.parent.name][int(run.name.split("-")[1])] = run
-    identities = {}
-    for per in runs.values():
-        for run in per.values():
-            identity = RunFolder(run).identity() or {}
-            identities[str(run)] = json.dumps(identity, sort_keys=True)
-    common = max(set(identities.values()), key=list(identities.values()).count) if identities else None
-    other = sorted(r for r, i in identities.items() if i != common)
+    identities = {str(run): RunFolder(run).identity() or {} for per in runs.values() for run in per.values()}
+    # the identity most rows share; "the same" as fedllm compare reads it (a docs-only commit: the same code)
+    common = max(identities.values(), key=lambda i: sum(not differences(j, i) for j in identities.values()),
+                 default=None)  # fmt: skip
+    other = sorted(r for r, i in identities.items() if common is None or differences(i, common))
     for r in other:
         print(f"left out (made by other code or data than the rest): {r}", file=sys.stderr)
         variant, seed = Path(r).parent.name, int(Path(r).name.split("-")[1])
@@ -69,7 +85,7 @@ def main() -> None:
     seeds = sorted(set.intersection(*(set(runs[n]) for n in names))) if names else []
     results = {n: {s: run_metrics(runs[n][s]) for s in seeds} for n in names}
     summary = summarize(results, [r for r in args.reference if r in results]) if seeds else {}
-    identity = json.loads(common) if common else {}
+    identity = common or {}
     src = identity.get("source", {})
     print(f"seeds {seeds} (finished in every row); rows: {', '.join(f'{n} ({len(runs[n])})' for n in names)}")
     print(f"identity: source {src.get('digest')} (commit {src.get('commit')}), token cache v"
@@ -79,7 +95,18 @@ def main() -> None:
     print("clipped updates per run: " + "; ".join(f"{n} {c}" for n, c in clips.items()))
     if len(seeds) >= 2:
         print(format_corrected(summary, args.metrics))
-    print(json.dumps({"seeds": seeds, "identity": identity, "clipped": clips, "summary": summary}))
+    contrasts = {}
+    for pair in args.contrast:
+        a, _, b = pair.partition(":")
+        for metric in args.metrics:
+            c = contrast(results, a, b, metric)
+            if c is not None:
+                contrasts[f"{pair} {metric}"] = c
+                verdict = "excludes 0" if c["low"] > 0 or c["high"] < 0 else "holds 0"
+                print(f"contrast {a} - {b}, {metric}: {c['diff']:+.4g} [{c['low']:+.4g}, {c['high']:+.4g}] "
+                      f"({verdict}; p {c['p']:.3f}, {c['n']} seeds)")  # fmt: skip
+    print(json.dumps({"seeds": seeds, "identity": identity, "clipped": clips, "summary": summary,
+                      "contrasts": contrasts}))  # fmt: skip
 
 
 if __name__ == "__main__":

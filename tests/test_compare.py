@@ -347,3 +347,18 @@ def test_a_table_verdict_needs_the_corrected_interval_to_exclude_zero():
     flora = next(c for c in fam["vs_baseline"]["comparisons"] if c["name"] == "flora")
     assert fam["vs_baseline"]["m"] == 3 and flora["low"] < 0 < flora["high"]
     assert fam["vs_best"]["reference"] == "flora"  # not centralized, whose loss is lower
+
+
+def test_the_same_code_under_another_commit_is_the_same_identity_and_a_mixed_run_never_is():
+    """Two runs whose source files are the same but whose checkouts sit at other commits (a docs-only commit
+    between them) share one identity: the table names it, nothing is superseded. A run resumed with other
+    code carries the mark, and differs from every identity, its own first one included."""
+    from fedllm.run.identity import differences
+
+    base = {"source": {"digest": "abc", "commit": "111", "uncommitted_changes": False}, "tokens": 7}
+    other_commit = {**base, "source": {"digest": "abc", "commit": "222", "uncommitted_changes": True}}
+    other_code = {**base, "source": {"digest": "def", "commit": "222"}}
+    assert differences(other_commit, base) == [] and differences(base, other_commit) == []
+    assert differences(other_code, base)
+    mixed = {**base, "mixed": ["source abc (111) -> def (222)"]}
+    assert differences(mixed, base) and "resumed with other code" in differences(mixed, base)[0]

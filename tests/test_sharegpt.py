@@ -318,9 +318,10 @@ def test_a_chat_is_of_the_kind_its_first_part_says():
 
 
 def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
-    """ShareGPT splits a long chat into records abc_0, abc_1, ...: the held-out set, the clients and each
-    client's own test split take whole chats (15 of 32 held-out conversations of the old split had a part
-    of their chat in training). Data without sources splits as before."""
+    """ShareGPT splits a long chat into records abc_0, abc_1, ... and holds some chats twice under other ids:
+    the held-out set, the clients and each client's own test split take whole sources (a chat with its
+    copies), never more than the size asked for (8-13 of 32 held-out conversations of the old split had a
+    part of their chat in training). Data without sources splits as before."""
     from fedllm.config import load_config
     from fedllm.federation_data import load_partitions
 
@@ -334,6 +335,9 @@ def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
                 {"from": "gpt", "value": f"answer {c}.{part}"},
             ]
             recs.append({"id": f"chat{c}_{part}", "conversations": turns})
+    firsts = {r["id"]: r["conversations"] for r in recs}
+    for c in range(0, 60, 6):  # the same chat again under another id, as ShareGPT holds some
+        recs.append({"id": f"copy{c}_0", "conversations": firsts[f"chat{c}_0"]})
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in recs))
     over = [
@@ -346,7 +350,10 @@ def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
     ]
     parts = load_partitions(load_config(None, over))
     held = {e.group for e in parts.eval_examples}
-    assert len(parts.eval_examples) >= 20 and held
+    assert 0 < len(parts.eval_examples) <= 20 and held  # whole chats, never past the size asked for
+    trained = {e.turns for c, n in zip(parts.clients, parts.test_sizes, strict=True) for e in c[n:]}
+    assert not {e.turns for e in parts.eval_examples} & trained  # not even a copy under another id
+    assert not any(str(e.group).startswith("copy") for c in parts.clients for e in c)  # a copy joins its chat
     trains = [{e.group for e in c[n:]} for c, n in zip(parts.clients, parts.test_sizes, strict=True)]
     tests = [{e.group for e in c[:n]} for c, n in zip(parts.clients, parts.test_sizes, strict=True)]
     owners = [{e.group for e in c} for c in parts.clients]
@@ -356,12 +363,8 @@ def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
     assert sum(map(len, parts.clients)) + len(parts.eval_examples) == len(recs)
     assert {e.category for c in parts.clients for e in c} <= {"creative", "code", "explain", "advice", "math"}
     capped = load_partitions(load_config(None, [*over, "data.client_test_max=2"]))
-    for c, n in zip(capped.clients, capped.test_sizes, strict=True):  # whole chats, from 2 examples on
-        assert (
-            0 < n <= 2 + 3
-            and len({e.group for e in c[:n]}) <= 2
-            and not {e.group for e in c[:n]} & {e.group for e in c[n:]}
-        )
+    for c, n in zip(capped.clients, capped.test_sizes, strict=True):  # whole chats, never past the cap
+        assert n <= 2 and n < len(c) and not {e.group for e in c[:n]} & {e.group for e in c[n:]}
 
 
 @pytest.fixture(scope="module")
@@ -438,3 +441,22 @@ def test_gemma3_real_tokenizer_gets_the_turn_format_and_its_answers_end_at_end_o
         ends = [k for k, lab in enumerate(t.labels) if lab == end]
         starts = [k for k in range(1, len(t.labels)) if t.labels[k] != IGNORE_INDEX == t.labels[k - 1]]
         assert ends and len(ends) >= len(starts) - 1 and t.labels[ends[0]] == end
+
+
+def test_the_end_of_turn_is_what_the_template_writes_after_the_answer(builtin_base):
+    """A template that writes a thinking block before the last answer ("<think></think>", as Qwen3's does)
+    still ends the answer at its end of turn: the markers before the answer's text are not it."""
+    from transformers import AutoTokenizer
+
+    from data_prep.prompts import turn_end_id
+
+    tok = AutoTokenizer.from_pretrained(builtin_base)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]}
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert turn_end_id(tok) == tok.convert_tokens_to_ids("<|im_end|>")

@@ -338,17 +338,17 @@ class ClientAlgorithm:
         """
         run = LocalRun(self, params, work, state, download)
         layout = work.layout
-        with wrapped_for_training(
-            accelerator, layout, model, run.optimizer, self.step_clip(work), work.batch_size
-        ) as (wrapped, optimizer):
-            run.optimizer = optimizer
-            wrapped.train()
-            try:
+        try:
+            with wrapped_for_training(
+                accelerator, layout, model, run.optimizer, self.step_clip(work), work.batch_size
+            ) as (wrapped, optimizer):
+                run.optimizer = optimizer
+                wrapped.train()
                 for _ in range(work.steps):
                     run.zero_grad()
                     run.step(self.local_step(wrapped, params, batches, work, accelerator))
-            finally:  # a failed or timed-out client's progress stops with it
-                run.close()
+        finally:  # a failed or timed-out client's progress stops with it (its heartbeat thread too)
+            run.close()
         model.eval()
         result = run.result()
         if layout is not None and layout.data_parallel:  # each process saw a share of every batch

@@ -26,6 +26,7 @@ digest, and the identity that made every row.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -102,6 +103,8 @@ METRICS = {
     "wall_s": ("summary:wall_s", "seconds"),
     "client_loss_global": ("last:global_client_loss", "loss"),
     "client_loss_personal": ("last:personal_loss", "loss"),
+    # the same, over the clients sampled at least once (one never sampled has its method's starting model)
+    "client_loss_own_trained": ("own:personal_loss", "loss"),
 }
 # which way is better, for the metrics a table ranks rows by ("the best row"): +1 higher, -1 lower
 BETTER = {
@@ -115,6 +118,7 @@ BETTER = {
     "client_acc_personal": 1,
     "client_loss_global": -1,
     "client_loss_personal": -1,
+    "client_loss_own_trained": -1,
     "down_mb": -1,
     "up_mb": -1,
 }
@@ -218,9 +222,13 @@ def supersede(out_root: Path, run_dir: Path) -> Path:
 
 
 def common_identity(run_dirs: list[Path]) -> dict[str, Any] | None:
-    """The identity every run in ``run_dirs`` records, or None where they differ (or one has none)."""
+    """The identity every run in ``run_dirs`` shares (the first run's; the same means no part differs, as
+    :func:`~fedllm.run.identity.differences` reads it: a commit that changed no source file is the same
+    code), or None where they differ (or one has none)."""
     found = [RunFolder(d).identity() for d in run_dirs]
-    return found[0] if found and all(i is not None and i == found[0] for i in found) else None
+    if not found or found[0] is None:
+        return None
+    return found[0] if all(not differences(i, found[0]) for i in found) else None
 
 
 def run_metrics(run_dir: Path) -> dict[str, float | None]:
@@ -240,6 +248,11 @@ def run_metrics(run_dir: Path) -> dict[str, float | None]:
         elif kind == "gain":  # after minus before
             a, b = summary.get(f"{key}_after"), summary.get(f"{key}_before")
             out[name] = None if a is None or b is None else a - b
+        elif kind == "own":  # the last personalized row's clients that were sampled at least once
+            sampled = {str(k) for r in rows for k in r.get("sampled", [])}
+            own = next((r["personal"] for r in reversed(rows) if r.get("personal")), {})
+            vals = [v[key] for k, v in own.items() if k in sampled and v.get(key) is not None]
+            out[name] = sum(vals) / len(vals) if vals else None
         elif kind == "drop":  # relative fall, 1 - after / before
             a, b = summary.get(f"{key}_after"), summary.get(f"{key}_before")
             out[name] = None if a is None or not b else 1 - a / b
@@ -401,7 +414,9 @@ def format_corrected(summary: dict, metrics: list[str] | None = None) -> str:
             head += f" vs best: {best['reference']} (m = {best['m']}) | Holm p |"
             rule += "---|---|"
         out += [
-            f"\n{metric} over seeds {seeds}: intervals at 1 - 0.05 / m (Bonferroni, per family)",
+            f"\n{metric} over seeds {seeds}: intervals at 1 - 0.05 / m (Bonferroni, per family); a verdict "
+            "only where that interval excludes 0 (a Holm p below 0.05 can stand without one); the best row "
+            "is chosen on these same seeds, so its family describes the gaps, it does not test them",
             head,
             rule,
         ]
@@ -439,6 +454,9 @@ def _run_one(
     else:
         cmd += [*extra, *variant.overrides, f"federation.seed={seed}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # float results depend on the thread count
+    # the runs import the fedllm this comparison checked identities against, whatever the working folder holds
+    code = str(Path(importlib.import_module("fedllm").__file__ or "").parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([code, *filter(None, [os.environ.get("PYTHONPATH")])])
     log_path = run_dir.with_name(run_dir.name + ".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
@@ -570,7 +588,9 @@ def write_results(out_root: Path, summary: dict) -> None:
     )
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["metric", "variant", "mean", "std", "n", "diff", "low", "high", "excludes_zero"])
+    w.writerow(
+        ["metric", "variant", "mean", "std", "n", "diff", "low_95", "high_95", "excludes_zero_uncorrected"]
+    )
     base = summary["baseline"]
     for metric, per in summary["metrics"].items():
         for name, e in per.items():

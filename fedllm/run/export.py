@@ -180,24 +180,38 @@ def write_export(
     return out
 
 
+def _base_tokenizer(base: str):
+    """The base's tokenizer as the run used it: with its family's turn format where the checkpoint has no
+    chat template (``fedllm.model.modeling.load_base`` gives Gemma 3's its own), so the export chats as it
+    was trained to."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from data_prep.prompts import TURN_FORMATS
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    if not getattr(tokenizer, "chat_template", None):
+        turns = TURN_FORMATS.get(getattr(AutoConfig.from_pretrained(base), "model_type", ""))
+        if turns is not None:
+            tokenizer.chat_template = turns
+    return tokenizer
+
+
 def _save_tokenizer(base: str, out: Path) -> None:
     """The base's tokenizer beside the adapter, so ``AutoTokenizer.from_pretrained(export)`` works."""
-    from transformers import AutoTokenizer
-
     try:
-        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+        _base_tokenizer(base).save_pretrained(out)
     except (OSError, ValueError) as e:
         log.warning("export: the base's tokenizer (%s) could not be saved beside the adapter: %s", base, e)
 
 
 def _merge(base: str, adapter_dir: Path, out: Path, cfg) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, use_kernels=False)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    _base_tokenizer(base).save_pretrained(out)
     if getattr(merged, "generation_config", None) is not None:
         merged.generation_config.save_pretrained(out)
 

@@ -362,6 +362,19 @@ class RunWriter:
         )
         self.metrics_path = self.run_dir / ROWS
 
+    def mark_mixed(self, differ: list[str]) -> None:
+        """Record in ``run_info.json`` that the run was resumed with other code or data than made its first
+        rounds (what differs): its identity then matches no version's."""
+        from fedllm.files import atomic_write_text
+
+        if not self.enabled:
+            return
+        path = self.run_dir / INFO
+        info = json.loads(path.read_text()) if path.exists() else {}
+        identity = info.setdefault("identity", {})
+        identity["mixed"] = [*identity.get("mixed", []), *differ]
+        atomic_write_text(path, json.dumps(info, indent=1))
+
     def start(self, cfg, partition_stats: list[dict]) -> None:
         from fedllm.config import save_config
         from fedllm.files import atomic_write_text

@@ -149,6 +149,8 @@ def differences(have: dict[str, Any] | None, want: dict[str, Any]) -> list[str]:
     run without a recorded identity differs in every part."""
     if not have:
         return ["no identity recorded (a run made before fedllm recorded one)"]
+    if have.get("mixed"):
+        return [f"resumed with other code or data than started it ({'; '.join(have['mixed'])})"]
     out = []
     for part, value in want.items():
         old = have.get(part)
