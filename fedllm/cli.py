@@ -58,6 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from accelerate.utils import parse_flag_from_env
 
     from fedllm.run import folder as rundir
+    from fedllm.run.compare import settled
     from fedllm.run.reader import ROWS, RunFolder
 
     if args.resume:
@@ -71,6 +72,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(args.output_dir or cfg.output.dir or f"runs/{cfg.aggregation.name}-{stamp}")
     cfg.output.dir = str(run_dir)
+    settled(
+        cfg
+    )  # 'auto' settled as the run will (precision, the clip of a one-job run): so a run compares equal
 
     # Only the main process decides (and locks); the others follow its decision.
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads the launch

@@ -36,12 +36,13 @@ from data_prep.schema import DataError
 from fedllm import assembly
 from fedllm.aggregation import strategy_from_config
 from fedllm.checks import one_line
-from fedllm.config import Config, config_to_text, load_config
+from fedllm.config import Config, config_to_text, load_config, settle_clip
 from fedllm.federation_data import load_partitions
 from fedllm.flower.identity import Bindings, load_registry, refuse_token_modules
 from fedllm.flower.records import info_record, record_bytes, start_record
 from fedllm.flower.replies import BadReply, check_signature, parse_evaluation, parse_info, parse_update
 from fedllm.logs import client_label, names_clients, redact, setup_logging
+from fedllm.model import precision
 from fedllm.protocol import SummedUpdates
 from fedllm.round_loop import RoundLoop, personal_summary
 
@@ -350,6 +351,9 @@ def run_server(grid: Grid, cfg: Config, run_dir: Path, startup_timeout_s: float 
     setup_logging(os.environ.get("FEDLLM_LOG_LEVEL", "INFO"))
     refuse_token_modules(cfg)
     cfg.output.dir = str(run_dir)
+    # 'auto' settled as this driver will (the clip across organizations, the precision): runs compare equal
+    settle_clip(cfg, FlowerDriver.clients_are_organizations)
+    precision.resolve(cfg)
     action, lock = rundir.open_run(run_dir, cfg)
     if action == "done":
         log.info("nothing to do: %s has finished all %d rounds", run_dir, cfg.federation.rounds)
