@@ -104,6 +104,7 @@ def test_a_chat_templates_first_token_is_cut_as_generation_cuts_it(llama_style):
 
 
 @pytest.mark.real
+@pytest.mark.slow  # a minute: Gemma's 262k vocabulary over 20 real questions, twice
 def test_gemma3s_answer_ids_are_the_harness_split_of_real_questions():
     """Gemma 3's real vocabulary (fedllm prepare-real --gemma3): every answer is one "▁X" token, the
     harness's own split, after a <bos> that both put first."""
