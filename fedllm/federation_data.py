@@ -78,15 +78,7 @@ def load_partitions(cfg) -> Partitions:
         pool = [e for i, e in enumerate(examples) if i not in held]
     else:
         pool = [examples[i] for i in order[n_eval:]]
-    parts = partition(
-        pool,
-        d.partition,
-        cfg.federation.num_clients,
-        seed,
-        d.dirichlet_alpha,
-        d.shards_per_client,
-        d.min_examples_per_client,
-    )
+    parts = _partition(cfg, pool)
     clients, tests = [], []
     for k, idx in enumerate(parts):
         idx = list(idx)
@@ -114,6 +106,20 @@ def test_size(n: int, d) -> int:
     return min(size, d.client_test_max) if d.client_test_max else size
 
 
+def _partition(cfg, examples: list[Example]) -> list[list[int]]:
+    """``data.partition`` of ``examples`` over the run's clients, with the config's settings."""
+    d = cfg.data
+    return partition(
+        examples,
+        d.partition,
+        cfg.federation.num_clients,
+        cfg.federation.seed,
+        d.dirichlet_alpha,
+        d.shards_per_client,
+        d.min_examples_per_client,
+    )
+
+
 def own_split(examples: list[Example], d) -> tuple[list[Example], int]:
     """A site's own examples ordered with its test share first, and that share's size (:func:`test_size` of
     the run's ``data`` section): whole sources (:attr:`Example.group`) where the examples have them, as
@@ -139,15 +145,7 @@ def _partitions_by_source(
     eval_examples = [examples[i] for u in held for i in u]
     if d.partition == "contiguous":  # the rest in file order: the shards are the dataset's own
         rest.sort(key=lambda u: u[0])
-    parts = partition(
-        [examples[u[0]] for u in rest],
-        d.partition,
-        cfg.federation.num_clients,
-        seed,
-        d.dirichlet_alpha,
-        d.shards_per_client,
-        d.min_examples_per_client,
-    )
+    parts = _partition(cfg, [examples[u[0]] for u in rest])  # a source by its first example
     pool: list[Example] = []
     pool_parts: list[list[int]] = []
     clients, tests = [], []

@@ -67,15 +67,7 @@ def one_round(kind: str, cfg, vectors, federation, root: Path) -> dict:
                 m.pseudo_rand_gen = pseudo_rand_gen
 
             def plain(self, max_weight, timeout):  # Flower's own workflow, the same parameters
-                return SecAggPlusWorkflow(
-                    num_shares=float(self.o.num_shares),
-                    reconstruction_threshold=float(self.o.reconstruction_threshold),
-                    max_weight=max_weight,
-                    clipping_range=self.range,
-                    quantization_range=self.quantization,
-                    modulus_range=2**self.o.modulus_bits,
-                    timeout=timeout,
-                )
+                return SecAggPlusWorkflow(**self.parameters(max_weight, timeout))
 
             sf.SecureExchange.workflow = plain
             node_config, sites = None, None

@@ -104,30 +104,53 @@ class SiteGrid:
         return out
 
 
+class Federation:
+    """Node keys (ECDSA P-384, as ``ssh-keygen -t ecdsa -b 384`` makes) of clients 0..n-1 and the
+    federation's registry of them (the file ``flower.registry`` reads, a copy on every site)."""
+
+    def __init__(self, root, n: int = 8) -> None:
+        from cryptography.hazmat.primitives import serialization
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.root, self.keys, lines = root, {}, []
+        for k in range(n):
+            key = ec.generate_private_key(ec.SECP384R1())
+            path = root / f"client{k}.pem"
+            path.write_bytes(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+            self.keys[k] = path
+            public = key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+            lines.append(f"{k}: {public.decode()}")
+        self.registry = root / "registry.txt"
+        self.registry.write_text("\n".join(lines) + "\n")
+
+    def node_config(self, node: int, client: int) -> dict:
+        """A bound site's node config: its client id, its node key, the federation's registry, its state."""
+        return {
+            "client-id": client,
+            "sign-key": str(self.keys[client]),
+            "registry": str(self.registry),
+            "state-dir": str(self.root / f"state-{client}"),
+        }
+
+
 def grid_driver_factory(tmp_path, monkeypatch):
     """``make(n, rounds, signed_sites, *overrides) -> (driver, grid)``: a ServerApp driver over n sites."""
     monkeypatch.setattr(server_app, "Message", Sent)
     monkeypatch.setattr(client_app, "Message", lambda content, reply_to: content)
 
     def make(n=3, rounds=2, signed_sites=False, *extra):
-        keys, registry = {}, []
+        keys = {}
         if signed_sites:
-            for k in range(n):
-                private = ec.generate_private_key(ec.SECP384R1())
-                path = tmp_path / f"key-{k}.pem"
-                path.write_bytes(
-                    private.private_bytes(
-                        serialization.Encoding.PEM,
-                        serialization.PrivateFormat.PKCS8,
-                        serialization.NoEncryption(),
-                    )
-                )
-                keys[k] = str(path)
-                line = private.public_key().public_bytes(
-                    serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-                )
-                registry.append(f"{k}: {line.decode()}")
-            (tmp_path / "registry.txt").write_text("\n".join(registry) + "\n")
+            federation = Federation(tmp_path, n)
+            keys = {k: str(path) for k, path in federation.keys.items()}
         cfg = load_config(
             None,
             tiny_overrides(

@@ -27,6 +27,7 @@ from fedllm.secagg.bounds import quantization_error
 from fedllm.secagg.summand import SecureSummand, layout, summed_update, survivors_weights, to_vector
 from fedllm.server import Server, ServerPolicy
 from tests.conftest import tiny_overrides
+from tests.flower_grid import Federation
 from tests.test_trust import COUNTS, MODULES, RANKS, honest, make_server
 
 Q = 2**22
@@ -886,7 +887,6 @@ def test_a_server_showing_sites_different_lists_cannot_rebuild_a_site(tmp_path, 
     shares, each site's lists consistent on their own. Under Flower's mod alone it rebuilds 100's vector;
     fedllm's site 100 refuses a collect message without every neighbour's key shares, so nothing of it
     leaves (found by review on this change's first version, which checked each list alone)."""
-    from flwr.common.secure_aggregation.secaggplus_constants import Key
 
     cfg = load_config(
         None,
@@ -910,12 +910,7 @@ def test_a_server_showing_sites_different_lists_cannot_rebuild_a_site(tmp_path, 
     }
 
     def deviate(stage, node, c):
-        if stage == "collect_masked_vectors" and node == target:
-            keep = [i for i, src in enumerate(c[Key.SOURCE_LIST]) if src in partners]
-            c[Key.SOURCE_LIST] = [c[Key.SOURCE_LIST][i] for i in keep]
-            c[Key.CIPHERTEXT_LIST] = [c[Key.CIPHERTEXT_LIST][i] for i in keep]
-        if stage == "unmask":
-            c[Key.ACTIVE_NODE_ID_LIST], c[Key.DEAD_NODE_ID_LIST] = list(lists[node][0]), list(lists[node][1])
+        partners_only(stage, node, c, target, partners, lists)
 
     if not guarded:
         unguarded(monkeypatch)
@@ -927,6 +922,19 @@ def test_a_server_showing_sites_different_lists_cannot_rebuild_a_site(tmp_path, 
         assert got is None
     else:
         assert np.abs(got - vectors[target]).max() <= quantization_error(cfg)
+
+
+def partners_only(stage: str, node: int, c, target: int, partners: list[int], lists: dict) -> None:
+    """The different-lists attack's edits: the target gets the key shares of ``partners`` only, and each site
+    its own unmask lists (``lists``: node -> (surviving, dropped))."""
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    if stage == "collect_masked_vectors" and node == target:
+        keep = [i for i, src in enumerate(c[Key.SOURCE_LIST]) if src in partners]
+        c[Key.SOURCE_LIST] = [c[Key.SOURCE_LIST][i] for i in keep]
+        c[Key.CIPHERTEXT_LIST] = [c[Key.CIPHERTEXT_LIST][i] for i in keep]
+    if stage == "unmask":
+        c[Key.ACTIVE_NODE_ID_LIST], c[Key.DEAD_NODE_ID_LIST] = list(lists[node][0]), list(lists[node][1])
 
 
 def rebuild_from_partners(grid, target: int, partners: list[int], lists: dict, cfg) -> np.ndarray | None:
@@ -1047,44 +1055,6 @@ def test_a_site_trains_once_per_round_of_its_trajectory_across_runs_and_refuses_
     assert run(dp_cfg, False, [1], tmp_path / "dp")[0] == [1]  # an unpinned site trusts the server's config
     trained, errors = run(dp_cfg, True, [1], tmp_path / "dp-pinned")
     assert trained == [] and "privacy.noise_seed" in errors[0]
-
-
-class Federation:
-    """Node keys (ECDSA P-384, as ``ssh-keygen -t ecdsa -b 384`` makes) of clients 0..n-1 and the
-    federation's registry of them (the file ``flower.registry`` reads, a copy on every site)."""
-
-    def __init__(self, root, n: int = 8) -> None:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-
-        root.mkdir(parents=True, exist_ok=True)
-        self.root, self.keys, lines = root, {}, []
-        for k in range(n):
-            key = ec.generate_private_key(ec.SECP384R1())
-            path = root / f"client{k}.pem"
-            path.write_bytes(
-                key.private_bytes(
-                    serialization.Encoding.PEM,
-                    serialization.PrivateFormat.PKCS8,
-                    serialization.NoEncryption(),
-                )
-            )
-            self.keys[k] = path
-            public = key.public_key().public_bytes(
-                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-            )
-            lines.append(f"{k}: {public.decode()}")
-        self.registry = root / "registry.txt"
-        self.registry.write_text("\n".join(lines) + "\n")
-
-    def node_config(self, node: int, client: int) -> dict:
-        """A bound site's node config: its client id, its node key, the federation's registry, its state."""
-        return {
-            "client-id": client,
-            "sign-key": str(self.keys[client]),
-            "registry": str(self.registry),
-            "state-dir": str(self.root / f"state-{client}"),
-        }
 
 
 @pytest.fixture(scope="module")
@@ -1645,7 +1615,6 @@ def test_a_neighbour_spelled_twice_does_not_shrink_a_sites_neighbourhood(tmp_pat
     to a count, 4 neighbours to Flower's int()), leaves 100 out of 104-106's share-keys the same way, then
     shows each site unmask lists consistent on their own. Under Flower's mod alone 100 masks with 101-103
     only and the server rebuilds its vector; fedllm's sites refuse an id not written as Flower writes one."""
-    from flwr.common.secure_aggregation.secaggplus_constants import Key
 
     cfg = seven_sites(tmp_path)
     target, partners, others = 100, [101, 102, 103], [104, 105, 106]
@@ -1666,12 +1635,7 @@ def test_a_neighbour_spelled_twice_does_not_shrink_a_sites_neighbourhood(tmp_pat
                 keep = partners[i] if node == target else next(o for o in others if o != node)
                 del c[str(n)]
                 c["0" * (i + 1) + str(keep)] = c[str(keep)]  # the kept neighbour once more, spelled anew
-        if stage == "collect_masked_vectors" and node == target:
-            keep = [i for i, s in enumerate(c[Key.SOURCE_LIST]) if s in partners]
-            c[Key.SOURCE_LIST] = [c[Key.SOURCE_LIST][i] for i in keep]
-            c[Key.CIPHERTEXT_LIST] = [c[Key.CIPHERTEXT_LIST][i] for i in keep]
-        if stage == "unmask":
-            c[Key.ACTIVE_NODE_ID_LIST], c[Key.DEAD_NODE_ID_LIST] = list(lists[node][0]), list(lists[node][1])
+        partners_only(stage, node, c, target, partners, lists)
 
     if not guarded:
         unguarded(monkeypatch)

@@ -212,15 +212,20 @@ class SecureExchange:
                             out[int(reply.metadata.src_node_id)] = signature
                 return out
 
-        return QuorumWorkflow(
-            num_shares=float(self.o.num_shares),
-            reconstruction_threshold=float(self.o.reconstruction_threshold),
-            max_weight=max_weight,
-            clipping_range=self.range,
-            quantization_range=self.quantization,
-            modulus_range=2**self.o.modulus_bits,
-            timeout=timeout,
-        )
+        return QuorumWorkflow(**self.parameters(max_weight, timeout))
+
+    def parameters(self, max_weight: float, timeout: float | None) -> dict[str, Any]:
+        """Flower's ``SecAggPlusWorkflow`` arguments for this run: what every site checks its setup against
+        (:func:`fedllm.secagg.guard.pinned`)."""
+        return {
+            "num_shares": float(self.o.num_shares),
+            "reconstruction_threshold": float(self.o.reconstruction_threshold),
+            "max_weight": max_weight,
+            "clipping_range": self.range,
+            "quantization_range": self.quantization,
+            "modulus_range": 2**self.o.modulus_bits,
+            "timeout": timeout,
+        }
 
     def train(self, driver, plan) -> SummedUpdates:
         from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
