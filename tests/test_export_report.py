@@ -372,7 +372,10 @@ def test_personalization_numbers_in_summary_card_report_and_export_folders(finis
     assert clients["personal_acc_mean"] == pytest.approx(rows[-1]["personal_acc"])
     assert clients["per_client"]["1"]["global_acc"] == pytest.approx(rows[-1]["personal"]["1"]["global_acc"])
     print_summary(summary)
-    assert "clients' own data  global model" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "clients' own data  held-out loss: global model" in out
+    assert "whole answers predicted: global model" in out
+    assert f"personalized {clients['personal_loss_mean']:.4f} (mean over" in out
     for argv in ([], ["--client", "1"], ["--client", "2"], ["--merge"]):
         assert main(["export", str(run), *argv]) == 0
     assert sorted(p.name for p in (run / "export").iterdir()) == ["client-1", "client-2", "global", "merged"]
