@@ -204,6 +204,57 @@ def _script(name: str):
     return module
 
 
+def test_rank_energy_reads_the_spectrum_of_factors_and_merged_residual_exactly(tmp_path):
+    """The top-k energy shares of scripts/rank_energy.py equal those of the dense update's own singular
+    values, whether the checkpoint keeps a module as factors (any split of the singular values, a scale),
+    as a dense residual or as both; a module with no update is left out of the mean."""
+    import torch
+
+    from fedllm.factors import DenseDelta, LoraFactors
+
+    energy = _script("rank_energy")
+    g = torch.Generator().manual_seed(0)
+    s = torch.tensor([5.0, 3.0, 2.0, 1.0, 0.5, 0.25], dtype=torch.float64)
+    u, _ = torch.linalg.qr(torch.randn(40, 6, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(30, 6, generator=g, dtype=torch.float64))
+    # B = U S^0.3, A = S^0.7 V^T at scale 2: delta = 2 U S V^T
+    f = LoraFactors((s**0.7)[:, None] * v.T, u * s**0.3, 2.0)
+    e = (2 * s) ** 2
+    want = {k: float(e[:k].sum() / e.sum()) for k in (1, 2, 4, 8)}
+    got = energy.energy_shares(energy.spectrum(f), (1, 2, 4, 8))
+    assert got == pytest.approx(want, rel=1e-9)
+    assert got[8] == pytest.approx(1.0)  # past the rank
+    # energies 100, 36, 16, 4, 1, 0.25: the top 2 hold 0.865, the top 3 0.967
+    assert energy.rank_holding(energy.spectrum(f), 0.9) == 3
+    assert energy.rank_holding(energy.spectrum(f), 0.86) == 2
+    dense = DenseDelta(f.delta())
+    assert energy.energy_shares(energy.spectrum(dense), (1, 2)) == pytest.approx(
+        {1: want[1], 2: want[2]}, rel=1e-9
+    )
+    zero = LoraFactors(torch.zeros(2, 30, dtype=torch.float64), torch.zeros(40, 2, dtype=torch.float64))
+    out = energy.round_energy({"a": f, "b": dense, "z": zero}, (1, 2))
+    assert out["modules"] == 2 and out["top_k"]["1"] == pytest.approx(want[1])
+    assert out["top_k_std"]["1"] == pytest.approx(0.0, abs=1e-9) and out["rank90"] == 3
+
+    # through a real checkpoint: the top 2 directions in the global adapter, the rest merged into the base
+    # (the residual): only their sum has the spectrum above (the global adapter alone: top-1 share 100/136)
+    from fedllm.factors import adapter_tensors
+    from fedllm.run.checkpoint import save_checkpoint
+
+    top = LoraFactors(f.A[:2], f.B[:, :2], 2.0)
+    rest = LoraFactors(f.A[2:], f.B[:, 2:], 2.0)
+    tensors_g, scales_g = adapter_tensors({"m": top}, "global.")
+    tensors_r, scales_r = adapter_tensors({"m": rest}, "residual.")
+    save_checkpoint(
+        tmp_path / "run",
+        2,
+        {**tensors_g, **tensors_r},
+        {"round": 2, "scales": {**scales_g, **scales_r}},
+    )
+    by_round = energy.run_energy(tmp_path / "run", (1, 2))
+    assert list(by_round) == [2] and by_round[2]["top_k"]["1"] == pytest.approx(want[1], rel=1e-9)
+
+
 def test_florist_report_means_kept_ranks_per_module_type_and_counts_a_catch_up_once(tmp_path):
     """A round's kept rank by module type is the mean over its layers; down_bytes already holds the
     catch-ups (down_catchup_bytes says how much of it), so adding both would count them twice."""

@@ -1,0 +1,122 @@
+"""Where a run's global update keeps its energy: raFLoRA's "rank collapse" check on a finished run.
+
+raFLoRA (2026) names rank collapse in SVD-based heterogeneous aggregation: the global update's energy gathers
+in the smallest shared rank over the rounds, because each client starts a round from the global update cut to
+its own rank and only the high-rank clients carry the directions beyond the low ranks into the next average.
+This reads the global update (what was merged into the base plus the global adapter) that each kept
+checkpoint of a run holds (``RUN/checkpoints/round-*``) and reports, per round, the share of the update's
+energy (squared singular values of ``scale * B @ A``, from the factors without forming the matrix) in its
+top k directions for each k, and the rank that holds 90 % of it, as mean +/- std over the adapted modules.
+A share that grows round on round at small k is the collapse.
+
+    python scripts/rank_energy.py runs/which_method_smollm2/{fedit,flexlora,florist}/seed-0
+
+Last line: one JSON object ({run: {round: {"top_k": {k: mean}, "rank90": mean, "modules": n}}}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedllm.factors import DenseDelta, LoraFactors, concat, low_rank_svd
+
+TOP = (4, 8, 16, 32, 64)
+
+
+def energy_shares(s: torch.Tensor, top: tuple[int, ...] = TOP) -> dict[int, float]:
+    """The share of ``sum(s**2)`` in the ``k`` largest singular values, for each ``k`` (1.0 past the rank)."""
+    e = torch.sort(s.double() ** 2, descending=True).values
+    total = float(e.sum())
+    if total == 0.0:
+        return {k: float("nan") for k in top}
+    cum = torch.cumsum(e, 0) / total
+    return {k: float(cum[min(k, len(e)) - 1]) for k in top}
+
+
+def rank_holding(s: torch.Tensor, share: float = 0.9) -> int:
+    """The fewest directions that hold ``share`` of the energy (0 for a zero update)."""
+    e = torch.sort(s.double() ** 2, descending=True).values
+    total = float(e.sum())
+    if total == 0.0:
+        return 0
+    return int((torch.cumsum(e, 0) / total < share - 1e-12).sum()) + 1
+
+
+def spectrum(f: LoraFactors | DenseDelta) -> torch.Tensor:
+    """The singular values of one module's update, whatever form the checkpoint keeps it in."""
+    if isinstance(f, DenseDelta):
+        return torch.linalg.svdvals(f.D.double() * f.scale)
+    return low_rank_svd(LoraFactors(f.A.double(), f.B.double(), f.scale))[1]
+
+
+def round_energy(adapter: dict[str, LoraFactors | DenseDelta], top: tuple[int, ...] = TOP) -> dict:
+    """Mean +/- std over the modules with a nonzero update: top-k shares and the 90 % rank."""
+    shares: dict[int, list[float]] = {k: [] for k in top}
+    ranks: list[int] = []
+    for f in adapter.values():
+        s = spectrum(f)
+        if float((s**2).sum()) == 0.0:
+            continue
+        for k, v in energy_shares(s, top).items():
+            shares[k].append(v)
+        ranks.append(rank_holding(s))
+
+    def sd(xs: list[float]) -> float:
+        return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+    return {
+        "modules": len(ranks),
+        "top_k": {str(k): statistics.fmean(v) for k, v in shares.items() if v},
+        "top_k_std": {str(k): sd(v) for k, v in shares.items() if v},
+        "rank90": statistics.fmean(ranks) if ranks else None,
+        "rank90_std": sd([float(r) for r in ranks]) if ranks else None,
+    }
+
+
+def run_energy(run: Path, top: tuple[int, ...] = TOP) -> dict[int, dict]:
+    """Each kept checkpoint's global update of ``run``, by round."""
+    from fedllm.run.checkpoint import load_checkpoint
+    from fedllm.server.server import global_state
+
+    out = {}
+    folders = sorted(p for p in (run / "checkpoints").glob("round-*") if p.is_dir())
+    if not folders:
+        raise SystemExit(f"{run}/checkpoints holds no round-* folder: nothing to read (kept runs drop them)")
+    for folder in folders:
+        tensors, meta = load_checkpoint(folder)
+        state = global_state(tensors, meta)
+        # the update from the base: what was merged into it (FLoRA, FedEx-LoRA) plus the global adapter
+        out[int(meta["round"])] = round_energy(concat(state.residual, state.factors), top)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="finished or running run folders with checkpoints")
+    ap.add_argument("--top", type=int, nargs="+", default=list(TOP), help="the k of the top-k shares")
+    args = ap.parse_args(argv)
+    top = tuple(sorted(set(args.top)))
+    result = {}
+    for run in args.runs:
+        by_round = run_energy(run, top)
+        result[str(run)] = {str(r): v for r, v in by_round.items()}
+        for r, v in by_round.items():
+            cells = "  ".join(f"top{k} {v['top_k'].get(str(k), float('nan')):.3f}" for k in top)
+            print(
+                f"{run}  round {r}: {cells}  rank(90%) {v['rank90']:.1f} +/- {v['rank90_std']:.1f}"
+                f"  ({v['modules']} modules)"
+            )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
