@@ -3,7 +3,7 @@
 raFLoRA (2026) names rank collapse in SVD-based heterogeneous aggregation: the global update's energy gathers
 in the smallest shared rank over the rounds, because each client starts a round from the global update cut to
 its own rank and only the high-rank clients carry the directions beyond the low ranks into the next average.
-This reads the global update (what was merged into the base plus the global adapter) that each kept
+This reads the global model (its global adapter plus what was merged into the base) that each kept
 checkpoint of a run holds (``RUN/checkpoints/round-*``) and reports, per round, the share of the update's
 energy (squared singular values of ``scale * B @ A``, from the factors without forming the matrix) in its
 top k directions for each k, and the rank that holds 90 % of it, as mean +/- std over the adapted modules.
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fedllm.factors import DenseDelta, LoraFactors, concat, low_rank_svd
+from fedllm.factors import DenseDelta, LoraFactors, low_rank_svd
 
 TOP = (4, 8, 16, 32, 64)
 
@@ -82,20 +82,16 @@ def round_energy(adapter: dict[str, LoraFactors | DenseDelta], top: tuple[int, .
 
 
 def run_energy(run: Path, top: tuple[int, ...] = TOP) -> dict[int, dict]:
-    """Each kept checkpoint's global update of ``run``, by round."""
-    from fedllm.run.checkpoint import load_checkpoint
-    from fedllm.server.server import global_state
+    """Each kept checkpoint's global model of ``run``, by round: the run's strategy says what its global
+    adapter is (Fed-SB's ``B @ R``, FLoRAL's uniform mixture), plus everything merged into the base
+    (FLoRA, FedEx-LoRA, FLoRIST), as ``fedllm export`` reads it."""
+    from fedllm.run.reader import RunFolder
 
-    out = {}
-    folders = sorted(p for p in (run / "checkpoints").glob("round-*") if p.is_dir())
-    if not folders:
+    folder = RunFolder(run)
+    rounds = folder.kept_rounds()
+    if not rounds:
         raise SystemExit(f"{run}/checkpoints holds no round-* folder: nothing to read (kept runs drop them)")
-    for folder in folders:
-        tensors, meta = load_checkpoint(folder)
-        state = global_state(tensors, meta)
-        # the update from the base: what was merged into it (FLoRA, FedEx-LoRA) plus the global adapter
-        out[int(meta["round"])] = round_energy(concat(state.residual, state.factors), top)
-    return out
+    return {r: round_energy(folder.global_model(r)[0], top) for r in rounds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         result[str(run)] = {str(r): v for r, v in by_round.items()}
         for r, v in by_round.items():
             cells = "  ".join(f"top{k} {v['top_k'].get(str(k), float('nan')):.3f}" for k in top)
-            print(
-                f"{run}  round {r}: {cells}  rank(90%) {v['rank90']:.1f} +/- {v['rank90_std']:.1f}"
-                f"  ({v['modules']} modules)"
-            )
+            rank = "n/a" if v["rank90"] is None else f"{v['rank90']:.1f} +/- {v['rank90_std']:.1f}"
+            print(f"{run}  round {r}: {cells}  rank(90%) {rank}  ({v['modules']} modules)")
     print(json.dumps(result))
     return 0
 

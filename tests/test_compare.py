@@ -236,23 +236,31 @@ def test_rank_energy_reads_the_spectrum_of_factors_and_merged_residual_exactly(t
     assert out["modules"] == 2 and out["top_k"]["1"] == pytest.approx(want[1])
     assert out["top_k_std"]["1"] == pytest.approx(0.0, abs=1e-9) and out["rank90"] == 3
 
-    # through a real checkpoint: the top 2 directions in the global adapter, the rest merged into the base
-    # (the residual): only their sum has the spectrum above (the global adapter alone: top-1 share 100/136)
+    # through a real checkpoint read as the run's strategy reads it: the top 2 directions in the global
+    # adapter (scale 2), the rest merged into the base (the residual) at scale 0.5 with B 4x: only their sum,
+    # scales applied, has the spectrum above (the global adapter alone: top-1 share 100/136; the residual's
+    # scale ignored: 16 x its energy)
+    from fedllm.config import Config, save_config
     from fedllm.factors import adapter_tensors
     from fedllm.run.checkpoint import save_checkpoint
 
     top = LoraFactors(f.A[:2], f.B[:, :2], 2.0)
-    rest = LoraFactors(f.A[2:], f.B[:, 2:], 2.0)
+    rest = LoraFactors(f.A[2:], 4 * f.B[:, 2:], 0.5)
     tensors_g, scales_g = adapter_tensors({"m": top}, "global.")
     tensors_r, scales_r = adapter_tensors({"m": rest}, "residual.")
-    save_checkpoint(
-        tmp_path / "run",
-        2,
-        {**tensors_g, **tensors_r},
-        {"round": 2, "scales": {**scales_g, **scales_r}},
-    )
-    by_round = energy.run_energy(tmp_path / "run", (1, 2))
-    assert list(by_round) == [2] and by_round[2]["top_k"]["1"] == pytest.approx(want[1], rel=1e-9)
+    run = tmp_path / "run"
+    cfg = Config()
+    cfg.aggregation.name = "flexlora"
+    cfg.aggregation.clip_norm_ratio = 0.0
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    save_checkpoint(run, 2, {**tensors_g, **tensors_r}, {"round": 2, "scales": {**scales_g, **scales_r}})
+    by_round = energy.run_energy(run, (1, 2, 3))
+    assert list(by_round) == [2]
+    three = float(e[:3].sum() / e.sum())
+    assert by_round[2]["top_k"] == pytest.approx({"1": want[1], "2": want[2], "3": three})
+    with pytest.raises(SystemExit, match="no round-"):
+        energy.run_energy(tmp_path, (1,))
 
 
 def test_florist_report_means_kept_ranks_per_module_type_and_counts_a_catch_up_once(tmp_path):
