@@ -209,7 +209,13 @@ def test_int8_uploads_travel_encoded_and_give_the_simulations_result(grid_driver
     from fedllm.simulation import Simulation
     from tests.conftest import assert_close_updates
 
-    extra = ("comm.upload=int8", f"comm.download={download}", "eval.personalized=false")
+    # one clip on both sides (auto: 0 in the in-process simulation, 2 on Flower)
+    extra = (
+        "comm.upload=int8",
+        f"comm.download={download}",
+        "eval.personalized=false",
+        "aggregation.clip_norm_ratio=2",
+    )
     driver, grid = grid_driver(3, 2, False, *extra)
     replies, starts = [], []
 
