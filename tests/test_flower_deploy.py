@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_PRETRAIN_STEPS
+
 pytest.importorskip("flwr")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,6 +251,9 @@ def test_a_killed_site_is_left_out_and_rejoins_from_its_state(tmp_path):
             str(run_dir),
             "federation.rounds=4",
             "federation.min_clients=2",
+            # the tests' short base: this test is about sites leaving and coming back, and the default's
+            # 1,000 pretraining steps in the ServerApp took most of round 1's 600 s with the cores shared
+            f"model.builtin_pretrain_steps={TEST_PRETRAIN_STEPS}",
             *SMALL,
         ],
         work,
