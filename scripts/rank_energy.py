@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fedllm.factors import DenseDelta, LoraFactors, low_rank_svd
+from fedllm.factors import DenseDelta, LoraFactors, energy_rank, low_rank_svd
 
 TOP = (4, 8, 16, 32, 64)
 
@@ -39,15 +39,6 @@ def energy_shares(s: torch.Tensor, top: tuple[int, ...] = TOP) -> dict[int, floa
         return {k: float("nan") for k in top}
     cum = torch.cumsum(e, 0) / total
     return {k: float(cum[min(k, len(e)) - 1]) for k in top}
-
-
-def rank_holding(s: torch.Tensor, share: float = 0.9) -> int:
-    """The fewest directions that hold ``share`` of the energy (0 for a zero update)."""
-    e = torch.sort(s.double() ** 2, descending=True).values
-    total = float(e.sum())
-    if total == 0.0:
-        return 0
-    return int((torch.cumsum(e, 0) / total < share - 1e-12).sum()) + 1
 
 
 def spectrum(f: LoraFactors | DenseDelta) -> torch.Tensor:
@@ -67,7 +58,7 @@ def round_energy(adapter: dict[str, LoraFactors | DenseDelta], top: tuple[int, .
             continue
         for k, v in energy_shares(s, top).items():
             shares[k].append(v)
-        ranks.append(rank_holding(s))
+        ranks.append(energy_rank(s, 0.9))  # FLoRIST's own threshold rule (s sorted, as SVDs return it)
 
     def sd(xs: list[float]) -> float:
         return statistics.stdev(xs) if len(xs) > 1 else 0.0

@@ -225,8 +225,8 @@ def test_rank_energy_reads_the_spectrum_of_factors_and_merged_residual_exactly(t
     assert got == pytest.approx(want, rel=1e-9)
     assert got[8] == pytest.approx(1.0)  # past the rank
     # energies 100, 36, 16, 4, 1, 0.25: the top 2 hold 0.865, the top 3 0.967
-    assert energy.rank_holding(energy.spectrum(f), 0.9) == 3
-    assert energy.rank_holding(energy.spectrum(f), 0.86) == 2
+    assert energy.energy_rank(energy.spectrum(f), 0.9) == 3
+    assert energy.energy_rank(energy.spectrum(f), 0.86) == 2
     dense = DenseDelta(f.delta())
     assert energy.energy_shares(energy.spectrum(dense), (1, 2)) == pytest.approx(
         {1: want[1], 2: want[2]}, rel=1e-9
