@@ -72,9 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(args.output_dir or cfg.output.dir or f"runs/{cfg.aggregation.name}-{stamp}")
     cfg.output.dir = str(run_dir)
-    settled(
-        cfg
-    )  # 'auto' settled as the run will (precision, the clip of a one-job run): so a run compares equal
+    # 'auto' settled as the run will (precision, the clip of a one-job run): so a run compares equal
+    settled(cfg)
 
     # Only the main process decides (and locks); the others follow its decision.
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads the launch
