@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument(
         "--contrast", nargs="*", default=[], help="pre-registered paired contrasts A:B (each a family of one)"
     )
+    ap.add_argument(
+        "--figure", type=Path, help="also draw the corrected differences against the baseline (PNG)"
+    )
     args = ap.parse_args()
 
     runs = {p.parent.name: {} for p in sorted(args.out.glob("*/seed-*"))}
@@ -95,6 +98,11 @@ def main() -> None:
     print("clipped updates per run: " + "; ".join(f"{n} {c}" for n, c in clips.items()))
     if len(seeds) >= 2:
         print(format_corrected(summary, args.metrics))
+    if args.figure and len(seeds) >= 2:
+        from fedllm.run.report import plot_corrected
+
+        plot_corrected(summary, args.figure, args.metrics, [r for r in args.reference if r in results])
+        print(f"figure: {args.figure}")
     contrasts = {}
     for pair in args.contrast:
         a, _, b = pair.partition(":")

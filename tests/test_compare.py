@@ -408,6 +408,40 @@ def test_a_table_verdict_needs_the_corrected_interval_to_exclude_zero():
     assert fam["vs_best"]["reference"] == "flora"  # not centralized, whose loss is lower
 
 
+def test_the_corrected_figure_draws_each_family_and_fills_only_the_intervals_that_exclude_zero(tmp_path):
+    """The forest plot a reader checks the verdict on: one panel per metric asked for, in that order, one row
+    per comparison, a filled marker exactly where the corrected interval excludes 0, references grey; no
+    figure from a single seed; the comparison's own folder gets it as compare.png."""
+    from matplotlib.colors import to_rgba
+
+    from fedllm.run.compare import write_results
+    from fedllm.run.report import corrected_figure
+
+    res = {
+        "fedit": [1.70, 1.69, 1.71, 1.70, 1.70],
+        "flora": [1.66, 1.68, 1.64, 1.67, 1.66],  # -0.036: not excluded at m = 3
+        "other": [1.60, 1.59, 1.61, 1.60, 1.60],  # -0.100 every seed, sd 0: excludes 0
+        "centralized": [1.50, 1.51, 1.49, 1.50, 1.50],
+    }
+    results = {k: {s: {"heldout_loss": x, "rouge_l": 10 * x} for s, x in enumerate(v)} for k, v in res.items()}
+    summary = summarize(results, references=["centralized"])
+    fig = corrected_figure(summary, ["rouge_l", "heldout_loss"], ["centralized"])
+    assert fig is not None
+    titles = [ax.get_title() for ax in fig.axes]
+    assert [t.split(":")[0] for t in titles] == ["rouge_l", "heldout_loss"] and "m = 3" in titles[1]
+    ax = fig.axes[1]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["flora", "other", "centralized (ref.)"]
+    markers = {round(line.get_ydata()[0]): line for line in ax.lines if line.get_marker() == "o"}
+    # rows top to bottom: flora (y 2), other (y 1), centralized (y 0)
+    assert to_rgba(markers[2].get_markerfacecolor()) == to_rgba("white")  # holds 0
+    assert to_rgba(markers[1].get_markerfacecolor()) != to_rgba("white")  # excludes 0
+    assert to_rgba(markers[0].get_color()) == to_rgba("0.55")  # the reference, grey
+    one_seed = summarize({k: {0: v[0]} for k, v in results.items()})
+    assert corrected_figure(one_seed) is None
+    write_results(tmp_path, summary)
+    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_the_same_code_under_another_commit_is_the_same_identity_and_a_mixed_run_never_is():
     """Two runs whose source files are the same but whose checkouts sit at other commits (a docs-only commit
     between them) share one identity: the table names it, nothing is superseded. A run resumed with other

@@ -573,8 +573,9 @@ def compare(
 
 
 def write_results(out_root: Path, summary: dict) -> None:
-    """``compare.json`` (everything), ``compare.md`` (the table) and ``compare.csv`` (one row per metric and
-    variant) in the comparison's folder, each written atomically."""
+    """``compare.json`` (everything), ``compare.md`` (the table), ``compare.csv`` (one row per metric and
+    variant) and ``compare.png`` (the corrected differences, :func:`fedllm.run.report.plot_corrected`;
+    from 2 seeds) in the comparison's folder, each written atomically."""
     import csv
     import io
 
@@ -606,3 +607,6 @@ def write_results(out_root: Path, summary: dict) -> None:
                 ]
             )
     atomic_write_text(out_root / "compare.csv", buf.getvalue())
+    from fedllm.run.report import plot_corrected
+
+    plot_corrected(summary, out_root / "compare.png")
