@@ -101,8 +101,10 @@ def main() -> None:
     if args.figure and len(seeds) >= 2:
         from fedllm.run.report import plot_corrected
 
-        plot_corrected(summary, args.figure, args.metrics, [r for r in args.reference if r in results])
-        print(f"figure: {args.figure}")
+        drawn = plot_corrected(
+            summary, args.figure, args.metrics, [r for r in args.reference if r in results]
+        )
+        print(f"figure: {args.figure}" if drawn else "figure: none (no metric has an interval)")
     contrasts = {}
     for pair in args.contrast:
         a, _, b = pair.partition(":")

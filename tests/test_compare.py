@@ -412,6 +412,7 @@ def test_the_corrected_figure_draws_each_family_and_fills_only_the_intervals_tha
     """The forest plot a reader checks the verdict on: one panel per metric asked for, in that order, one row
     per comparison, a filled marker exactly where the corrected interval excludes 0, references grey; no
     figure from a single seed; the comparison's own folder gets it as compare.png."""
+    import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgba
 
     from fedllm.run.compare import write_results
@@ -419,16 +420,23 @@ def test_the_corrected_figure_draws_each_family_and_fills_only_the_intervals_tha
 
     res = {
         "fedit": [1.70, 1.69, 1.71, 1.70, 1.70],
-        "flora": [1.66, 1.68, 1.64, 1.67, 1.66],  # -0.036: not excluded at m = 3
+        "flora": [1.66, 1.68, 1.64, 1.67, 1.66],  # -0.038: excluded uncorrected, not at m = 3
         "other": [1.60, 1.59, 1.61, 1.60, 1.60],  # -0.100 every seed, sd 0: excludes 0
         "centralized": [1.50, 1.51, 1.49, 1.50, 1.50],
     }
-    results = {k: {s: {"heldout_loss": x, "rouge_l": 10 * x} for s, x in enumerate(v)} for k, v in res.items()}
+    results = {
+        k: {s: {"heldout_loss": x, "rouge_l": 10 * x, "accuracy": x / 4} for s, x in enumerate(v)}
+        for k, v in res.items()
+    }
     summary = summarize(results, references=["centralized"])
-    fig = corrected_figure(summary, ["rouge_l", "heldout_loss"], ["centralized"])
+    fig = corrected_figure(summary, ["rouge_l", "heldout_loss", "accuracy"], ["centralized"])
     assert fig is not None
     titles = [ax.get_title() for ax in fig.axes]
-    assert [t.split(":")[0] for t in titles] == ["rouge_l", "heldout_loss"] and "m = 3" in titles[1]
+    assert [t.split(":")[0] for t in titles] == ["rouge_l", "heldout_loss", "accuracy (points)"]
+    assert "m = 3" in titles[1]
+    # accuracy is drawn in points, as the table prints it: "other" at -0.1 / 4 = -2.5 points
+    acc = {round(line.get_ydata()[0]): line for line in fig.axes[2].lines if line.get_marker() == "o"}
+    assert acc[1].get_xdata()[0] == pytest.approx(-2.5)
     ax = fig.axes[1]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["flora", "other", "centralized (ref.)"]
     markers = {round(line.get_ydata()[0]): line for line in ax.lines if line.get_marker() == "o"}
@@ -436,10 +444,14 @@ def test_the_corrected_figure_draws_each_family_and_fills_only_the_intervals_tha
     assert to_rgba(markers[2].get_markerfacecolor()) == to_rgba("white")  # holds 0
     assert to_rgba(markers[1].get_markerfacecolor()) != to_rgba("white")  # excludes 0
     assert to_rgba(markers[0].get_color()) == to_rgba("0.55")  # the reference, grey
-    one_seed = summarize({k: {0: v[0]} for k, v in results.items()})
-    assert corrected_figure(one_seed) is None
+    assert to_rgba(markers[1].get_color()) != to_rgba("0.55")  # a method, not grey
+    plt.close(fig)
     write_results(tmp_path, summary)
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    one_seed = summarize({k: {0: v[0]} for k, v in results.items()})
+    assert corrected_figure(one_seed) is None
+    write_results(tmp_path, one_seed)  # no figure, and the older one is not left to be read as this one's
+    assert not (tmp_path / "compare.png").exists()
 
 
 def test_the_same_code_under_another_commit_is_the_same_identity_and_a_mixed_run_never_is():

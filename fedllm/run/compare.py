@@ -609,4 +609,10 @@ def write_results(out_root: Path, summary: dict) -> None:
     atomic_write_text(out_root / "compare.csv", buf.getvalue())
     from fedllm.run.report import plot_corrected
 
-    plot_corrected(summary, out_root / "compare.png")
+    try:  # the figure is a view of the files above: a drawing error must not cost the command its output
+        plot_corrected(summary, out_root / "compare.png")
+    except Exception as exc:
+        print(
+            f"compare.png not drawn ({type(exc).__name__}: {exc}); compare.md holds the same numbers",
+            file=sys.stderr,
+        )

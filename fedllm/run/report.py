@@ -309,7 +309,8 @@ def report(run_dirs: list[Path], out_dir: Path | None = None) -> str:
 def plot_corrected(
     summary: dict[str, Any], path: Path, metrics: list[str] | None = None, references: list[str] | None = None
 ) -> Path | None:
-    """Draw :func:`corrected_figure` into ``path`` (PNG, written atomically); None when it has no panel."""
+    """Draw :func:`corrected_figure` into ``path`` (PNG, written atomically); None when it has no panel
+    (and then no older figure is left at ``path`` to be read as this comparison's)."""
     import io
 
     import matplotlib.pyplot as plt
@@ -318,6 +319,7 @@ def plot_corrected(
 
     fig = corrected_figure(summary, metrics, references)
     if fig is None:
+        Path(path).unlink(missing_ok=True)
         return None
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=150)
@@ -330,8 +332,9 @@ def corrected_figure(
     summary: dict[str, Any], metrics: list[str] | None = None, references: list[str] | None = None
 ) -> Figure | None:
     """The corrected families of a comparison (``fedllm.run.compare.summarize``) as one forest plot: per
-    metric (in ``metrics``' order), every row's paired difference to the baseline with its family-corrected
-    (Bonferroni) interval, 0 marked, and a band of the smallest difference the design detects at 80 % power.
+    metric (in ``metrics``' order; default: every metric with a better direction), every row's paired
+    difference to the baseline with its family-corrected (Bonferroni) interval, 0 marked, and a band of
+    the smallest difference the design detects at 80 % power.
 
     Why a figure: the table's verdict is "an interval excludes 0", and a reader sees at a glance which do,
     how far from 0 the others reach, and whether a difference that holds 0 could still be a large one the
@@ -348,7 +351,8 @@ def corrected_figure(
     from fedllm.run.compare import BETTER, FORMATS, METRICS
 
     corrected = summary.get("corrected", {})
-    order = [m for m in (metrics if metrics is not None else list(corrected)) if m in corrected]
+    # by default the metrics a row can be better on (not run time, parameter counts or a feature's numbers)
+    order = [m for m in (metrics or [m for m in corrected if m in BETTER]) if m in corrected]
     families = {
         m: corrected[m]["vs_baseline"]
         for m in order
@@ -375,6 +379,7 @@ def corrected_figure(
         ax.axvline(0.0, color="0.3", lw=0.8)
         for y, c in zip(ys, comps, strict=True):
             if not math.isfinite(c["low"]):
+                ax.text(0.0, y, " n/a", va="center", fontsize=7, color="0.4")
                 continue
             colour = "0.55" if c["name"] in refs else "C0"
             filled = c["low"] > 0 or c["high"] < 0
@@ -394,7 +399,8 @@ def corrected_figure(
         level = 100 * (1 - 0.05 / fam["m"])
         better = {1: "  (higher is better)", -1: "  (lower is better)"}.get(BETTER.get(metric, 0), "")
         ax.set_title(
-            f"{metric}{f' ({unit.strip()})' if unit else ''}: minus {fam['reference']}, {level:.1f} % intervals (m = {fam['m']}){better}",
+            f"{metric}{f' ({unit.strip()})' if unit else ''}: minus {fam['reference']}, "
+            f"{level:.1f} % intervals (m = {fam['m']}){better}",
             fontsize=8,
         )
         ax.tick_params(axis="x", labelsize=7)
