@@ -26,7 +26,7 @@ from fedllm.files import atomic_write_bytes
 from fedllm.run.reader import CONFIG, GENERAL_REFERENCE, GENERATIONS, INFO, PARTITION, ROWS, SUMMARY
 
 SMALL = (CONFIG, ROWS, SUMMARY, GENERATIONS, PARTITION, INFO, GENERAL_REFERENCE)
-TABLES = ("compare.json", "compare.md", "compare.csv")
+TABLES = ("compare.json", "compare.md", "compare.csv", "compare.png")
 
 
 def keep(src: Path, dest: Path) -> dict:

@@ -204,6 +204,75 @@ def _script(name: str):
     return module
 
 
+def test_method_table_reads_one_identity_the_shared_seeds_and_the_clips(tmp_path, monkeypatch, capsys):
+    """scripts/method_table.py, the reader of a table that spans sittings: a run made by other code is named
+    and left out (and so is its seed, for every row); an unfinished run does not count; the rows are compared
+    over the seeds every row has; the clipped updates are counted per run; the pre-registered contrast is
+    the paired difference over the shared seeds; --figure draws the corrected families."""
+    table = _script("method_table")
+    ident = {"source": {"digest": "aaa", "commit": "111"}, "tokens": 7, "model": "m", "precision": "float32"}
+    loss = {"fedit": [1.70, 1.69, 1.71, 1.7], "flexlora": [1.66, 1.65, 1.68, 1.6], "clip": [1.67, 1.66, 1.70]}
+
+    def make(variant: str, seed: int, identity: dict, clipped: list[int], finished: bool = True) -> None:
+        run = tmp_path / variant / f"seed-{seed}"
+        run.mkdir(parents=True)
+        (run / "run_info.json").write_text(json.dumps({"fedllm_version": "0.1.0", "identity": identity}))
+        rows = [{"round": r + 1, "agg_clipped": c} for r, c in enumerate(clipped)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if finished:
+            (run / "summary.json").write_text(json.dumps({"loss_after": loss[variant][seed]}))
+
+    for v in loss:
+        for seed in range(3):
+            make(v, seed, ident, [1, 0, 2] if v == "clip" else [0, 0, 0])
+    other = {**ident, "source": {"digest": "bbb", "commit": "222"}}
+    make("flexlora", 3, other, [0, 0, 0])  # made by other code: left out
+    make("fedit", 3, ident, [0, 0, 0])
+    (tmp_path / "flexlora" / "seed-2" / "summary.json").unlink()  # unfinished: seed 2 is not every row's
+    figure = tmp_path / "table.png"
+    monkeypatch.setattr(
+        "sys.argv",
+        ["method_table.py", str(tmp_path), "--reference", "clip", "--contrast", "clip:flexlora",
+         "--metrics", "heldout_loss", "--figure", str(figure)],
+    )  # fmt: skip
+    table.main()
+    out, err = capsys.readouterr()
+    assert "flexlora/seed-3" in err and "made by other code" in err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["seeds"] == [0, 1]
+    assert result["identity"]["source"]["digest"] == "aaa"
+    assert result["clipped"] == {"fedit": [0, 0, 0, 0], "clip": [3, 3, 3], "flexlora": [0, 0]}
+    c = result["contrasts"]["clip:flexlora heldout_loss"]
+    assert c["diff"] == pytest.approx(0.01) and c["n"] == 2
+    fam = result["summary"]["corrected"]["heldout_loss"]["vs_baseline"]
+    assert fam["m"] == 2 and {x["name"] for x in fam["comparisons"]} == {"flexlora", "clip"}
+    assert figure.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_keep_runs_copies_finished_runs_without_their_checkpoints(tmp_path):
+    """scripts/keep_runs.py, what a table that spans sittings commits: a finished run's small files byte for
+    byte and its log beside it, never its checkpoints; an unfinished run left out (the comparison runs it
+    again); the comparison's own table files."""
+    keep = _script("keep_runs")
+    src, dest = tmp_path / "runs", tmp_path / "kept"
+    done, cut = src / "fedit" / "seed-0", src / "fedit" / "seed-1"
+    for run in (done, cut):
+        (run / "checkpoints" / "round-1").mkdir(parents=True)
+        (run / "checkpoints" / "round-1" / "adapter.safetensors").write_bytes(b"\0" * 64)
+        (run / "config.yaml").write_text("seed: x\n")
+        (run / "metrics.jsonl").write_text('{"round": 1}\n')
+    (done / "summary.json").write_text('{"loss_after": 1.5}')
+    (src / "fedit" / "seed-0.log").write_text("log\n")
+    (src / "compare.png").write_bytes(b"\x89PNG")
+    out = keep.keep(src, dest)
+    assert out["kept"] == ["fedit/seed-0"] and out["unfinished"] == ["fedit/seed-1"]
+    kept = dest / "fedit" / "seed-0"
+    assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"]
+    assert (kept / "summary.json").read_bytes() == (done / "summary.json").read_bytes()
+    assert (dest / "fedit" / "seed-0.log").read_text() == "log\n" and (dest / "compare.png").exists()
+    assert not (dest / "fedit" / "seed-1").exists()
+
+
 def test_rank_energy_reads_the_spectrum_of_factors_and_merged_residual_exactly(tmp_path):
     """The top-k energy shares of scripts/rank_energy.py equal those of the dense update's own singular
     values, whether the checkpoint keeps a module as factors (any split of the singular values, a scale),
