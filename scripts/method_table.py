@@ -99,7 +99,7 @@ def main() -> None:
     if len(seeds) >= 2:
         print(format_corrected(summary, args.metrics))
     if args.figure and len(seeds) >= 2:
-        from fedllm.run.report import plot_corrected
+        from fedllm.run.compare import plot_corrected
 
         drawn = plot_corrected(
             summary, args.figure, args.metrics, [r for r in args.reference if r in results]

@@ -484,8 +484,7 @@ def test_the_corrected_figure_draws_each_family_and_fills_only_the_intervals_tha
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgba
 
-    from fedllm.run.compare import write_results
-    from fedllm.run.report import corrected_figure
+    from fedllm.run.compare import corrected_figure, write_results
 
     res = {
         "fedit": [1.70, 1.69, 1.71, 1.70, 1.70],

@@ -38,11 +38,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedllm import __version__
 from fedllm.run.identity import differences, run_identity
 from fedllm.run.reader import RunFolder
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 NOT_NUMBERS = ("output.", "flower.")  # config keys that change neither the trajectory nor the numbers
 
@@ -574,7 +577,7 @@ def compare(
 
 def write_results(out_root: Path, summary: dict) -> None:
     """``compare.json`` (everything), ``compare.md`` (the table), ``compare.csv`` (one row per metric and
-    variant) and ``compare.png`` (the corrected differences, :func:`fedllm.run.report.plot_corrected`;
+    variant) and ``compare.png`` (the corrected differences, :func:`plot_corrected`;
     from 2 seeds) in the comparison's folder, each written atomically."""
     import csv
     import io
@@ -607,8 +610,6 @@ def write_results(out_root: Path, summary: dict) -> None:
                 ]
             )
     atomic_write_text(out_root / "compare.csv", buf.getvalue())
-    from fedllm.run.report import plot_corrected
-
     try:  # the figure is a view of the files above: a drawing error must not cost the command its output
         plot_corrected(summary, out_root / "compare.png")
     except Exception as exc:
@@ -616,3 +617,110 @@ def write_results(out_root: Path, summary: dict) -> None:
             f"compare.png not drawn ({type(exc).__name__}: {exc}); compare.md holds the same numbers",
             file=sys.stderr,
         )
+
+
+def plot_corrected(
+    summary: dict[str, Any], path: Path, metrics: list[str] | None = None, references: list[str] | None = None
+) -> Path | None:
+    """Draw :func:`corrected_figure` into ``path`` (PNG, written atomically); None when it has no panel
+    (and then no older figure is left at ``path`` to be read as this comparison's)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    from fedllm.files import atomic_write_bytes
+
+    fig = corrected_figure(summary, metrics, references)
+    if fig is None:
+        Path(path).unlink(missing_ok=True)
+        return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=150)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def corrected_figure(
+    summary: dict[str, Any], metrics: list[str] | None = None, references: list[str] | None = None
+) -> Figure | None:
+    """The corrected families of a comparison (``fedllm.run.compare.summarize``) as one forest plot: per
+    metric (in ``metrics``' order; default: every metric with a better direction), every row's paired
+    difference to the baseline with its family-corrected (Bonferroni) interval, 0 marked, and a band of
+    the smallest difference the design detects at 80 % power.
+
+    Why a figure: the table's verdict is "an interval excludes 0", and a reader sees at a glance which do,
+    how far from 0 the others reach, and whether a difference that holds 0 could still be a large one the
+    seeds cannot resolve (an interval wider than the band). Filled markers: the interval excludes 0; grey:
+    a reference row (local-only, centralized, ...). None when no family has an interval (fewer than 2
+    seeds)."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corrected = summary.get("corrected", {})
+    # by default the metrics a row can be better on (not run time, parameter counts or a feature's numbers)
+    order = [m for m in (metrics or [m for m in corrected if m in BETTER]) if m in corrected]
+    families = {
+        m: corrected[m]["vs_baseline"]
+        for m in order
+        if any(math.isfinite(c["low"]) for c in corrected[m]["vs_baseline"]["comparisons"])
+    }
+    if not families:
+        return None
+    refs = set(references if references is not None else summary.get("references") or [])
+    heights = [0.6 + 0.26 * len(f["comparisons"]) for f in families.values()]
+    fig, axes = plt.subplots(
+        len(families),
+        1,
+        figsize=(6.4, sum(heights) + 0.6),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    for ax, (metric, fam) in zip(axes[:, 0], families.items(), strict=True):
+        scale, _, unit = FORMATS[METRICS.get(metric, ("", "number"))[1]]
+        comps = fam["comparisons"]
+        ys = list(range(len(comps)))[::-1]
+        mde = fam.get("detectable", math.nan)
+        if math.isfinite(mde) and mde > 0:
+            ax.axvspan(-mde * scale, mde * scale, color="0.9", zorder=0)
+        ax.axvline(0.0, color="0.3", lw=0.8)
+        for y, c in zip(ys, comps, strict=True):
+            if not math.isfinite(c["low"]):
+                ax.text(0.0, y, " n/a", va="center", fontsize=7, color="0.4")
+                continue
+            colour = "0.55" if c["name"] in refs else "C0"
+            filled = c["low"] > 0 or c["high"] < 0
+            ax.errorbar(
+                c["diff"] * scale,
+                y,
+                xerr=[[(c["diff"] - c["low"]) * scale], [(c["high"] - c["diff"]) * scale]],
+                fmt="o",
+                color=colour,
+                mfc=colour if filled else "white",
+                capsize=2,
+                ms=4,
+                lw=1,
+            )
+        ax.set_yticks(ys, [c["name"] + (" (ref.)" if c["name"] in refs else "") for c in comps], fontsize=7)
+        ax.set_ylim(-0.7, len(comps) - 0.3)
+        level = 100 * (1 - 0.05 / fam["m"])
+        better = {1: "  (higher is better)", -1: "  (lower is better)"}.get(BETTER.get(metric, 0), "")
+        ax.set_title(
+            f"{metric}{f' ({unit.strip()})' if unit else ''}: minus {fam['reference']}, "
+            f"{level:.1f} % intervals (m = {fam['m']}){better}",
+            fontsize=8,
+        )
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    seeds = summary.get("seeds", [])
+    fig.suptitle(
+        f"Paired differences over seeds {seeds}\nfilled: the corrected interval excludes 0; "
+        "shaded: within the smallest difference these seeds detect",
+        fontsize=8,
+    )
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.45 / fig.get_figheight()))  # room for the two-line title
+    return fig
