@@ -654,8 +654,6 @@ def corrected_figure(
     seeds cannot resolve (an interval wider than the band). Filled markers: the interval excludes 0; grey:
     a reference row (local-only, centralized, ...). None when no family has an interval (fewer than 2
     seeds)."""
-    import math
-
     import matplotlib
 
     matplotlib.use("Agg")
