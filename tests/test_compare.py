@@ -211,7 +211,11 @@ def test_method_table_reads_one_identity_the_shared_seeds_and_the_clips(tmp_path
     the paired difference over the shared seeds; --figure draws the corrected families."""
     table = _script("method_table")
     ident = {"source": {"digest": "aaa", "commit": "111"}, "tokens": 7, "model": "m", "precision": "float32"}
-    loss = {"fedit": [1.70, 1.69, 1.71, 1.7], "flexlora": [1.66, 1.65, 1.68, 1.6], "clip": [1.67, 1.66, 1.70]}
+    loss = {
+        "fedit": [1.70, 1.69, 1.71, 1.7],
+        "flexlora": [1.66, 1.65, 1.68, 1.6],
+        "clip": [1.67, 1.66, 1.70, 1.6],
+    }
 
     def make(variant: str, seed: int, identity: dict, clipped: list[int], finished: bool = True) -> None:
         run = tmp_path / variant / f"seed-{seed}"
@@ -228,6 +232,7 @@ def test_method_table_reads_one_identity_the_shared_seeds_and_the_clips(tmp_path
     other = {**ident, "source": {"digest": "bbb", "commit": "222"}}
     make("flexlora", 3, other, [0, 0, 0])  # made by other code: left out
     make("fedit", 3, ident, [0, 0, 0])
+    make("clip", 3, ident, [1, 0, 2])  # seed 3 in every row but for the run of other code: not shared
     (tmp_path / "flexlora" / "seed-2" / "summary.json").unlink()  # unfinished: seed 2 is not every row's
     figure = tmp_path / "table.png"
     monkeypatch.setattr(
@@ -241,7 +246,7 @@ def test_method_table_reads_one_identity_the_shared_seeds_and_the_clips(tmp_path
     result = json.loads(out.strip().splitlines()[-1])
     assert result["seeds"] == [0, 1]
     assert result["identity"]["source"]["digest"] == "aaa"
-    assert result["clipped"] == {"fedit": [0, 0, 0, 0], "clip": [3, 3, 3], "flexlora": [0, 0]}
+    assert result["clipped"] == {"fedit": [0, 0, 0, 0], "clip": [3, 3, 3, 3], "flexlora": [0, 0]}
     c = result["contrasts"]["clip:flexlora heldout_loss"]
     assert c["diff"] == pytest.approx(0.01) and c["n"] == 2
     fam = result["summary"]["corrected"]["heldout_loss"]["vs_baseline"]
