@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Gemma 3's rows of docs/which-method.md (7 rows x 3 seeds), after SmolLM2's table: resumes from OUT (default
+# Gemma 3's rows of docs/which-method.md (8 rows x 3 seeds; fedsvd added after SmolLM2's table, see there), after SmolLM2's table: resumes from OUT (default
 # runs/which_method_gemma3): finished runs of the same code are reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,4 +10,5 @@ exec fedllm compare --config configs/compare_sharegpt_gemma3.yaml --seeds 3 --ou
   --variant floral:aggregation.name=floral,aggregation.floral.num_adaptors=4,lora.ranks=[8] \
   --variant local:aggregation.name=local,aggregation.local.score=own \
   --variant centralized:federation.num_clients=1,federation.clients_per_round=1,client.local_steps=24,lora.ranks=[64],eval.personalized=false \
+  --variant fedsvd:aggregation.name=fedsvd \
   --reference local --reference centralized
