@@ -88,3 +88,45 @@ def test_merge_into_base_equals_adapter_forward(peft_model):
         with peft_model.disable_adapter():
             merged = peft_model(input_ids=ids).logits
     assert_close(merged, with_adapter, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.real
+@pytest.mark.slow  # loads Gemma 3 270M in float32 (about 20 s)
+def test_merge_into_base_equals_adapter_forward_on_gemma3():
+    """On Gemma 3 (fedllm prepare-real --gemma3), whose layers differ from Llama's (sliding-window
+    attention, q/k norms, a scaled embedding), merging an adapter on all 7 projections into the base
+    computes what the adapter does: FLoRA and FLoRIST merge every round, so an inexact merge on this
+    architecture would show up as their rows alone falling behind in Gemma's table."""
+    from transformers import AutoModelForCausalLM
+
+    from fedllm.model.gguf import GGUFError, ensure_checkpoint
+
+    try:
+        folder = ensure_checkpoint("gguf:gemma3-270m")
+    except GGUFError as e:
+        pytest.skip(f"Gemma 3 is not prepared ({e})")
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = attach_lora(base, [8], LoraConfig(ranks=[8], alpha_ratio=2.0, target_modules=projections))
+    gen = torch.Generator().manual_seed(5)
+
+    def noise(shape: torch.Size) -> torch.Tensor:
+        return 0.02 * torch.randn(shape, generator=gen)
+
+    factors = {
+        k: LoraFactors(noise(f.A.shape), noise(f.B.shape), f.scale)
+        for k, f in fresh_factors(model, adapter_name(8), 1).items()
+    }
+    assert len(factors) == 7 * base.config.num_hidden_layers
+    ids = torch.tensor([[2, 818, 5279, 529, 7001, 563, 9405, 236761]])
+    install_adapter(model, "probe", factors, LoraConfig(ranks=[8], target_modules=projections))
+    model.set_adapter("probe")
+    with torch.no_grad():
+        with model.disable_adapter():
+            before = model(input_ids=ids).logits
+        with_adapter = model(input_ids=ids).logits
+        merge_into_base(model, factors)
+        with model.disable_adapter():
+            merged = model(input_ids=ids).logits
+    assert (with_adapter - before).abs().max() > 1e-2  # the adapter changes the output: the check has teeth
+    assert_close(merged, with_adapter, rtol=1e-4, atol=1e-4)
