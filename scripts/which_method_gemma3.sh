@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Gemma 3's rows of docs/which-method.md (8 rows x 3 seeds; fedsvd added after SmolLM2's table, see there), after SmolLM2's table: resumes from OUT (default
-# runs/which_method_gemma3): finished runs of the same code are reused.
+# Gemma 3's rows of docs/which-method.md (8 rows x 3 seeds; FedSVD added after SmolLM2's table, before Gemma's
+# first run: see there), after SmolLM2's table: resumes from OUT (default runs/which_method_gemma3): finished
+# runs of the same code are reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/which_method_gemma3}
