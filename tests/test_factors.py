@@ -80,14 +80,23 @@ def test_merge_into_base_equals_adapter_forward(peft_model):
         for k, f in fresh_factors(peft_model, name, 3).items()
     }
     ids = torch.tensor([[1, 5, 9, 12, 7]])
-    install_adapter(peft_model, "probe", factors, LoraConfig(target_modules=["q_proj", "v_proj"]))
-    peft_model.set_adapter("probe")
-    with torch.no_grad():
-        with_adapter = peft_model(input_ids=ids).logits
-        merge_into_base(peft_model, factors)
-        with peft_model.disable_adapter():
-            merged = peft_model(input_ids=ids).logits
+    _, with_adapter, merged = adapter_then_merged(peft_model, factors, ["q_proj", "v_proj"], ids)
     assert_close(merged, with_adapter, rtol=1e-4, atol=1e-5)
+
+
+def adapter_then_merged(model, factors, targets: list[str], ids: torch.Tensor):
+    """The logits of the base, of the base with ``factors`` as an adapter, and of the base with them merged
+    in (the adapter disabled): the reference path (peft's adapter forward) beside the path under test."""
+    install_adapter(model, "probe", factors, LoraConfig(ranks=[8], target_modules=targets))
+    model.set_adapter("probe")
+    with torch.no_grad():
+        with model.disable_adapter():
+            before = model(input_ids=ids).logits
+        with_adapter = model(input_ids=ids).logits
+        merge_into_base(model, factors)
+        with model.disable_adapter():
+            merged = model(input_ids=ids).logits
+    return before, with_adapter, merged
 
 
 @pytest.mark.real
@@ -119,14 +128,6 @@ def test_merge_into_base_equals_adapter_forward_on_gemma3():
     }
     assert len(factors) == 7 * base.config.num_hidden_layers
     ids = torch.tensor([[2, 818, 5279, 529, 7001, 563, 9405, 236761]])
-    install_adapter(model, "probe", factors, LoraConfig(ranks=[8], target_modules=projections))
-    model.set_adapter("probe")
-    with torch.no_grad():
-        with model.disable_adapter():
-            before = model(input_ids=ids).logits
-        with_adapter = model(input_ids=ids).logits
-        merge_into_base(model, factors)
-        with model.disable_adapter():
-            merged = model(input_ids=ids).logits
+    before, with_adapter, merged = adapter_then_merged(model, factors, projections, ids)
     assert (with_adapter - before).abs().max() > 1e-2  # the adapter changes the output: the check has teeth
     assert_close(merged, with_adapter, rtol=1e-4, atol=1e-4)
