@@ -227,7 +227,8 @@ class RoundLoop(abc.ABC):
             callback(phase, seconds)
 
     def elapsed(self) -> float:
-        """Seconds this run has spent so far, over every attempt (resumes add to it)."""
+        """Seconds this run has spent so far, over every attempt (resumes add to it); of a killed attempt, the
+        time up to its last checkpoint (what it did after that is done again, and counted, by the resume)."""
         return self.wall_before + time.perf_counter() - self.t_start
 
     def run_round(self, round_idx: int) -> Round:
@@ -320,6 +321,9 @@ class RoundLoop(abc.ABC):
         if cfg.output.log_with:
             self.acc.init_trackers("fedllm", config=tracker_config(cfg))
         rows: list[dict] = []
+        # this attempt's clock starts before a resume finishes a checkpointed round's row, so that evaluation
+        # counts in wall_s (checkpoint's wall_s + this attempt's time, every attempt counted once)
+        self.t_start = time.perf_counter()
         if resume:
             self.warn_other_identity()
             self.restore()
@@ -331,7 +335,6 @@ class RoundLoop(abc.ABC):
                 rows.append(pending["row"])
         else:
             self.writer.start(cfg, self.partition_stats)
-        self.t_start = time.perf_counter()
         if not rows:  # the evaluation before round 1 (kept from the first attempt when there was one)
             row = {"round": 0, **self.evaluate(0)}
             self.writer.log(row)

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,6 @@ time.sleep(3)
 def test_processes_starting_at_the_same_instant_hold_the_lock_once(tmp_path, stale):
     """Many processes take the lock at the same instant (with or without a stale lock left by a dead process):
     exactly one holds it, every other is refused."""
-    import time
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -243,6 +243,34 @@ def test_a_resume_killed_after_its_last_checkpoint_is_not_reported_finished(run_
     assert summary["rounds_done"] == 3 and summary["rounds"] == 3
     code, err = cli(capsys, "run", "--resume", str(run_copy))
     assert code == 0 and "nothing to do" in err  # now it has finished
+
+
+def test_a_resume_that_finishes_a_checkpointed_round_counts_its_evaluation_in_the_wall_time(
+    run_copy, capsys, monkeypatch
+):
+    """Killed while evaluating round 3 (after its checkpoint): the resume evaluates round 3 again, and that
+    time is the run's too. (It was lost once: the clock restarted after the resumed evaluation.)"""
+    from fedllm.round_loop import RoundLoop
+
+    real = RoundLoop.evaluate_and_log
+
+    def killed(self, row, visit):
+        raise KeyboardInterrupt  # as a SIGINT during round 3's evaluation
+
+    monkeypatch.setattr(RoundLoop, "evaluate_and_log", killed)
+    assert cli(capsys, "run", "--resume", str(run_copy), "federation.rounds=3")[0] == 130
+    checkpointed = json.loads((run_copy / "checkpoints" / "round-0003" / "meta.json").read_text())["wall_s"]
+
+    def slow(self, row, visit):
+        time.sleep(1.0)  # an evaluation that takes at least a second
+        real(self, row, visit)
+
+    monkeypatch.setattr(RoundLoop, "evaluate_and_log", slow)
+    code, err = cli(capsys, "run", "--resume", str(run_copy))
+    assert code == 0, err
+    summary = json.loads((run_copy / "summary.json").read_text())
+    assert summary["rounds_done"] == 3
+    assert summary["wall_s"] >= checkpointed + 1.0
 
 
 # 4. checkpoints carry a checksum; a damaged newest one falls back to the previous intact one
@@ -389,7 +417,6 @@ def test_run_where_every_round_was_skipped_fails(tmp_path, capsys, builtin_base)
 
 
 def test_client_past_its_time_budget_is_stopped_between_steps(tmp_path, capsys, monkeypatch, builtin_base):
-    import time
 
     from fedllm.client.sft import SFT
 
