@@ -227,8 +227,10 @@ class RoundLoop(abc.ABC):
             callback(phase, seconds)
 
     def elapsed(self) -> float:
-        """Seconds this run has spent so far, over every attempt (resumes add to it); of a killed attempt, the
-        time up to its last checkpoint (what it did after that is done again, and counted, by the resume)."""
+        """Seconds this run has spent so far: this attempt's, plus what its checkpoint recorded. What a killed
+        attempt did after its last checkpoint is not counted, except an evaluation the resume does again (the
+        row pending at that checkpoint); nor is a finished run's final evaluation when a resume adds rounds
+        (the checkpoint precedes it)."""
         return self.wall_before + time.perf_counter() - self.t_start
 
     def run_round(self, round_idx: int) -> Round:
