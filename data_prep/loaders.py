@@ -237,31 +237,58 @@ def load_examples(
     """Examples of ``dataset``: 'builtin', 'testbed', 'natural-instructions' (or a folder of its tasks), a
     short name, a Hub id or a local file. ``per_task`` and ``exclude_tasks``: Natural Instructions only (a
     seeded sample of each task; tasks held out for evaluation)."""
+    return load_examples_and_rest(
+        dataset, fmt, max_examples, builtin_per_skill, seed, per_task, exclude_tasks
+    )[0]
+
+
+def sample(examples: list[Example], max_examples: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """A seeded sample of ``max_examples`` of ``examples`` in their order, and the examples it leaves out
+    (all of them kept, none left, when ``max_examples`` is 0 or not smaller)."""
+    if not 0 < max_examples < len(examples):
+        return examples, []
+    keep = set(random.Random(seed).sample(range(len(examples)), max_examples))
+    return (
+        [e for i, e in enumerate(examples) if i in keep],
+        [e for i, e in enumerate(examples) if i not in keep],
+    )
+
+
+def load_examples_and_rest(
+    dataset: str,
+    fmt: str = "auto",
+    max_examples: int = 0,
+    builtin_per_skill: int = 400,
+    seed: int = 0,
+    per_task: int = 0,
+    exclude_tasks: list[str] | None = None,
+) -> tuple[list[Example], list[Example]]:
+    """:func:`load_examples`, and the examples ``max_examples`` left out of a seeded sample (ShareGPT,
+    Natural Instructions; empty where the loader takes the first ones, or all): where a validation split
+    comes from without moving a single example of the sample (``fedllm.federation_data``)."""
     from data_prep import natural_instructions as ni
 
     folder = ni.resolve(dataset) if dataset not in ("builtin", "testbed") else None
     if folder is not None:
-        examples = [r.example for r in ni.load(folder, exclude=exclude_tasks, per_task=per_task, seed=seed)]
-        if 0 < max_examples < len(examples):
-            keep = sorted(random.Random(seed).sample(range(len(examples)), max_examples))
-            examples = [examples[i] for i in keep]
+        every = [r.example for r in ni.load(folder, exclude=exclude_tasks, per_task=per_task, seed=seed)]
+        examples, left = sample(every, max_examples, seed)
         tasks = len({e.category for e in examples})
         log.info(
             "data.dataset %s: %d examples of %d tasks (Natural Instructions)", folder, len(examples), tasks
         )
-        return examples
+        return examples, left
     if dataset == "testbed":
         from data_prep import testbed
 
         exclude = {r["question"] for r in testbed.benchmark()}
         examples = testbed.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
-        return examples[:max_examples] if max_examples else examples
+        return (examples[:max_examples], examples[max_examples:]) if max_examples else (examples, [])
     if dataset == "builtin":
         from data_prep import builtin_skills
 
         exclude = builtin_skills.benchmark_prompts(builtin_skills.benchmark())
         examples = builtin_skills.instruction_examples(builtin_per_skill, seed=seed, exclude_prompts=exclude)
-        return examples[:max_examples] if max_examples else examples
+        return (examples[:max_examples], examples[max_examples:]) if max_examples else (examples, [])
     if dataset == "sharegpt":  # the prepared file (fedllm prepare-real --sharegpt)
         from data_prep import sharegpt
 
@@ -270,12 +297,10 @@ def load_examples(
     if path.suffix.lower() in (".json", ".jsonl") and path.is_file() and holds_conversations(path):
         from data_prep import sharegpt
 
-        examples = sharegpt.conversations(sharegpt.read_records(path), str(path))
-        if 0 < max_examples < len(examples):
-            keep = sorted(random.Random(seed).sample(range(len(examples)), max_examples))
-            examples = [examples[i] for i in keep]
+        every = sharegpt.conversations(sharegpt.read_records(path), str(path))
+        examples, left = sample(every, max_examples, seed)
         log.info("data.dataset %s: %d conversations (ShareGPT layout)", path, len(examples))
-        return examples
+        return examples, left
     if (
         path.suffix.lower() in (".json", ".jsonl", ".parquet")
         or (os.sep in dataset and dataset.count("/") != 1)
@@ -305,4 +330,4 @@ def load_examples(
     log.info(
         "data.dataset %s: %d records, %s format%s", dataset, len(out), fmt, " (detected)" if auto else ""
     )
-    return out
+    return out, []

@@ -308,11 +308,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def seed_list(text: str) -> list[int]:
+    """``1000,1001`` as seeds (argparse names the option where it fails)."""
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integer seeds") from None
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     import json
 
     from fedllm.config import load_config
-    from fedllm.run.compare import compare, format_corrected, format_summary, parse_variant
+    from fedllm.run.compare import compare, format_corrected, format_summary, format_tuning, parse_variant
 
     variants = [parse_variant(v) for v in args.variant]
     for v in variants:  # every variant's config is checked before the first run starts
@@ -330,7 +338,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.overrides,
         rerun=args.rerun,
         references=args.reference,
+        tune=args.tune,
+        tune_seeds=args.tune_seeds,
+        tune_extend=args.tune_extend,
+        tune_metric=args.tune_metric,
+        tune_evaluation=args.tune_set,
+        references_apart=args.references_apart,
+        tune_halving=args.tune_halving,
+        tune_only=args.tune_only,
     )
+    if summary.get("tuning"):
+        print(format_tuning(summary["tuning"]))
+    if args.tune_only:
+        return 0
     print(format_summary(summary))
     print(format_corrected(summary))
     print(json.dumps(summary))
@@ -467,6 +487,60 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="a variant that is a reference, not a federated method (local-only, centralized): compared, "
         "never taken as the best row (repeatable)",
+    )
+    c.add_argument(
+        "--references-apart",
+        action="store_true",
+        help="the references against the baseline form a family of their own (secondary), so the primary "
+        "family is the federated rows against the baseline alone",
+    )
+    c.add_argument(
+        "--tune",
+        action="append",
+        default=[],
+        metavar="[VARIANT:]KEY=V1,V2,...",
+        help="choose KEY per variant from these values on the validation split before the table runs (e.g. "
+        "client.lr=1.25e-4,2.5e-4,5e-4,1e-3; VARIANT: for one variant only; several keys: their product; "
+        "needs data.validation_size > 0 and --tune-seeds)",
+    )
+    c.add_argument(
+        "--tune-seeds",
+        type=seed_list,
+        default=[],
+        metavar="S1,S2,...",
+        help="the tuning runs' seeds, e.g. 1000,1001 (never the table's)",
+    )
+    c.add_argument(
+        "--tune-extend",
+        type=int,
+        default=1,
+        help="extend a grid by one point past an edge where the choice sits, at most this many times per "
+        "variant (default 1)",
+    )
+    c.add_argument(
+        "--tune-only",
+        action="store_true",
+        help="stop once every variant's value is chosen (DIR/tuning/: tuning.json, tuning.md, drift.png)",
+    )
+    c.add_argument(
+        "--tune-halving",
+        action="store_true",
+        help="successive halving over the tuning seeds: every point runs the first, the better half of them "
+        "each next one (a point added past an edge runs all)",
+    )
+    c.add_argument(
+        "--tune-metric",
+        default="validation_loss",
+        help="what the choice minimizes (or maximizes): a metric of the validation runs (default "
+        "validation_loss)",
+    )
+    c.add_argument(
+        "--tune-set",
+        action="append",
+        default=[],
+        metavar="key=value",
+        help="an override of the tuning runs only, after the evaluation they get by default (the "
+        "validation split's loss and the general prompts; no benchmark, answers or personalized scores)",
     )
     c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides common to every variant")
     c.set_defaults(func=cmd_compare)

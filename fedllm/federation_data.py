@@ -1,9 +1,18 @@
-"""The federation's data: the held-out evaluation set and each client's partition, then tokenized.
+"""The federation's data: the held-out test set, the validation set and each client's partition, tokenized.
 
 Loading and partitioning happen before any model is loaded (a bad file fails
 at once); tokenizing needs the base's tokenizer. Every split is seeded from
 ``federation.seed`` alone, so the simulation, every process of a launch and a
 Flower site that rebuilds the partition all get the same clients.
+
+Three splits, none of which shares an example (or, where examples have sources, a source: a chat's
+parts and copies) with another: the clients' data (each client's own test share inside it), the
+held-out test set (``data.eval_size``: what a comparison's final table reports) and the validation set
+(``data.validation_size``: what a choice, e.g. a learning rate, is made on; ``fedllm.run.compare``'s
+tuning). The validation set is drawn from what ``data.max_examples``' seeded sample leaves out, so adding
+it moves no example of the clients or of the test set (a table run before it existed is the same run);
+with no sample to draw beside, it is taken after the test set, before the partition. ``eval.split``
+says which of the two held-out sets a run's evaluation reads; a run that reads one never reads the other.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep import natural_instructions as ni
-from data_prep.loaders import FLOWERTUNE_FORMATS, load_examples
+from data_prep.loaders import FLOWERTUNE_FORMATS, load_examples_and_rest
 from data_prep.natural_instructions import Reference
 from data_prep.partition import client_stats, partition, source_units, split_units
 from data_prep.schema import DataError, Example
@@ -29,11 +38,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Partitions:
-    eval_examples: list[Example]
+    eval_examples: list[Example]  # what the run's evaluation reads: the test or the validation set
     clients: list[list[Example]]  # each client's examples, its test share first
     test_sizes: list[int]
     stats: list[dict]
     generation: list[Reference] = field(default_factory=list)  # answered and scored by Rouge-L
+    split: str = "test"  # which held-out set eval_examples is (eval.split)
 
 
 def generation_set(cfg, eval_examples: list[Example], folder, tasks: list[str]) -> list[Reference]:
@@ -63,21 +73,29 @@ def load_partitions(cfg) -> Partitions:
                 f"data.heldout_tasks needs Natural Instructions data; data.dataset = {d.dataset!r}"
             )
         heldout = ni.select_tasks(folder, d.heldout_tasks)
-    examples = load_examples(
+    examples, left = load_examples_and_rest(
         d.dataset, d.format, d.max_examples, d.builtin_examples_per_skill, seed, d.examples_per_task, heldout
     )
     units = source_units(examples)
     if units is not None:  # parts of one source (a ShareGPT chat): every split keeps them together
-        return _partitions_by_source(cfg, examples, units, folder, heldout)
+        return _partitions_by_source(cfg, examples, units, left, folder, heldout)
     order = list(range(len(examples)))
     random.Random(derive_seed(seed, 3)).shuffle(order)
     n_eval = min(d.eval_size, len(examples) // 5)
     eval_examples = [examples[i] for i in order[:n_eval]]
+    if left:  # drawn beside the sample: the sample's splits stay as they are without it
+        order_left = list(range(len(left)))
+        random.Random(derive_seed(seed, 13)).shuffle(order_left)
+        validation = [left[i] for i in order_left[: d.validation_size]]
+        n_val = 0
+    else:
+        n_val = min(d.validation_size, (len(examples) - n_eval) // 5)
+        validation = [examples[i] for i in order[n_eval : n_eval + n_val]]
+    held = set(order[: n_eval + n_val])
     if d.partition == "contiguous":  # the rest in file order: the shards are the dataset's own
-        held = set(order[:n_eval])
         pool = [e for i, e in enumerate(examples) if i not in held]
     else:
-        pool = [examples[i] for i in order[n_eval:]]
+        pool = [examples[i] for i in order[n_eval + n_val :]]
     parts = _partition(cfg, pool)
     clients, tests = [], []
     for k, idx in enumerate(parts):
@@ -94,9 +112,27 @@ def load_partitions(cfg) -> Partitions:
         clients.append(mine)
         tests.append(test_size(len(idx), d))
     stats = client_stats(pool, parts, d.partition)
-    return Partitions(
-        eval_examples, clients, tests, stats, generation_set(cfg, eval_examples, folder, heldout)
-    )
+    return _evaluated(cfg, eval_examples, validation, clients, tests, stats, folder, heldout)
+
+
+def _evaluated(
+    cfg, test: list[Example], validation: list[Example], clients, tests, stats, folder, heldout
+) -> Partitions:
+    """The partitions with the held-out set ``eval.split`` names as the one the run evaluates on (and
+    generates answers for); the other is not kept, so nothing of a validation run reads the test set."""
+    if cfg.eval.split == "validation":
+        if not validation:
+            raise DataError(
+                "eval.split = validation: the validation set is empty (set data.validation_size > 0, and "
+                "check that the dataset has examples to spare)"
+            )
+        test = validation
+        if heldout:  # the held-out tasks' Rouge-L is a test of its own: a choice never reads it
+            log.info("eval.split = validation: the held-out tasks %s are not answered", heldout)
+            folder, heldout = None, []
+    parts = Partitions(test, clients, tests, stats, generation_set(cfg, test, folder, heldout))
+    parts.split = cfg.eval.split
+    return parts
 
 
 def test_size(n: int, d) -> int:
@@ -132,17 +168,24 @@ def own_split(examples: list[Example], d) -> tuple[list[Example], int]:
 
 
 def _partitions_by_source(
-    cfg, examples: list[Example], units: list[list[int]], folder, heldout
+    cfg, examples: list[Example], units: list[list[int]], left: list[Example], folder, heldout
 ) -> Partitions:
     """:func:`load_partitions` where examples share sources (:attr:`Example.group`): the held-out set, the
-    clients and each client's own test split take whole sources, so no held-out example has a part of its
-    source (another part of its chat) in any client's training. The partition draws over sources, each
-    with its first example's category (a chat's parts share its kind)."""
+    validation set, the clients and each client's own test split take whole sources, so no held-out
+    example has a part of its source (another part of its chat, a copy of it) in any client's training.
+    The partition draws over sources, each with its first example's category (a chat's parts share its
+    kind). The validation set comes from ``left`` (what the sample left out), of the sources the sample
+    does not touch at all."""
     d, seed = cfg.data, cfg.federation.seed
     order = list(range(len(units)))
     random.Random(derive_seed(seed, 3)).shuffle(order)
     held, rest = split_units([units[u] for u in order], min(d.eval_size, len(examples) // 5))
     eval_examples = [examples[i] for u in held for i in u]
+    if left:  # beside the sample: the sample's splits stay exactly as they are without a validation set
+        validation = validation_beside(examples, left, d.validation_size, seed)
+    else:
+        val, rest = split_units(rest, min(d.validation_size, sum(map(len, rest)) // 5))
+        validation = [examples[i] for u in val for i in u]
     if d.partition == "contiguous":  # the rest in file order: the shards are the dataset's own
         rest.sort(key=lambda u: u[0])
     parts = _partition(cfg, [examples[u[0]] for u in rest])  # a source by its first example
@@ -159,9 +202,22 @@ def _partitions_by_source(
         clients.append(mine)
         tests.append(sum(map(len, test)))
     stats = client_stats(pool, pool_parts, d.partition)
-    return Partitions(
-        eval_examples, clients, tests, stats, generation_set(cfg, eval_examples, folder, heldout)
-    )
+    return _evaluated(cfg, eval_examples, validation, clients, tests, stats, folder, heldout)
+
+
+def validation_beside(examples: list[Example], left: list[Example], size: int, seed: int) -> list[Example]:
+    """Up to ``size`` examples of whole sources drawn (seeded) from ``left``, of the sources no example of
+    ``examples`` has: a validation set that shares no chat, part or copy with the sample's clients or its
+    test set, and that moves none of their examples."""
+    taken = {e.group for e in examples if e.group}
+    units = source_units([e for e in left if e.group not in taken]) if left else None
+    if not units:
+        return []
+    spare = [e for e in left if e.group not in taken]
+    order = list(range(len(units)))
+    random.Random(derive_seed(seed, 13)).shuffle(order)
+    val, _ = split_units([units[u] for u in order], size)
+    return [spare[i] for u in val for i in u]
 
 
 def holds_conversations(dataset: str) -> bool:

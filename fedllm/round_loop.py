@@ -411,6 +411,7 @@ class RoundLoop(abc.ABC):
             "processes": self.acc.num_processes,
             "parallel": layout.mode,
             "benchmark": self.benchmark.source if self.benchmark is not None else None,
+            "eval_split": cfg.eval.split,  # loss_before / loss_after are of this held-out set
             "mixed_precision": str(self.acc.mixed_precision),
             "communication": self.server.ledger.totals(),
             "comm_budget_mib": cfg.output.comm_budget_mib,

@@ -317,17 +317,12 @@ def test_a_chat_is_of_the_kind_its_first_part_says():
     assert [(e.group, e.category) for e in got] == [("c", "creative"), ("c", "creative"), ("d", "other")]
 
 
-def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
-    """ShareGPT splits a long chat into records abc_0, abc_1, ... and holds some chats twice under other ids:
-    the held-out set, the clients and each client's own test split take whole sources (a chat with its
-    copies), never more than the size asked for (8-13 of 32 held-out conversations of the old split had a
-    part of their chat in training). Data without sources splits as before."""
-    from fedllm.config import load_config
-    from fedllm.federation_data import load_partitions
-
+def chats_file(tmp_path: Path, chats: int = 60) -> tuple[Path, list[dict]]:
+    """A ShareGPT-layout file of ``chats`` chats of 1 to 4 parts (``chatC_P``) of 5 kinds, and every sixth
+    chat again under another id (``copyC_0``, as ShareGPT holds some chats twice); its path and records."""
     kinds = ["Write a poem", "Fix my python code", "Explain why", "Plan a trip", "Solve 2x=4"]
     recs = []
-    for c in range(60):
+    for c in range(chats):
         for part in range(1 + c % 4):  # chats of 1 to 4 parts
             first = kinds[c % 5] if part == 0 else "continue"
             turns = [
@@ -336,10 +331,22 @@ def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
             ]
             recs.append({"id": f"chat{c}_{part}", "conversations": turns})
     firsts = {r["id"]: r["conversations"] for r in recs}
-    for c in range(0, 60, 6):  # the same chat again under another id, as ShareGPT holds some
+    for c in range(0, chats, 6):  # the same chat again under another id, as ShareGPT holds some
         recs.append({"id": f"copy{c}_0", "conversations": firsts[f"chat{c}_0"]})
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in recs))
+    return path, recs
+
+
+def test_no_held_out_conversation_has_a_part_of_its_chat_in_training(tmp_path):
+    """ShareGPT splits a long chat into records abc_0, abc_1, ... and holds some chats twice under other ids:
+    the held-out set, the clients and each client's own test split take whole sources (a chat with its
+    copies), never more than the size asked for (8-13 of 32 held-out conversations of the old split had a
+    part of their chat in training). Data without sources splits as before."""
+    from fedllm.config import load_config
+    from fedllm.federation_data import load_partitions
+
+    path, recs = chats_file(tmp_path)
     over = [
         f"data.dataset={path}",
         "data.eval_size=20",

@@ -167,7 +167,16 @@ class DataConfig:
     min_examples_per_client: int = opt(
         8, "every client gets at least this many examples", _positive, "an integer >= 1"
     )
-    eval_size: int = opt(200, "held-out examples for the global evaluation loss", _nonneg, ">= 0")
+    eval_size: int = opt(200, "held-out test examples for the global evaluation loss", _nonneg, ">= 0")
+    validation_size: int = opt(
+        0,
+        "validation examples (whole sources, like the test set), never trained on and never in the test "
+        "set: what a choice is made on (eval.split=validation; fedllm compare --tune). Drawn from what "
+        "data.max_examples' sample leaves out where it samples (the clients and the test set then stay as "
+        "they are without it), else taken before the partition (0: none)",
+        _nonneg,
+        ">= 0",
+    )
     client_test_fraction: float = opt(
         0.1, "share of each client's data kept for personalized evaluation", lambda x: 0 <= x < 1, "in [0, 1)"
     )
@@ -390,6 +399,14 @@ class EvalConfig:
         "reuse the evaluation before round 1 (the base model itself) from $FEDLLM_CACHE/evals when the same "
         "model files, held-out examples, benchmark questions, generation prompts, evaluation settings and "
         "versions were evaluated before: a comparison's variants share it (fedllm/model/evaluation_cache.py)",
+    )
+    split: str = opt(
+        "test",
+        "which held-out set the global evaluation reads: test (data.eval_size: a table's numbers) or "
+        "validation (data.validation_size: what a choice such as a learning rate is made on; the test set "
+        "is then not read at all)",
+        lambda x: x in ("test", "validation"),
+        "one of test, validation",
     )
     personalized: bool = opt(True, "also evaluate each client's personalized model on its own held-out data")
     personalized_clients: int = opt(
