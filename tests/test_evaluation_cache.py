@@ -133,6 +133,9 @@ def test_local_only_scores_each_clients_own_adapter(tmp_path, own_cache):
     assert last["eval_loss"] == pytest.approx(sum(losses) / 3)
     assert last["rouge_l"] == pytest.approx(sum(scored[c]["rouge_l"] for c in scored) / 3)
     assert sorted({a["client"] for a in answers[-1]["answers"]}) == [0, 1, 2]
+    # local-only needs no communication: the round trip of a client's own adapter is its storage
+    assert all(r["up_bytes"] == r["down_bytes"] == r["up_params"] == 0 for r in rows[1:] if "up_bytes" in r)
+    assert any("up_bytes" in r for r in rows)  # (not vacuous: the training rows were read)
     mean_model, _ = _run(
         tmp_path / "mean",
         "aggregation.name=local",

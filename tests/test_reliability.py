@@ -117,8 +117,19 @@ def test_clipping_in_a_run(tmp_path):
 
     _, _, rows = run_with_hook(tmp_path, hostile, "aggregation.clip_norm_ratio=1.5")
     assert all(r["agg_clipped"] >= 1 for r in rows[1:])
+    # with no clip nothing is clipped, and the row still says what a clip would have cut: a count of 0 that
+    # could have been more (the hostile update is far beyond 1.5 x the round's median change)
     _, _, rows = run_with_hook(tmp_path / "off", hostile, "aggregation.clip_norm_ratio=0")
-    assert all("agg_clipped" not in r for r in rows[1:])
+    assert all(r["agg_clipped"] == 0 and r["agg_update_norm_ratio_max"] > 10 for r in rows[1:])
+
+
+def test_no_statistic_of_one_update_is_written_under_differential_privacy():
+    """The rows of a DP run carry no per-update norm (it is what the noise hides); a plain run's do."""
+    from fedllm.assembly import server_policy
+
+    assert server_policy(load_config(None, [])).norm_stats
+    for mode in ("central", "local"):
+        assert not server_policy(load_config(None, [f"privacy.mode={mode}"])).norm_stats
 
 
 def test_checkpoint_writer_failure_keeps_previous(tmp_path, monkeypatch):

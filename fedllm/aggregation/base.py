@@ -119,6 +119,9 @@ class Strategy(abc.ABC):
     # "merged" (each round merged into the base, clients restart fresh), "refactored" (new factors of the
     # global product every round) or "per_client" (every client's own adapter)
     global_state: ClassVar[str] = "parameters"
+    # whether what its clients upload and download is communication; False: each client's own adapter, which
+    # fedllm's server keeps for it between rounds, where a deployment of the method sends nothing (local-only)
+    communicates: ClassVar[bool] = True
     # merges kept for clients that missed some (a merging strategy's option, ``catchup_window``)
     catchup_window: int = 0
     hook: ClassVar[type[ClientHook]] = ClientHook  # the client side (plain LoRA unless a strategy says else)
@@ -348,6 +351,10 @@ class StrategyWrapper(Strategy, register=False):
     @property
     def global_state(self) -> str:  # type: ignore[override]
         return self.inner.global_state
+
+    @property
+    def communicates(self) -> bool:  # type: ignore[override]
+        return self.inner.communicates
 
     @property
     def hook(self) -> type[ClientHook]:  # type: ignore[override]

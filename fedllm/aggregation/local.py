@@ -41,6 +41,7 @@ class LocalOnly(Strategy):
 
     name = "local"
     global_state = "per_client"
+    communicates = False  # the round trip of a client's own adapter is its storage, not traffic
     averages_parameters = False
     options = LocalOptions
 

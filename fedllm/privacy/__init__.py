@@ -298,7 +298,8 @@ class PrivacyFeature(Feature):
         # uniform weights (never the example counts); in central mode the fixed clip of the wrapper
         # replaces the median-relative one, whose cap depends on the other clients' data
         ratio = 0.0 if accounted(p.mode) == "central" else policy.clip_norm_ratio
-        return dataclasses.replace(policy, weighting="uniform", clip_norm_ratio=ratio)
+        # no statistics of single updates in the rows (their norms are what the noise hides)
+        return dataclasses.replace(policy, weighting="uniform", clip_norm_ratio=ratio, norm_stats=False)
 
     def sampling(self, sampling, p: PrivacyOptions, cfg):
         if p.mode == "none" or p.sampling == "public":

@@ -18,10 +18,12 @@ FLOWERTUNE_BUDGET_MIB = 200_000  # the leaderboard's communication limit, in tho
 @dataclass
 class Ledger:
     """``by_client`` False: totals only, no per-client counts (a secret sample must not be recoverable from
-    how often each client uploaded)."""
+    how often each client uploaded). ``counts`` False: nothing is traffic (local-only, whose round trip is
+    the client's own adapter kept for it: a method that needs no communication reports none)."""
 
     bytes_per_param: int = 4
     by_client: bool = True
+    counts: bool = True
     up_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     down_params: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     round_up: int = 0
@@ -47,6 +49,8 @@ class Ledger:
     def download(self, client: int, params: int, nbytes: int | None = None, catchup_bytes: int = 0) -> None:
         """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value), of which
         ``catchup_bytes`` were merges of rounds before the newest that the client missed."""
+        if not self.counts:
+            return
         self.down_params[client if self.by_client else -1] += params
         self.round_down += params
         nbytes = params * self.bytes_per_param if nbytes is None else nbytes
@@ -59,6 +63,8 @@ class Ledger:
 
     def upload(self, client: int, params: int, nbytes: int | None = None) -> None:
         """``nbytes``: what it took on the wire (default: float32, ``bytes_per_param`` a value)."""
+        if not self.counts:
+            return
         self.up_params[client if self.by_client else -1] += params
         self.round_up += params
         nbytes = params * self.bytes_per_param if nbytes is None else nbytes

@@ -128,6 +128,10 @@ class ServerPolicy:
     # the bytes it takes (None: as it is, float32)
     download_transform: Callable[[ClientStart], ClientStart] | None = None
     download_bytes: Callable[[ClientStart], int] | None = None
+    # each round's row counts the clipped updates (0 when no clip runs) and the largest update change over the
+    # round's median change (what a clip at a ratio would have cut); off where a privacy mode forbids
+    # statistics of single updates (differential privacy)
+    norm_stats: bool = True
 
 
 class Server:
@@ -164,7 +168,7 @@ class Server:
             ),
             dense=dict(dense or {}),
         )
-        self.ledger = Ledger(by_client=self.sampling.public)
+        self.ledger = Ledger(by_client=self.sampling.public, counts=strategy.communicates)
         # this round's references, by client, with the start each was derived from
         self._references: tuple[int | None, dict[int, tuple[ClientStart, Adapter]]] = (None, {})
         # a merging strategy's own option: the merges kept for catch-ups (beyond them: the whole residual)
@@ -417,13 +421,19 @@ class Server:
 
     def _clip(self, plan: RoundPlan, updates: list[ClientUpdate]) -> dict[str, Any]:
         """Scale each update's change (from the server's reference) to at most ``clip_norm_ratio`` x the
-        round's median change: one client cannot move the model more than a few honest ones do."""
+        round's median change: one client cannot move the model more than a few honest ones do. With no clip,
+        the same figures are measured and nothing is scaled (0 clipped: a count that could have been more,
+        and the largest change over the median, which says what a clip would have cut)."""
         ratio = self.policy.clip_norm_ratio
-        if not (ratio and updates):
+        if not updates or not (ratio or self.policy.norm_stats):
             return {}
         changes = [self.change(plan, u) for u in updates]
         norms = [change_norm(pairs) for pairs in changes]
-        cap = ratio * float(torch.tensor(norms).median())
+        median = float(torch.tensor(norms).median())
+        stats = {"update_norm_ratio_max": max(norms) / median if median > 0 else None}
+        if not ratio:
+            return {"clipped": 0, "update_norm_median": median, **stats}
+        cap = ratio * median
         clipped = 0
         for pairs, n in zip(changes, norms, strict=True):
             if n > cap > 0:
@@ -433,7 +443,8 @@ class Server:
                 clipped += 1
         return {
             "clipped": clipped,
-            "update_norm_median": float(torch.tensor(norms).median()),
+            "update_norm_median": median,
+            **stats,
             "algo_clipped": self.algorithm.clip(updates, ratio),
         }
 
