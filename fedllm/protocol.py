@@ -274,6 +274,9 @@ class HookSession:
         return {}
 
     local_lr: float = 0.0
+    # how they are stepped: "same" (a group of the algorithm's own optimizer, scheduled with it) or "sgd"
+    # (plain SGD steps of their own at local_lr, unscheduled: FLoRAL's reference code steps its routers so)
+    local_optimizer: str = "same"
 
     def shared_params(self) -> dict[str, torch.nn.Parameter]:
         """Parameters trained like the adapter and uploaded with it (in :meth:`upload`)."""

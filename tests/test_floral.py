@@ -388,3 +388,48 @@ def test_lora_preconditioning_transforms_gradients(builtin_base):
             rtol=1e-4,
             atol=1e-6,
         )
+
+
+@pytest.mark.parametrize("router_optimizer", ["same", "sgd"])
+def test_the_router_is_stepped_as_its_optimizer_option_says(router_optimizer):
+    """``router_optimizer=sgd`` (the reference code's): each router step is exactly -router_lr x its gradient,
+    unscheduled, while the adaptors take the client's AdamW steps; ``same``: the router is a group of that
+    AdamW, scheduled with it."""
+    from fedllm.client.base import LocalRun, LocalWork
+    from fedllm.client.sft import SFT
+
+    w = torch.nn.Parameter(torch.ones(3))
+    router = torch.nn.Parameter(torch.zeros(4))
+    work = LocalWork(round=1, client_id=0, steps=3, seed=0, lr=0.01, batch_size=1, scheduler="cosine",
+                     local_params={"all": router}, local_lr=0.5,
+                     local_optimizer=router_optimizer)  # fmt: skip
+    run = LocalRun(SFT(), {"w": w}, work)
+    grads = [torch.tensor([1.0, -2.0, 0.5, 0.0]), torch.tensor([0.25, 0.0, -1.0, 3.0])]
+    for g in grads:
+        before = router.detach().clone()
+        run.zero_grad()
+        w.grad, router.grad = torch.ones(3), g.clone()
+        run.step(0.0)
+        if router_optimizer == "sgd":  # exact SGD at the full rate, step after step (no cosine decay)
+            torch.testing.assert_close(router.detach(), before - 0.5 * g, rtol=0, atol=0)
+        else:  # AdamW's first steps move every coordinate with a gradient by about lr, not lr x grad
+            assert not torch.allclose(router.detach(), before - 0.5 * g)
+    assert not torch.equal(w.detach(), torch.ones(3))  # the adaptors trained either way
+    in_adamw = any(p is router for group in run.optimizer.param_groups for p in group["params"])
+    assert in_adamw == (router_optimizer == "same")
+
+
+def test_a_runs_routers_get_the_optimizer_its_config_names(tmp_path, monkeypatch):
+    """aggregation.floral.router_optimizer reaches every client's local run (the session hands it on)."""
+    from fedllm.client import base
+
+    seen = []
+    real = base.LocalRun.__init__
+
+    def spy(self, algo, params, work, *args, **kwargs):
+        real(self, algo, params, work, *args, **kwargs)
+        seen.append((work.local_optimizer, work.local_lr, self.local_optimizer is not None))
+
+    monkeypatch.setattr(base.LocalRun, "__init__", spy)
+    floral_run(tmp_path, "aggregation.floral.router_optimizer=sgd", "aggregation.floral.router_lr=0.1")
+    assert seen and set(seen) == {("sgd", 0.1, True)}

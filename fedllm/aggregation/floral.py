@@ -37,6 +37,13 @@ class FloralOptions:
     num_adaptors: int = opt(2, "adaptors C per target module", positive, "an integer >= 1")
     router_temperature: float = opt(1.0, "softmax temperature of the router", positive, "> 0")
     router_lr: float = opt(1e-2, "learning rate of the router logits", positive, "> 0")
+    router_optimizer: str = opt(
+        "same",
+        "how the router logits are stepped: same (a group of the client's optimizer, AdamW by default, "
+        "scheduled with it) or sgd (plain SGD of their own at router_lr, no schedule: the reference code's, "
+        "where routers train at 0.1)",
+        *one_of("same", "sgd"),
+    )
     router_noise: float = opt(
         1.0,
         "scale of the noise added to the router logits while training (the reference's: 1.0)",
@@ -141,6 +148,7 @@ class FLoRAL(Strategy):
             server_temperature=o.router_server_temperature,
             stateful=o.stateful_routers,
             router_lr=o.router_lr,
+            router_optimizer=o.router_optimizer,
             precondition_eps=o.precondition_eps,
             bias=o.bias_adaptors,
         )

@@ -50,6 +50,7 @@ class MixtureOptions:
     )
     stateful: bool = True
     router_lr: float = 1e-2
+    router_optimizer: str = "same"  # a group of the local optimizer, or plain SGD of its own (the reference)
     precondition_eps: float = 0.0
     bias: bool = False
 
@@ -86,6 +87,7 @@ class MixtureSession(HookSession):
         self.modules = lora_modules(model, adapter)
         self.adapter = adapter
         self.local_lr = spec.router_lr
+        self.local_optimizer = spec.router_optimizer
         first = next(iter(self.modules.values())).lora_A[adapter].weight
         self.rank = first.shape[0] // spec.num_adaptors  # each adaptor's rank r (the adapter has C * r)
         groups = sorted({router_group(k, spec.granularity) for k in self.modules})

@@ -75,6 +75,7 @@ class LocalWork:
     # (FLoRAL's routers): never part of what an algorithm corrects, pulls back, meta-learns or uploads.
     local_params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     local_lr: float = 1e-2
+    local_optimizer: str = "same"  # "same": a group of the algorithm's optimizer; "sgd": an SGD of its own
     layout: Any = None  # fedllm.model.parallel.Layout: data-parallel wrapping of the model (None: as is)
     deadline: float | None = (
         None  # time.monotonic() after which the client stops (federation.client_timeout_s)
@@ -226,9 +227,10 @@ class ClientAlgorithm:
         return work.sgd_lr if self.optimizer == "sgd" else work.lr
 
     def make_optimizer(self, params: Params, work: LocalWork) -> torch.optim.Optimizer:
-        """AdamW or SGD over ``params``; ``work.local_params`` form their own group at ``work.local_lr``."""
+        """AdamW or SGD over ``params``; ``work.local_params`` form their own group at ``work.local_lr``
+        (unless an optimizer of their own steps them: ``work.local_optimizer``, :class:`LocalRun`)."""
         groups = [{"params": list(params.values()), "lr": self.step_size(work)}]
-        if work.local_params:
+        if work.local_params and work.local_optimizer == "same":
             groups.append(
                 {"params": list(work.local_params.values()), "lr": work.local_lr, "weight_decay": 0.0}
             )
@@ -376,6 +378,13 @@ class LocalRun:
         self.state = state if state is not None else {}
         torch.manual_seed(work.seed)  # LoRA dropout and any sampling inside the step
         self.optimizer = algo.make_optimizer(params, work)
+        # client-only parameters with a plain SGD of their own (FLoRAL's routers as its reference code steps
+        # them): at their own rate, outside the schedule and the clip
+        self.local_optimizer = (
+            torch.optim.SGD(list(work.local_params.values()), lr=work.local_lr)
+            if work.local_params and work.local_optimizer == "sgd"
+            else None
+        )
         warmup = int(work.warmup_ratio * work.steps)
         sched_name = {"constant": "constant_with_warmup"}.get(work.scheduler, work.scheduler)
         self.scheduler = get_scheduler(
@@ -401,6 +410,8 @@ class LocalRun:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.local_optimizer is not None:
+            self.local_optimizer.zero_grad(set_to_none=True)
 
     def step(self, loss: float) -> None:
         """The optimizer step once this step's gradients are in the parameters: clip, correct, step."""
@@ -410,6 +421,8 @@ class LocalRun:
         algo.correct(params)  # after the clip: a correction is never scaled by the gradient's norm
         self.step_sizes.append(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
+        if self.local_optimizer is not None:
+            self.local_optimizer.step()
         self.scheduler.step()
         self.losses.append(loss)
         self.bar.update()

@@ -132,6 +132,7 @@ class ModuleRuntime:
         with self.view(client, start, "train") as session:
             if session is not None:
                 work.local_params, work.local_lr = session.local_params(), session.local_lr
+                work.local_optimizer = session.local_optimizer
                 params.update(session.shared_params())
             params = {k: p for k, p in params.items() if p.requires_grad}
             result: LocalResult = self.algorithm.train(

@@ -420,6 +420,7 @@ class ClientRuntime:
         if session is not None:  # client-only parameters: trained, never corrected, pulled or uploaded
             work = session.local_work(work)
             work.local_params, work.local_lr = session.local_params(), session.local_lr
+            work.local_optimizer = session.local_optimizer
             params = trained_params(params, session)  # FFA-LoRA freezes A; Fed-SB trains R
         batches = batch_stream(
             client.train, work.batch_size, self.tokenizer.pad_token_id, work.seed, work.group_by_length
