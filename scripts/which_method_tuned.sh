@@ -13,7 +13,7 @@ COMMON=(--config configs/compare_sharegpt_smollm2.yaml --output-dir "$OUT"
   --tune client.lr=2.5e-4,5e-4,1e-3,2e-3 --tune floral:aggregation.floral.router_lr=0.1,1
   --tune-seeds 1000,1001 --tune-halving --tune-extend 1
   --reference local --reference centralized --references-apart
-  data.validation_size=64 eval.generate_size=0)
+  data.validation_size=64 eval.generate_size=0 eval.benchmark=none)
 PRIMARY=(--variant fedit:aggregation.name=fedit --variant flora:aggregation.name=flora
   --variant flexlora:aggregation.name=flexlora --variant florist:aggregation.name=florist
   --variant floral:aggregation.name=floral,aggregation.floral.num_adaptors=4,lora.ranks=[8],aggregation.floral.router_optimizer=sgd

@@ -297,3 +297,24 @@ def test_matched_drift_reads_the_curves_at_equal_agreement():
     assert got["cross"]["reading"] == "crosses"
     assert got["apart"]["reading"] == "no shared drift"
     assert "fedit" not in got
+
+
+def test_a_table_of_some_tuned_rows_keeps_the_others_choices_on_record(tmp_path):
+    """The table stage tunes (reuses) only the rows it runs: the rows the design left out keep their recorded
+    choice in tuning.json, when the rule that chose them is the same; a record of another rule replaces it."""
+    from fedllm.run.compare import write_tuning
+
+    def rec(names, seeds=(1000,)):
+        point = {"tag": "client.lr=0.001", "short": "0.001", "per_seed": {"1000": 1.0}, "mean": 1.0,
+                 "drift_per_seed": {"1000": 90.0}}  # fmt: skip
+        variant = {"points": [point], "chosen": {"client.lr": "0.001"}, "chosen_tag": "client.lr=0.001"}
+        return {"metric": "validation_loss", "better": -1, "seeds": list(seeds), "halving": True, "extend": 1,
+                "evaluation": [], "variants": {n: dict(variant) for n in names}}  # fmt: skip
+
+    write_tuning(tmp_path, rec(["fedit", "fedex", "hetlora"]), "fedit")
+    kept = write_tuning(tmp_path, rec(["fedit", "hetlora"]), "fedit")
+    on_file = json.loads((tmp_path / "tuning.json").read_text())
+    assert set(kept["variants"]) == set(on_file["variants"]) == {"fedit", "fedex", "hetlora"}
+    assert "fedex" in (tmp_path / "tuning.md").read_text()
+    other = write_tuning(tmp_path, rec(["fedit"], seeds=(7,)), "fedit")
+    assert set(other["variants"]) == {"fedit"}

@@ -134,8 +134,7 @@ def compare(
             config, variants, extra, grid_of, tune_seeds, out_root, run_all, tune_metric, tune_extend,
             tune_evaluation, tune_halving,
         )  # fmt: skip
-        record["matched_drift"] = matched_drift(record, variants[0].name)
-        write_tuning(out_root / "tuning", record)
+        record = write_tuning(out_root / "tuning", record, variants[0].name)
         if tune_only:
             return {"tuning": record}
     elif tune_only:
@@ -171,13 +170,23 @@ def compare(
     return summary
 
 
-def write_tuning(folder: Path, record: dict[str, Any]) -> None:
-    """``tuning.json`` (the record), ``tuning.md`` (:func:`format_tuning`) and ``drift.png`` in ``folder``."""
+def write_tuning(folder: Path, record: dict[str, Any], baseline: str) -> dict[str, Any]:
+    """The record with its matched-drift reading against ``baseline``, written as ``tuning.json``,
+    ``tuning.md`` (:func:`format_tuning`) and ``drift.png`` in ``folder``, and returned. Variants an earlier
+    call recorded there under the same rule (metric, seeds, halving) and this one did not tune are kept: a
+    table that runs some of the tuned rows (those a design admits) leaves the others' choices on record."""
     from fedllm.files import atomic_write_text
 
-    atomic_write_text(folder / "tuning.json", json.dumps(record, indent=1))
+    path = folder / "tuning.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    rule = ("metric", "seeds", "halving", "extend", "evaluation")
+    if old is not None and all(old.get(k) == record.get(k) for k in rule):
+        record = {**record, "variants": {**old["variants"], **record["variants"]}}
+    record["matched_drift"] = matched_drift(record, baseline)
+    atomic_write_text(path, json.dumps(record, indent=1))
     atomic_write_text(folder / "tuning.md", format_tuning(record) + "\n")
     drawn(lambda: plot_drift(record, folder / "drift.png"), "tuning/drift.png", "tuning.md")
+    return record
 
 
 def tuning_line(metric: str) -> Callable[[Planned, dict[str, Any]], str]:
