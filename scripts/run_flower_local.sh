@@ -102,7 +102,10 @@ echo "ports: sites connect to 127.0.0.1:$link_port$([ $tls = 1 ] && echo ", the 
 
 # 1. Each site's data in its own folder, and the resolved config every site will train with.
 cfg_path=$([ "$config" = default ] && echo default || echo "$(cd "$(dirname "$config")" && pwd)/$(basename "$config")")
-n=$(python scripts/flower_sites.py "$work" "$cfg_path" "${overrides[@]}" ${n:+federation.num_clients=$n})
+# (--bound in the secure setup: each site's node config names its key and the registry, and pins it to
+# secure aggregation where the run asks for it: site-K/node-config)
+n=$(python scripts/flower_sites.py "$work" "$cfg_path" $([ $tls = 1 ] && echo --bound) "${overrides[@]}" \
+  ${n:+federation.num_clients=$n})
 echo "sites: $n; logs and site folders in $work (run.log: the server; site-K/supernode.log: site K); run $run_dir"
 
 # 2. TLS material (a local CA, one certificate for the SuperLink and its proxy), the sites' keys and the
@@ -179,17 +182,17 @@ if [ $tls = 1 ]; then
   wait_port "$link_port" "nginx" "$work/nginx/error.log"
 fi
 for k in $(seq 0 $((n - 1))); do
-  auth=(); sign=""
+  auth=()
   if [ $tls = 1 ]; then
     flwr supernode register "$work/site-$k/node-key.pub" fedllm-local > "$work/site-$k/register.log" 2>&1
     auth=(--auth-supernode-private-key "$work/site-$k/node-key")
-    # the site signs every reply (and its secure aggregation keys) with the key it authenticates with, and
-    # checks its neighbours' keys against the federation's registry (a copy each site holds, not the server's)
-    sign=" sign-key='$work/site-$k/node-key' registry='$work/registry.txt'"
+    # the site signs every reply (and its secure aggregation keys and round statements) with the key it
+    # authenticates with, and checks its neighbours' against the federation's registry (a copy each site
+    # holds, not the server's): site-K/node-config (scripts/flower_sites.py --bound)
   fi
   if [ -n "$node_port" ]; then port=$((node_port + k)); need_port "$port" "SUPERNODE_PORT (+$k)"; else port=$(free_port); fi
   OMP_NUM_THREADS=$site_threads flower-supernode "${node_tls[@]}" "${auth[@]}" --superlink "127.0.0.1:$link_port" --port "$port" \
-    --node-config "client-id=$k data-path='$work/site-$k/data.jsonl' state-dir='$work/site-$k/state'$sign" \
+    --node-config "$(cat "$work/site-$k/node-config")" \
     > "$work/site-$k/supernode.log" 2>&1 &
   pids+=($!)
   echo "$!" > "$work/site-$k/supernode.pid"

@@ -186,7 +186,7 @@ def test_what_leaves_a_site_is_what_the_docs_list_and_sites_get_no_operator_path
     driver.run()
     assert seen["query"] <= INFO_KEYS and seen["train"] <= UPDATE_KEYS
     assert seen["evaluate"] <= set(EVALUATION_KEYS) and seen["tensors"] <= {"factors", "dense", "extras"}
-    assert {"client-id", "num-examples", "num-test", "categories"} == seen["query"]
+    assert {"client-id", "rank", "num-examples", "num-test", "categories"} == seen["query"]
     for text in filter(None, configs):
         cfg = config_from_text(text)
         assert cfg.output.dir == "" and cfg.flower.registry == ""

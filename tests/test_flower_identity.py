@@ -169,14 +169,16 @@ def test_a_site_shares_its_count_only_unless_asked():
         out = SimpleNamespace(
             cfg=cfg,
             client_id=3,
-            client=SimpleNamespace(num_examples=40, test=[1, 2]),
+            client=SimpleNamespace(num_examples=40, test=[1, 2], rank=8),
             categories={"math": 30, "qa": 12},
             pinned=pinned,
+            own_examples=44,
         )
         out.keeps_figures = types.MethodType(Site.keeps_figures, out)
+        out.declared_examples = types.MethodType(Site.declared_examples, out)
         return out
 
-    assert Site.info(site("flower.share_data_stats=false")) == {"client-id": 3, "num-examples": 40}
+    assert Site.info(site("flower.share_data_stats=false")) == {"client-id": 3, "rank": 8, "num-examples": 40}
     shared = Site.info(site("flower.share_data_stats=true"))
     assert shared["num-test"] == 2 and "math" in shared["categories"]
     secure = ("flower.secure_aggregation=true", "secagg.clip_norm=1", "federation.num_clients=4")
@@ -187,6 +189,9 @@ def test_a_site_shares_its_count_only_unless_asked():
     )
     assert Site.info(site(*secure))["num-examples"] == 40  # example weights need the count
     assert Site.info(site("federation.weighting=uniform", pinned=True))["num-examples"] == 1
+    # pinned, with example weights: its own count, and no histogram whatever the config asks
+    assert Site.info(site("flower.share_data_stats=true", pinned=True)) == {"client-id": 3, "rank": 8,
+                                                                             "num-examples": 44}  # fmt: skip
 
 
 def test_a_sites_log_says_how_many_of_its_examples_tokenizing_dropped(builtin_base, tmp_path, caplog):

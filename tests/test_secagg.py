@@ -387,12 +387,14 @@ class VectorGrid:
         return out
 
 
-def bare_contexts(nodes, node_config=None) -> dict:
-    """Each node's context; ``node_config``: one for every node, or (a callable) each node's own."""
+def bare_contexts(nodes, node_config=None, colluders: int = 0) -> dict:
+    """Each node's context; ``node_config``: one for every node, or (a callable) each node's own, over the
+    colluders the site tolerates (``secagg-colluders``)."""
     from flwr.app import Context, RecordDict
 
     def own(n):
-        return dict(node_config(n) if callable(node_config) else node_config or {})
+        mine = node_config(n) if callable(node_config) else node_config or {}
+        return {"secagg-colluders": str(colluders), **mine}
 
     return {
         n: Context(run_id=1, node_id=n, node_config=own(n), state=RecordDict(), run_config={}) for n in nodes
@@ -440,7 +442,12 @@ class StateSites:
         )
 
 
-def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int], sites: StateSites | None = None):
+def vector_app(
+    vectors: dict[int, np.ndarray], weights: dict[int, int], sites: StateSites | None = None, scale=None
+):  # fmt: skip
+    """A ClientApp of fedllm's mod whose training step replies a node's fixed vector (times ``scale(site,
+    start)``: what the site's config or start makes of its training, 1 by default) once fedllm's own
+    admission lets it train."""
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
@@ -448,7 +455,11 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int], sites: S
 
     app = ClientApp()
 
-    @app.train(mods=[secure_mod(None)])
+    from fedllm.flower.site import round_terms
+
+    given = SimpleNamespace(round_terms=round_terms)  # what the ClientApp gives the mod
+
+    @app.train(mods=[secure_mod(given)])
     def train(msg, ctx):  # only reached through the mod's training stage
         raise AssertionError("a secure message reached the plain handler")
 
@@ -456,13 +467,13 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int], sites: S
 
     def fake_train(msg, ctx, _=None):
         n = ctx.node_id
-        sf.admitted(
-            msg, ctx, sites
-        )  # the site's own admission first: the setup against the config, once a round
+        # the site's own admission first: the setup against the config, once a round
+        admitted = sf.admitted(msg, ctx, sites)
+        factor = 1.0 if scale is None or admitted is None else scale(admitted[0], admitted[1])
         return Message(
             RecordDict(
                 {
-                    "fitres.parameters": ArrayRecord([vectors[n]]),
+                    "fitres.parameters": ArrayRecord([vectors[n] * factor]),
                     "fitres.num_examples": MetricRecord({"num_examples": weights[n]}),
                     "fitres.metrics": ConfigRecord({}),
                     "fitres.status": ConfigRecord({"code": 0, "message": ""}),
@@ -474,23 +485,33 @@ def vector_app(vectors: dict[int, np.ndarray], weights: dict[int, int], sites: S
     return app, sf, fake_train
 
 
-def start_of(cfg, client: int, round_idx: int = 1) -> dict:
-    """A collect message's FitIns config as fedllm's server sends it: the start record with the run's config
-    (what each site checks the setup's parameters against) and the layout."""
+def start_of(cfg, client: int, round_idx: int = 1, start=None) -> dict:
+    """A collect message's FitIns config as fedllm's server sends it: the start record (``start``, default a
+    first round's: a fresh adapter) with the run's config (what each site checks the setup's parameters
+    against) and the layout."""
     from fedllm.config import config_to_text
     from fedllm.flower.records import start_record
     from fedllm.protocol import ClientStart
     from fedllm.secagg.flower import LAYOUT, START, _to_bytes
 
-    record = start_record(ClientStart(round=round_idx), config_to_text(cfg), client, [])
+    start = start if start is not None else ClientStart(round=round_idx)
+    record = start_record(start, config_to_text(cfg), client, [])
     return {START: _to_bytes(record), LAYOUT: "[]"}
 
 
 def protocol_round(
-    cfg, vectors, weights, dead_at=None, uniform=True, deviating=False, node_config=None, sites=None
-):
+    cfg, vectors, weights, dead_at=None, uniform=True, deviating=False, node_config=None, sites=None,
+    colluders: int = 0, fitins=None, scale=None, global_state=None,
+):  # fmt: skip
     """One SecAgg+ round of Flower's workflow as fedllm configures it (clipping range from the clip, the
-    quantization bits from the field), on plain vectors; returns (mean, finishing nodes, grid)."""
+    quantization bits from the field), on plain vectors; returns (mean, finishing nodes, grid). ``colluders``:
+    what the server's config and every site tolerate; 0 (a strict majority, as the protocol's other
+    mechanisms were written for) unless a test of the colluders' threshold says otherwise; the real sites'
+    runs (``flower_run``) keep fedllm's defaults. ``fitins``: a node's FitIns config (default: the run's
+    start, ``start_of``); ``scale``: :func:`vector_app`'s; ``global_state``: the round's full-rank state the
+    server sends every site (default: none yet, a first round's)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.secagg.colluders = colluders
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
     from flwr.common import FitIns, Parameters, parameters_to_ndarrays
     from flwr.server import LegacyContext
@@ -499,13 +520,19 @@ def protocol_round(
     from fedllm.secagg.flower import SecureExchange, _round_strategy
 
     sites = sites or StateSites(Path(tempfile.mkdtemp(prefix="fedllm-sites-")), list(vectors))
-    app, sf, fake_train = vector_app(vectors, weights, sites)
-    grid = VectorGrid(app, bare_contexts(vectors, node_config), dead_at)
+    app, sf, fake_train = vector_app(vectors, weights, sites, scale)
+    grid = VectorGrid(app, bare_contexts(vectors, node_config, colluders), dead_at)
     ex = SecureExchange(cfg.secagg, cfg)
+    if global_state is not None:
+        from fedllm.secagg.agreement import encode_state
+
+        ex.global_bytes = encode_state(global_state)
     ins = [
         (
             GridClientProxy(n, grid, 1),
-            FitIns(Parameters([], ""), start_of(cfg, sites.index[n] if sites else k)),
+            FitIns(
+                Parameters([], ""), (fitins or {}).get(n) or start_of(cfg, sites.index[n] if sites else k)
+            ),
         )
         for k, n in enumerate(vectors)
     ]
@@ -519,7 +546,7 @@ def protocol_round(
     original = sf._secure_train
     sf._secure_train = fake_train
     try:
-        ex.workflow(max_weight, 10.0)(grid, ctx)
+        ex.workflow(max_weight, 10.0, len(vectors))(grid, ctx)
     except Exception:  # the workflow's own failure on replies a deviating server provoked
         if not deviating:
             raise
@@ -750,8 +777,10 @@ def unmask_one(
     from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
     from fedllm.secagg.bounds import clipping_range, quantization_bits
+    from fedllm.secagg.guard import threshold_for
 
-    t = max(round(cfg.secagg.reconstruction_threshold * len(pk1)), 2)
+    # the threshold of protocol_round's rounds: the config's fraction, no colluder (its default)
+    t = threshold_for(cfg.secagg.reconstruction_threshold, len(pk1), 0)
     if masked is None or len(seeds) < t or not secrets or min(len(v) for v in secrets.values()) < t:
         return None
     mod, q = 2**cfg.secagg.modulus_bits, 2 ** quantization_bits(cfg)
@@ -1043,9 +1072,11 @@ def test_a_site_trains_once_per_round_of_its_trajectory_across_runs_and_refuses_
     base = ("federation.num_clients=4", "flower.secure_aggregation=true")
     cfg = load_config(None, tiny_overrides(tmp_path / "a", *base, "secagg.clip_norm=1"))
     trained, errors = run(cfg, False, [1, 1, 2], tmp_path / "site")
-    assert trained == [1, 2] and len(errors) == 1 and "a second secure training for round 1" in errors[0]
+    once = "that this site's federation has had already: a site trains each round once"
+    assert trained == [1, 2] and len(errors) == 1 and f"round 1 {once}" in errors[0]
     trained, errors = run(cfg, False, [1, 2, 3], tmp_path / "site")  # run 2, the same trajectory
-    assert trained == [3] and len(errors) == 2 and "in this run or an earlier one" in errors[0]
+    assert trained == [3] and len(errors) == 2 and f"round 2 {once}" in errors[1]
+    assert not any("round 2" in e for e in errors[:1])  # a refusal names no round the site trained
     dp_cfg = load_config(
         None,
         tiny_overrides(
@@ -1090,8 +1121,17 @@ def setup_message(node: int, sample: int, share: int, threshold: int):
         (6, 6, 3, {}, "not a strict majority"),
         (4, 4, 3, {"secagg-min-sites": "5"}, "at least 5"),
         (4, 4, 3, {"secagg-min-sites": "1"}, None),  # a floor below 3 is 3
-        (5, 5, 3, {"secagg-min-threshold": "0.8"}, "below this site's floor"),
+        (5, 5, 3, {"secagg-min-threshold": "0.8", "secagg-colluders": "0"}, "below this site's floor"),
         (5, 5, 4, {"secagg-min-threshold": "0.8"}, None),
+        # one colluder (the default) signing for two sets of neighbours: t > (n + 1) / 2 (issue 88)
+        (5, 5, 3, {}, "1 colluding site(s) could sign for two sets of neighbours"),
+        (7, 7, 4, {}, "t >= 5; node config secagg-colluders=1"),
+        (7, 7, 5, {}, None),
+        (4, 4, 3, {}, None),
+        (5, 5, 4, {"secagg-colluders": "3"}, "3 colluding site(s)"),
+        (5, 5, 4, {"secagg-colluders": "2"}, None),
+        (5, 5, 3, {"secagg-colluders": "0"}, None),
+        (5, 5, 4, {"secagg-colluders": "-1"}, "secagg-colluders=-1: expected an integer >= 0"),
         (5, 2, 2, {}, "a neighbourhood of 2"),
         # the default config's smaller neighbourhoods (6 sites, 5 neighbours, threshold 3): each site's view
         # consistent on its own, the counting argument (every site the same neighbourhood) void (issue 78)
@@ -1103,7 +1143,8 @@ def test_a_site_refuses_a_setup_it_was_not_configured_to_accept(
 ):
     """Whatever the server sends at setup, even with the site pinned to secure aggregation: a round too small
     to hide a site, a threshold two disjoint halves of the neighbours could each reach, or below the site's
-    own floors (``--node-config secagg-min-sites`` / ``secagg-min-threshold``)."""
+    own floors (``--node-config secagg-min-sites`` / ``secagg-min-threshold``), or a threshold its colluders
+    could split (``secagg-colluders``, default 1: t > (n + c) / 2)."""
     from flwr.app import Context, RecordDict
 
     app, _, _ = vector_app({100: np.zeros(3)}, {100: 1})
@@ -1221,7 +1262,7 @@ def test_a_round_that_loses_its_quorum_before_the_unmask_is_never_unmasked(tmp_p
         (["federation.max_client_weight=0.5"], "federation.max_client_weight"),
         (["federation.clients_per_round=2"], "at least 3 clients per round"),
         (["secagg.quantization_bits=30"], "secagg.quantization_bits=30"),
-        (["secagg.reconstruction_threshold=0.4"], "not a strict majority"),
+        (["secagg.colluders=4"], "secagg.colluders=4: a round of 4 sites cannot withstand it"),
     ],
 )
 def test_what_secure_aggregation_cannot_run_is_refused_in_one_line(tmp_path, extra, says):
@@ -1796,7 +1837,7 @@ def test_a_second_run_of_the_same_round_does_not_give_a_sites_update(tmp_path, m
         assert (
             second is None
             and len(errors) == 3
-            and all("a second secure training for round 1" in e for e in errors)
+            and all("round 1 that this site's federation has had already" in e for e in errors)
         )
     else:
         got = 4 * first - 3 * second
@@ -1984,7 +2025,7 @@ def test_a_pinned_site_without_its_federations_registry_refuses_to_start(federat
     app, _, _ = vector_app({100: np.zeros(3)}, {100: 1})
     config = {"secure-aggregation": "required", "client-id": 0, "sign-key": str(federation.keys[0])}
     ctx = Context(run_id=1, node_id=100, node_config=config, state=RecordDict(), run_config={})
-    (reply,) = VectorGrid(app, {100: ctx}).send_and_receive([setup_message(100, 5, 5, 3)])
+    (reply,) = VectorGrid(app, {100: ctx}).send_and_receive([setup_message(100, 5, 5, 4)])
     assert reply.has_error() and "registry=PATH" in reply.error.reason
 
 

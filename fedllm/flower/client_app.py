@@ -30,7 +30,7 @@ from fedllm.flower.records import (
     start_config,
     update_record,
 )
-from fedllm.flower.site import Site, site_for
+from fedllm.flower.site import Site, round_terms, site_for
 from fedllm.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,9 @@ def query(message: Message, context: Context) -> Message:
 
 # what a feature's mod may do with a message's site (secure aggregation trains it in the protocol's stage)
 SITES = SimpleNamespace(
-    site=lambda context, config_text: _site(context, config_text), keep=lambda c, s: _keep_state(c, s)
+    site=lambda context, config_text: _site(context, config_text),
+    keep=lambda c, s: _keep_state(c, s),
+    round_terms=round_terms,  # a secure round's statement: the start the rule gives, under the config sent
 )
 
 

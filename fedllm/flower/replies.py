@@ -22,7 +22,7 @@ from fedllm.protocol import ClientUpdate, Codec, decode_update
 
 MAX_META_CHARS = 1 << 16  # a reply's JSON metadata: ids, counts, scales and a few metrics
 EVALUATION_KEYS = ("global_loss", "global_acc", "personal_loss", "personal_acc")
-INFO_KEYS = {"client-id", "num-examples", "num-test", "categories"}
+INFO_KEYS = {"client-id", "rank", "num-examples", "num-test", "categories"}
 UPDATE_KEYS = {"client_id", "num_examples", "scales", "metrics", "round", "token"}
 
 
@@ -88,6 +88,8 @@ def parse_info(content: Any) -> dict:
         raise BadReply(f"its handshake holds fields {fields} beyond the protocol's")
     _int(info.get("client-id"), "client-id")
     _int(info.get("num-examples"), "num-examples")
+    if "rank" in info:
+        _int(info["rank"], "rank", 1)
     if "num-test" in info:
         _int(info["num-test"], "num-test")
     if "categories" in info:

@@ -82,6 +82,11 @@ class FlowerDriver(RoundLoop):
         """client id -> node id, as bound (see :mod:`fedllm.flower.identity`)."""
         return self.bindings.nodes
 
+    def adapter_rank(self, client: int) -> int:
+        """The adapter rank the run's config gives ``client`` (what its handshake must claim)."""
+        strategy = strategy_from_config(self.cfg.aggregation)
+        return strategy.adapter_rank(assembly.assign_ranks(self.cfg)[client])
+
     # ---------------------------------------------------------------- set-up
     def setup(self) -> None:
         cfg = self.cfg
@@ -161,6 +166,11 @@ class FlowerDriver(RoundLoop):
             k, n = info["client-id"], info["num-examples"]
             if not 0 <= k < self.cfg.federation.num_clients:
                 log.warning("node %s claims client %s with %s examples: refused", node, k, n)
+                continue
+            rank = self.adapter_rank(k)
+            if "rank" in info and info["rank"] != rank:
+                log.warning("node %s claims client %d at rank %s, the config's is %d: refused", node, k,
+                            info["rank"], rank)  # fmt: skip
                 continue
             if self.bindings.claim(node, k, keys.get(node)) is not None:
                 continue

@@ -114,6 +114,7 @@ class Site:
         self.runtime, self.client = assemble_site(cfg, client_id, examples, n_test, acc, base)
         train, test, rank = self.client.train, self.client.test, self.client.rank
         self.categories = _histogram(examples)
+        self.own_examples = len(examples)  # as its data holds them: no server setting (length, split) in it
         resumed = self._load_state()
         dropped = len(examples) - len(train) - len(test)
         log.info(
@@ -195,17 +196,26 @@ class Site:
 
         return bool(site_figures_hidden(self.cfg)) or self.pinned
 
+    def declared_examples(self) -> int:
+        """The example count this site declares (its handshake, its weight in a secure sum): a pinned site's
+        is the count of its own examples as its data holds them, before any split or tokenization the
+        server's config decides, so that no config the server sends (a ``data.max_seq_len`` sweep, a
+        truncation side) makes the count tell how long its examples are; an unpinned site's, the training
+        examples it has under the run's config."""
+        return self.own_examples if self.pinned else self.client.num_examples
+
     def info(self) -> dict:
-        """The handshake: the client id and the example count weighting needs (1 where the weighting is
-        uniform and the site keeps its figures); the category histogram and the test size only with
-        ``flower.share_data_stats``."""
+        """The handshake: the client id, its rank and the example count weighting needs (1 where the
+        weighting is uniform and the site keeps its figures: :meth:`declared_examples` otherwise); the
+        category histogram and the test size only with ``flower.share_data_stats``, and never from a site
+        pinned to secure aggregation (it answers what the protocol needs, whatever the config asks)."""
         from fedllm.assembly import server_policy
 
-        count = self.client.num_examples
+        count = self.declared_examples()
         if self.keeps_figures() and server_policy(self.cfg).weighting == "uniform":
             count = 1  # uniform weights need no count: the server learns none
-        out = {"client-id": self.client_id, "num-examples": count}
-        if self.cfg.flower.share_data_stats:
+        out = {"client-id": self.client_id, "rank": self.client.rank, "num-examples": count}
+        if self.cfg.flower.share_data_stats and not self.pinned:
             out.update({"num-test": len(self.client.test), "categories": json.dumps(self.categories)})
         return out
 
@@ -246,3 +256,42 @@ def _histogram(examples) -> dict[str, int]:
     from collections import Counter
 
     return dict(sorted(Counter(e.category or "other" for e in examples).items()))
+
+
+def expected_start(cfg: Config, state, client_id: int, round_idx: int) -> ClientStart:
+    """The start ``client_id`` gets for ``round_idx`` from the round's full-rank global ``state`` by the
+    server's own rule (``Server.client_start``): the strategy's cut of the global factors to the client's
+    rank and scale, the dense modules, the strategy's extras for it, then the run's download encoding
+    (``comm.download``). What a site of a secure round checks its start against before it signs the round's
+    statement (``fedllm.secagg.agreement``)."""
+    from fedllm.aggregation.base import strategy_from_config
+    from fedllm.assembly import assign_ranks, server_policy
+    from fedllm.factors import lora_scale
+
+    strategy = strategy_from_config(cfg.aggregation)
+    rank = assign_ranks(cfg)[client_id]
+    r = strategy.adapter_rank(rank)
+    scale = lora_scale(cfg.lora.alpha_ratio * r, r, cfg.lora.use_rslora)
+    start = ClientStart(
+        round=round_idx,
+        factors=strategy.client_factors(state, rank, scale, client_id),
+        dense=dict(state.dense),
+        extras=strategy.client_extras(state, client_id),
+    )
+    transform = server_policy(cfg).download_transform
+    return transform(start) if transform is not None else start
+
+
+def round_terms(config_text: str, content, state) -> tuple[int, ClientStart, ClientStart, bytes]:
+    """What a secure round's statement needs of a start message and the round's full-rank ``state``, read
+    under the config it carries: the client it is for, the start as sent, the start the rule gives
+    (:func:`expected_start`) and the config's digest (every key: the server sends all sites one config)."""
+    from fedllm.assembly import codecs
+    from fedllm.config import flat_config
+    from fedllm.flower.records import read_start, start_config
+
+    _, client_id = start_config(content)
+    cfg = config_from_text(config_text, "the server's resolved config")
+    start = read_start(content, codecs(cfg))
+    digest = hashlib.sha256(json.dumps(flat_config(cfg), sort_keys=True, default=str).encode()).digest()
+    return client_id, start, expected_start(cfg, state, client_id, start.round), digest

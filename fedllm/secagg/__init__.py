@@ -36,7 +36,7 @@ import math
 from fedllm.options import Rule, chosen_option
 from fedllm.protocol import Feature, TrainExchange
 from fedllm.secagg.bounds import clip_of, clipping_range, per_round, private, quantization_bits
-from fedllm.secagg.guard import flower_threshold, majority
+from fedllm.secagg.guard import threshold_for
 from fedllm.secagg.options import SecAggOptions
 from fedllm.secagg.summand import SecureSummand
 
@@ -156,12 +156,11 @@ class SecureAggregationFeature(Feature):
                 f"site's secrets among the others); this config samples {m}"
             )
         share = neighbourhood(o.num_shares, m)
-        if not majority(flower_threshold(o.reconstruction_threshold, share), share):
+        t = threshold_for(o.reconstruction_threshold, share, o.colluders)
+        if t > share:
             raise ValueError(
-                f"secagg.reconstruction_threshold={o.reconstruction_threshold:g}: "
-                f"{flower_threshold(o.reconstruction_threshold, share)} of {share} neighbours is not a "
-                "strict majority, which every site refuses (a server could ask two halves of the neighbours "
-                "for the two kinds of one site's shares); use a value above 0.5"
+                f"secagg.colluders={o.colluders}: a round of {share} sites cannot withstand it (the "
+                f"threshold would be {t} of {share}); use secagg.colluders <= {share - 1}"
             )
 
     def hides_site_figures(self, o: SecAggOptions, cfg) -> str:

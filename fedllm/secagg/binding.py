@@ -40,6 +40,13 @@ NEIGHBOUR_SIGNATURE, NEIGHBOUR_CLIENT = "fedllm-sig:", "fedllm-client:"  # + nod
 CONSISTENCY = "fedllm-consistency"  # the stage fedllm adds between collect and unmask
 SURVIVORS, SURVIVORS_SIGNATURE = "fedllm-survivors", "fedllm-survivors-signature"
 SIGNERS, SIGNATURES = "fedllm-signers", "fedllm-signatures"  # in the unmask message
+START, LAYOUT = "fedllm-start", "fedllm-layout"  # what a site's FitIns config carries
+# the round statement (fedllm/secagg/agreement.py): its stage, the full-rank state it carries, a site's
+# signature in its reply, and every site's in the collect message
+STATEMENT = "fedllm-agreement"
+GLOBAL = "fedllm-global"
+STATEMENT_SIGNATURE = "fedllm-statement-signature"
+STATEMENT_SIGNERS, STATEMENT_SIGNATURES = "fedllm-statement-signers", "fedllm-statement-signatures"
 
 _KEYS = b"fedllm-secagg-keys-v1\0"
 _SURVIVORS = b"fedllm-secagg-survivors-v1\0"

@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
+import fedllm.secagg.agreement as agreement
 import fedllm.secagg.binding as binding
 import fedllm.secagg.guard as guard
 import fedllm.secagg.prg as prg
+from fedllm.aggregation.base import GlobalState
 from fedllm.checks import one_line
 from fedllm.protocol import SummedUpdates, seeded_generator
 from fedllm.secagg.bounds import (
@@ -33,6 +35,7 @@ from fedllm.secagg.bounds import (
     known_noise,
     noise_seed,
     noise_std,
+    per_round,
     quantization_bits,
     quantization_error,
     uniform,
@@ -51,7 +54,7 @@ from fedllm.secagg.summand import (
 
 log = logging.getLogger(__name__)
 
-START, LAYOUT = "fedllm-start", "fedllm-layout"  # what a site's FitIns config carries
+START, LAYOUT = binding.START, binding.LAYOUT  # what a site's FitIns config carries
 
 
 def _to_bytes(record) -> bytes:
@@ -113,8 +116,9 @@ class SecureExchange:
         self.last: dict[str, Any] = {}  # the last round's protocol outcome (tests and the row read it)
         self.size = 0  # values in the round's layout
         self.least = max(3, int(cfg.federation.min_clients))  # never unmask a sum of fewer sites
+        self.global_bytes = agreement.encode_state(GlobalState())  # the round's full-rank state, as sent
         prg.install()  # masks from the whole shared secret, as the sites draw theirs
-        self.workflow(1.0, None)  # Flower checks its parameters here, once, not in every round
+        self.workflow(1.0, None, per_round(cfg))  # Flower checks its parameters here, once, not every round
 
     def tolerances(self, server, clients: list[int], max_weight: float) -> tuple[float, float]:
         """How far an honest round's mean can be from the range and from the clip: (per value: the
@@ -126,19 +130,21 @@ class SecureExchange:
         tau = noise_std(self.cfg) / math.sqrt(len(clients))  # a value's noise in the mean (uniform weights)
         return per_value, norm_limit(clip_of(self.cfg) + math.sqrt(d) * per_value, tau, d)
 
-    def workflow(self, max_weight: float, timeout: float):
-        """Flower's SecAgg+ workflow, with the quorum checked before the unmask stage: when fewer than
-        ``self.least`` sites sent their masked vectors, the round ends there and no sum of fewer is unmasked
-        (Flower's own checks ask only for the threshold of each neighbourhood)."""
+    def workflow(self, max_weight: float, timeout: float | None, sites: int):
+        """Flower's SecAgg+ workflow for a round of ``sites`` sites, with the quorum checked before the
+        unmask stage: when fewer than ``self.least`` sites sent their masked vectors, the round ends there
+        and no sum of fewer is unmasked (Flower's own checks ask only for the threshold of each
+        neighbourhood)."""
         from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
         from flwr.server.workflow import SecAggPlusWorkflow
 
-        least = self.least
+        least, exchange = self.least, self
 
         class QuorumWorkflow(SecAggPlusWorkflow):
-            """Flower's workflow, with what fedllm's sites need of it (:mod:`fedllm.secagg.binding`): each
-            site's signed keys relayed beside its keys, the survivors' consistency stage before the unmask,
-            and the quorum checked before it."""
+            """Flower's workflow, with what fedllm's sites need of it (:mod:`fedllm.secagg.binding`,
+            :mod:`fedllm.secagg.agreement`): each site's signed keys relayed beside its keys, the round's
+            statement signed by every site before the collect stage (and the signatures relayed in it), the
+            survivors' consistency stage before the unmask, and the quorum checked before it."""
 
             signed: dict[int, tuple[int, bytes]]
 
@@ -163,6 +169,49 @@ class SecureExchange:
                             configs[binding.NEIGHBOUR_SIGNATURE + k] = signature
 
                 return bool(super().share_keys_stage(_Relay(grid, edit=edit), context, state))
+
+            def collect_masked_vectors_stage(self, grid, context, state) -> bool:
+                signatures = self.agreement(grid, context, state)
+
+                def edit(msg) -> None:  # every site's statement signature, for each site to check
+                    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+                    configs[agreement.SIGNERS] = list(signatures)
+                    configs[agreement.SIGNATURES] = list(signatures.values())
+
+                return bool(super().collect_masked_vectors_stage(_Relay(grid, edit=edit), context, state))
+
+            def agreement(self, grid, context, state) -> dict[int, bytes]:
+                """Send every site its start, layout and the round's full-rank global state; its signature
+                of the round's statement, by node (:mod:`fedllm.secagg.agreement`)."""
+                from flwr.app import ConfigRecord, Message, RecordDict
+                from flwr.app.message_type import MessageType
+
+                group = str(context.state.config_records["config"]["current_round"])
+                messages = []
+                for n in sorted(state.active_node_ids):
+                    fitins = state.nid_to_fitins[n].config_records["fitins.config"]
+                    configs = {
+                        "stage": agreement.STAGE,
+                        START: fitins[START],
+                        LAYOUT: fitins[LAYOUT],
+                        agreement.GLOBAL: exchange.global_bytes,
+                    }
+                    messages.append(
+                        Message(
+                            RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(configs)}),
+                            dst_node_id=n,
+                            message_type=MessageType.TRAIN,
+                            group_id=group,
+                        )
+                    )
+                out: dict[int, bytes] = {}
+                for reply in grid.send_and_receive(messages, timeout=self.timeout):
+                    if not reply.has_error():
+                        configs = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+                        signature = configs.get(agreement.SIGNATURE, b"")
+                        if isinstance(signature, bytes) and signature:
+                            out[int(reply.metadata.src_node_id)] = signature
+                return out
 
             def unmask_stage(self, grid, context, state) -> bool:
                 if len(state.active_node_ids) < least:
@@ -212,14 +261,18 @@ class SecureExchange:
                             out[int(reply.metadata.src_node_id)] = signature
                 return out
 
-        return QuorumWorkflow(**self.parameters(max_weight, timeout))
+        return QuorumWorkflow(**self.parameters(max_weight, timeout, sites))
 
-    def parameters(self, max_weight: float, timeout: float | None) -> dict[str, Any]:
-        """Flower's ``SecAggPlusWorkflow`` arguments for this run: what every site checks its setup against
-        (:func:`fedllm.secagg.guard.pinned`)."""
+    def parameters(self, max_weight: float, timeout: float | None, sites: int) -> dict[str, Any]:
+        """Flower's ``SecAggPlusWorkflow`` arguments for a round of ``sites`` sites: what every site checks
+        its setup against (:func:`fedllm.secagg.guard.pinned`); the threshold as a count, raised to what
+        ``secagg.colluders`` needs (:func:`fedllm.secagg.guard.threshold_for`)."""
+        share = sites  # secagg.num_shares = 1: every site every other's neighbour
         return {
             "num_shares": float(self.o.num_shares),
-            "reconstruction_threshold": float(self.o.reconstruction_threshold),
+            "reconstruction_threshold": guard.threshold_for(
+                float(self.o.reconstruction_threshold), share, int(self.o.colluders)
+            ),
             "max_weight": max_weight,
             "clipping_range": self.range,
             "quantization_range": self.quantization,
@@ -237,6 +290,7 @@ class SecureExchange:
 
         server = driver.server
         driver.handshake()  # a restarted site has a new node id: find it again
+        self.global_bytes = agreement.encode_state(server.state)  # what every site's start is cut from
         lay: Layout = layout(server, plan.round)
         self.size = layout_size(lay)
         failures: dict[int, str] = {}
@@ -273,7 +327,7 @@ class SecureExchange:
         if len(fit_ins) < least:  # never unmask a sum of fewer sites than that
             return fail(f"secure aggregation needs {least} connected sites (3, and federation.min_clients)")
         try:
-            self.workflow(max_weight, timeout)(driver.grid, context)
+            self.workflow(max_weight, timeout, len(fit_ins))(driver.grid, context)
         except Exception as e:  # the protocol refused a stage's reply (a site's malformed message)
             return fail(one_line(f"secure aggregation failed ({type(e).__name__}: {e})"))
         if strategy.results is None:
@@ -377,6 +431,17 @@ def secure_mod(sites):
     prg.install()  # masks from the whole shared secret (Flower's own draw folds it to 32 bits)
 
     def mod(msg, context, call_next):
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+        try:
+            return guarded(msg, context, call_next)
+        except guard.Refused as e:  # the site's own log says what it refused and why (its reply says why)
+            stage = msg.content.config_records.get(RECORD_KEY_CONFIGS, {}).get("stage", "?")
+            log.warning("secure aggregation: refused a %s message of round %s: %s", stage,
+                        msg.metadata.group_id, e)  # fmt: skip
+            raise
+
+    def guarded(msg, context, call_next):
         from flwr.app.message_type import MessageType
         from flwr.client.mod import secaggplus_mod
         from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
@@ -389,8 +454,10 @@ def secure_mod(sites):
                 f"{MessageType.TRAIN!r}"
             )
         stage = msg.content.config_records[RECORD_KEY_CONFIGS].get("stage")
-        if stage == binding.CONSISTENCY:  # fedllm's own stage: Flower's mod never sees it
+        if stage == binding.CONSISTENCY:  # fedllm's own stages: Flower's mod never sees them
             return _consistency(msg, context)
+        if stage == agreement.STAGE:
+            return _agreement(msg, context, sites)
         _guard(msg, context)
         configs = msg.content.config_records[RECORD_KEY_CONFIGS]
         for key in [k for k in configs if k.startswith(binding.PREFIX)]:
@@ -503,6 +570,20 @@ def _guard(msg, context) -> None:
             _keep(context, record)
     elif stage == Stage.COLLECT_MASKED_VECTORS:
         guard.check_collect(configs, {int(n) for n in state.public_keys_dict}, int(state.nid))
+        if registry_path is not None:  # one statement, signed by every neighbour, before anything is masked
+            fitins = msg.content.config_records.get("fitins.config")
+            if "statement" not in record or fitins is None:
+                raise guard.Refused("a collect message before this site signed the round's statement")
+            if agreement.fitins_digest(fitins) != bytes(record["fitins"]):
+                raise guard.Refused(
+                    "the collect message's start is not the one this site checked and signed for the round"
+                )
+            guard.check_statement_signatures(
+                configs,
+                dict(zip(record.get("nodes", []), record.get("clients", []), strict=True)),
+                binding.registry(registry_path),
+                bytes(record["statement"]),
+            )
     elif stage == Stage.UNMASK:
         least = int(record.get("least", floor.sites))
         neighbours = {int(n) for n in state.public_keys_dict}
@@ -554,6 +635,59 @@ def _sign_keys(reply, msg, context) -> None:
     configs[binding.CLIENT] = client
 
 
+def _agreement(msg, context, sites):
+    """fedllm's statement stage (:mod:`.agreement`): check that the start is this site's part of the round's
+    full-rank global state by the server's own rule (``sites.round_terms``: the ClientApp reads the config,
+    which this package never imports), sign the round's statement (one a round), reply with the signature
+    (empty where the site holds no registry: an unbound site checks nothing here)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
+
+    from fedllm.flower.node import signing_key
+    from fedllm.flower.records import start_config
+
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    state = _protocol_state(context)
+    if state.current_stage != Stage.SHARE_KEYS:
+        stage = state.current_stage
+        raise guard.Refused(f"a round statement at the {stage!r} stage: expected after share-keys")
+    record = _record(context)
+    registry_path = _registry_path(context)
+    signature = b""
+    if registry_path is not None:
+        if str(msg.metadata.group_id) != record.get("group"):
+            raise guard.Refused("a round statement of another round than the setup's")
+        content = _from_bytes(bytes(configs[START]))
+        config_text, client_id = start_config(content)
+        if client_id != _own_client(context):
+            own = _own_client(context)
+            raise guard.Refused(f"a start for client {client_id} at the site of client {own}")
+        full, full_digest = agreement.decode_state(bytes(configs[agreement.GLOBAL]))
+        _, start, want, cfg_digest = sites.round_terms(config_text, content, full)
+        if str(start.round) != record.get("group"):
+            raise guard.Refused(
+                f"a start of round {start.round} in the protocol's round {record.get('group')}"
+            )
+        agreement.check_start(start, want, full)
+        digest = agreement.statement(
+            int(context.run_id),
+            agreement.federation_of(context.node_config, registry_path),
+            int(start.round),
+            str(start.token),
+            cfg_digest,
+            str(configs[LAYOUT]),
+            full_digest,
+        )
+        if "statement" in record and bytes(record["statement"]) != digest:
+            raise guard.Refused("a second round statement this round: a site signs one")
+        record.update(statement=digest, fitins=agreement.fitins_digest(configs))
+        _keep(context, record)
+        key = signing_key(context.node_config)
+        signature = binding.sign(key, digest) if key is not None else b""
+    reply = ConfigRecord({agreement.SIGNATURE: signature})
+    return Message(RecordDict({RECORD_KEY_CONFIGS: reply}), reply_to=msg)
+
+
 def _consistency(msg, context):
     """fedllm's survivors stage (:mod:`.binding`): check the list, sign it (one list a round, for this round's
     keys), reply with the signature (empty where the site has no node key)."""
@@ -601,14 +735,17 @@ def training_digest(cfg) -> str:
 
 
 def claim_round(claims: Path, trajectory: str, round_idx: int) -> None:
-    """Record, before the site trains, that it trains ``round_idx`` of ``trajectory``
-    (:func:`training_digest`) under the protocol; refused if it trained that round, or a later one, already,
-    in this Flower run or an earlier one. Two sums over sets that differ by one site, of the same round from
-    the same start, give that site's update (a site's training from the same start, round and config is the
-    same run after run). The record is a file beside the site's state folders (the SuperNode's
-    ``state-dir``), keyed by what decides the update, not by the server's other settings; read and written
-    under a lock, so that two runs on one SuperNode cannot both pass. A resumed secure run therefore
-    continues from the round after the last one its sites trained."""
+    """Record, before the site trains, that it trains ``round_idx`` of ``trajectory`` under the protocol;
+    refused if it trained that round, or a later one, already, in this Flower run or an earlier one. Two sums
+    over sets that differ by one site, of the same round from the same start, give that site's update (a
+    site's training from the same start, round and config is the same run after run). ``trajectory``: the
+    site's federation (:func:`fedllm.secagg.agreement.federation_of`) where it has one, so that no config the
+    server sends opens another (one ulp of a learning rate, a key the update does not read); else, for an
+    unbound site, what decides its update (:func:`training_digest`). The record is a file beside the site's
+    state folders (the SuperNode's ``state-dir``), read and written under a lock, so that two runs on one
+    SuperNode cannot both pass. A resumed secure run therefore continues from the round after the last one
+    its sites trained; a new federation (a new ``federation`` node config, or a new registry) starts at
+    round 1. The refusal names no round of the site's (the server learns nothing of its past from it)."""
     import fcntl
 
     from fedllm.files import atomic_write_text
@@ -620,9 +757,8 @@ def claim_round(claims: Path, trajectory: str, round_idx: int) -> None:
         last = int(done.get(trajectory, 0))
         if last >= round_idx:
             raise guard.Refused(
-                f"a second secure training for round {round_idx} (this site trained round {last} of this "
-                "trajectory already, in this run or an earlier one): two sums that differ by one site give "
-                "that site's update"
+                f"a secure training for round {round_idx} that this site's federation has had already: a "
+                "site trains each round once (two sums that differ by one site give that site's update)"
             )
         done[trajectory] = round_idx
         atomic_write_text(claims, json.dumps(done, sort_keys=True))
@@ -660,7 +796,8 @@ def admitted(msg, context, sites):
     if why:
         raise guard.Refused(why)
     claims = Path(site.state_dir).parent / f"client-{site.client_id}-{CLAIMS}"
-    claim_round(claims, training_digest(site.cfg), int(start.round))
+    federation = agreement.federation_of(context.node_config, _registry_path(context))
+    claim_round(claims, federation or training_digest(site.cfg), int(start.round))
     return site, start, lay
 
 
@@ -679,7 +816,7 @@ def _secure_train(msg, context, sites):
         raise RuntimeError("secure aggregation: the site's runtime made no secure summand")
     gen = seeded_generator(noise_seed(site.cfg), start.round, client_id, 3)
     vector = site_vector(changes, lay, noise_std(site.cfg) if distributed(site.cfg) else 0.0, gen)
-    weight = 1 if uniform(site.cfg) else int(site.client.num_examples)
+    weight = 1 if uniform(site.cfg) else int(site.declared_examples())
     return Message(
         RecordDict(
             {

@@ -53,12 +53,17 @@ class Refused(ValueError):
     """A protocol message the site will not answer (its error reply names why)."""
 
 
+COLLUDERS = 1  # the colluding sites a site tolerates unless its operator says otherwise (secagg-colluders)
+
+
 @dataclass(frozen=True)
 class Floor:
-    """What the site's operator set it to accept (its node config), whatever the server sends."""
+    """What the site's operator set it to accept (its node config), whatever the server sends: the smallest
+    round, the smallest threshold (a fraction of the neighbourhood) and the colluding sites it tolerates."""
 
     sites: int = 3
     threshold: float = 0.0
+    colluders: int = COLLUDERS
 
     @classmethod
     def of(cls, node_config: Any) -> Floor:
@@ -69,14 +74,17 @@ class Floor:
         try:
             sites = int(get("secagg-min-sites", 3))
             threshold = float(get("secagg-min-threshold", 0.0))
+            colluders = int(get("secagg-colluders", COLLUDERS))
         except (TypeError, ValueError) as e:
             raise Refused(
-                "node config secagg-min-sites / secagg-min-threshold: expected an integer and a fraction "
-                f"({e})"
+                "node config secagg-min-sites / secagg-min-threshold / secagg-colluders: expected an "
+                f"integer, a fraction and an integer ({e})"
             ) from None
         if not 0.0 <= threshold <= 1.0:
             raise Refused(f"node config secagg-min-threshold={threshold}: expected a fraction in [0, 1]")
-        return cls(max(3, sites), threshold)
+        if colluders < 0:
+            raise Refused(f"node config secagg-colluders={colluders}: expected an integer >= 0")
+        return cls(max(3, sites), threshold, colluders)
 
 
 def flower_threshold(reconstruction_threshold: float, share_num: int) -> int:
@@ -85,10 +93,18 @@ def flower_threshold(reconstruction_threshold: float, share_num: int) -> int:
     return max(round(reconstruction_threshold * share_num), 2)
 
 
-def majority(threshold: int, share_num: int) -> bool:
-    """Whether ``threshold`` shares are a strict majority of a neighbourhood of ``share_num``: then no two
-    disjoint sets of neighbours can each hand the server one kind of a site's shares."""
-    return 2 * threshold > share_num
+def majority(threshold: int, share_num: int, colluders: int = 0) -> bool:
+    """Whether ``threshold`` shares leave no room for two sets of neighbours that each reach it, even with
+    ``colluders`` sites in both: ``2 t > n + c``. Two sets that each reach t share at least ``2 t - n`` sites,
+    so below that bound ``c`` colluders who sign (and answer) for both could let a server gather a seed's
+    shares from one set and the secret key's from the other; at or above it no two such sets exist."""
+    return 2 * threshold > share_num + colluders
+
+
+def threshold_for(fraction: float, share_num: int, colluders: int) -> int:
+    """The round's threshold: Flower's from ``secagg.reconstruction_threshold``, raised to the smallest
+    that ``colluders`` cannot split (:func:`majority`): ``floor((n + c) / 2) + 1``."""
+    return max(flower_threshold(fraction, share_num), (share_num + colluders) // 2 + 1)
 
 
 def check_setup(configs: Any, floor: Floor) -> None:
@@ -111,6 +127,12 @@ def check_setup(configs: Any, floor: Floor) -> None:
         raise Refused(
             f"threshold {threshold} of {share} neighbours: not a strict majority, so two disjoint sets of "
             "neighbours could hand the server both kinds of one site's shares"
+        )
+    if not majority(threshold, share, floor.colluders):
+        raise Refused(
+            f"threshold {threshold} of {share} neighbours: {floor.colluders} colluding site(s) could sign "
+            f"for two sets of neighbours that each reach it (this site needs t > (n + c) / 2, t >= "
+            f"{(share + floor.colluders) // 2 + 1}; node config secagg-colluders={floor.colluders})"
         )
     if threshold < math.ceil(floor.threshold * share - 1e-9):
         raise Refused(
@@ -172,7 +194,9 @@ def pinned(sample_num: int, share_num: int, cfg: Any) -> dict[str, Any]:
 
     want: dict[str, Any] = {
         "share_num": sample_num,  # every site every other's neighbour
-        "threshold": flower_threshold(float(cfg.secagg.reconstruction_threshold), share_num),
+        "threshold": threshold_for(
+            float(cfg.secagg.reconstruction_threshold), share_num, int(cfg.secagg.colluders)
+        ),
         "clipping_range": float(clipping_range(cfg)),
         "target_range": 2 ** quantization_bits(cfg),
         "mod_range": 2 ** int(cfg.secagg.modulus_bits),
@@ -280,6 +304,31 @@ def check_survivors(survivors: list[int], nid: int, neighbours: set[int], least:
         raise Refused(f"the survivors list names node(s) {sorted(strangers)} this site shared no keys with")
     if len(survivors) < least:
         raise Refused(f"{len(survivors)} survivors: below the round's quorum of {least}")
+
+
+def check_statement_signatures(
+    configs: Any, clients: dict[int, int], registry: dict[int, bytes], digest: bytes
+) -> None:
+    """Before the site masks (``fedllm.secagg.agreement``): every neighbour of the round signed, with the
+    key the registry holds for its client, the very statement this site signed (one config, one start, one
+    round of one federation). A server that sent another site another config or start has no signature of
+    that site over this statement to show."""
+    import fedllm.secagg.binding as binding
+
+    nodes = list(configs.get(binding.STATEMENT_SIGNERS, []))
+    signatures = list(configs.get(binding.STATEMENT_SIGNATURES, []))
+    valid = {
+        n
+        for n, s in zip(nodes, signatures, strict=False)
+        if n in clients and binding.verify(registry[clients[n]], s, digest)
+    }
+    missing = sorted(set(clients) - valid)
+    if missing:
+        raise Refused(
+            f"node(s) {missing[:8]} did not sign the statement this site signed for the round (its config, "
+            "start and round): they may have been sent another model or config, and a sum with theirs could "
+            "be this site's update alone"
+        )
 
 
 def check_survivor_signatures(

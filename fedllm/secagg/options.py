@@ -37,11 +37,21 @@ class SecAggOptions:
     )
     reconstruction_threshold: float = opt(
         0.67,
-        "the share of a site's neighbours whose shares rebuild its masks: the protocol recovers from up to "
-        "(1 - this) of the sites dropping after sharing keys, and fewer than this many colluding sites "
-        "learn nothing of another's update",
+        "the share of a site's neighbours whose shares rebuild its masks (raised to what secagg.colluders "
+        "needs): the protocol recovers from up to n - t of the round's n sites dropping after sharing keys. "
+        "Against a server that follows the protocol, fewer than t colluding sites learn nothing of another's "
+        "update; against one that deviates, a site is safe from c colluders only where t > (n + c) / 2, "
+        "which fedllm's sites require for their own secagg-colluders (docs/trust.md's table)",
         _fraction,
         "in (0, 1]",
+    )
+    colluders: int = opt(
+        1,
+        "colluding sites the round's threshold must withstand against a deviating server: the threshold is "
+        "at least floor((n + c) / 2) + 1 of the round's n sites (c = 1: 4 of 5, 5 of 7, 6 of 10), which "
+        "fedllm's sites check against their own node config secagg-colluders (default 1)",
+        nonneg,
+        "an integer >= 0",
     )
     quantization_bits: int = opt(
         0,

@@ -560,27 +560,12 @@ class Server:
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Tensors and JSON metadata that restore this server exactly (see :meth:`load_state_dict`)."""
         tensors, scales, merges = self.merges.state_dict()
-        for prefix, adapter in (("global.", self.state.factors), ("residual.", self.state.residual)):
-            t, s = adapter_tensors(adapter, prefix)
-            tensors.update(t)
-            scales.update(s)
-        tensors.update(prefixed(self.state.dense, "dense."))
-        tensors.update(
-            prefixed({k: v for k, v in self.state.extras.items() if isinstance(v, Tensor)}, "extra.")
-        )
+        state, state_meta = state_tensors(self.state)
+        tensors.update(state)
+        scales.update(state_meta["scales"])
         tensors.update(prefixed(self.algorithm.state_dict(), "algo."))
-        counters = {}  # a strategy's plain numbers (FedSA-LoRA's sharing schedule, FedSVD's re-factorings)
-        for k, v in self.state.extras.items():
-            if isinstance(v, Tensor):
-                continue
-            if not isinstance(v, bool | int | float):
-                raise TypeError(
-                    f"strategy state extras[{k!r}] is a {type(v).__name__}: a checkpoint keeps "
-                    "tensors and plain numbers only"
-                )
-            counters[k] = v
         meta = {
-            "extras": counters,
+            "extras": state_meta["extras"],
             "last_aggregated": {str(k): v for k, v in self.last_aggregated.items()},
             "scales": scales,
             "ledger": self.ledger.state(),
@@ -602,6 +587,30 @@ class Server:
         rounds = meta.get("last_aggregated", meta.get("accepted", {}))
         self.last_aggregated.update({int(k): v for k, v in rounds.items()})
         self.updated_rounds = meta.get("updated", 0)
+
+
+def state_tensors(state: GlobalState) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """A global state as flat tensors and JSON metadata (scales, a strategy's plain numbers): the layout
+    :func:`global_state` reads, in a checkpoint and in secure aggregation's round statement alike."""
+    tensors: dict[str, Tensor] = {}
+    scales: dict[str, float] = {}
+    for prefix, adapter in (("global.", state.factors), ("residual.", state.residual)):
+        t, s = adapter_tensors(adapter, prefix)
+        tensors.update(t)
+        scales.update(s)
+    tensors.update(prefixed(state.dense, "dense."))
+    tensors.update(prefixed({k: v for k, v in state.extras.items() if isinstance(v, Tensor)}, "extra."))
+    counters = {}  # a strategy's plain numbers (FedSA-LoRA's sharing schedule, FedSVD's re-factorings)
+    for k, v in state.extras.items():
+        if isinstance(v, Tensor):
+            continue
+        if not isinstance(v, bool | int | float):
+            raise TypeError(
+                f"strategy state extras[{k!r}] is a {type(v).__name__}: a checkpoint keeps "
+                "tensors and plain numbers only"
+            )
+        counters[k] = v
+    return tensors, {"scales": scales, "extras": counters}
 
 
 def global_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> GlobalState:
