@@ -5,7 +5,12 @@ round, both measured in this run on the same vectors (Flower's in-process protoc
   folded to 32 bits);
 - ``fedllm``: fedllm's sites (every message checked, masks from ChaCha20, parameters pinned to the config,
   the round recorded in the site's state folder) with node keys and the federation's registry (every key
-  signed and checked, the survivors' consistency round), and fedllm's ServerApp workflow.
+  signed and checked, the round's statement signed by every site, the survivors' consistency round), and
+  fedllm's ServerApp workflow at its default threshold (one colluder withstood: ``secagg.colluders=1``).
+
+Every site starts from its cut of a full-rank global state of as many values as the vector (what a round of
+FedIT sends), in both; fedllm's statement stage sends each site that state once more. ``--first-round``: a
+first round's fresh starts and an empty state instead (what issue 78's measurement sent).
 
     python scripts/bench_secagg.py --sites 5 --values 100000 --reps 3
 
@@ -35,7 +40,7 @@ def record_bytes(content) -> int:
     return len(recorddict_to_proto(content).SerializeToString())
 
 
-def one_round(kind: str, cfg, vectors, federation, root: Path) -> dict:
+def one_round(kind: str, cfg, vectors, federation, root: Path, state, fitins) -> dict:
     import tests.test_secagg as t
     from fedllm.secagg import prg
 
@@ -66,8 +71,10 @@ def one_round(kind: str, cfg, vectors, federation, root: Path) -> dict:
             for m in modules:
                 m.pseudo_rand_gen = pseudo_rand_gen
 
-            def plain(self, max_weight, timeout):  # Flower's own workflow, the same parameters
-                return SecAggPlusWorkflow(**self.parameters(max_weight, timeout))
+            def plain(self, max_weight, timeout, sites):  # Flower's own workflow and threshold
+                parameters = self.parameters(max_weight, timeout, sites)
+                parameters["reconstruction_threshold"] = float(self.o.reconstruction_threshold)
+                return SecAggPlusWorkflow(**parameters)
 
             sf.SecureExchange.workflow = plain
             node_config, sites = None, None
@@ -75,9 +82,11 @@ def one_round(kind: str, cfg, vectors, federation, root: Path) -> dict:
             node_config = lambda n: federation.node_config(n, n - 100)  # noqa: E731
             sites = t.StateSites(root, list(vectors))
         t0 = time.perf_counter()
+        c = 0 if kind == "flower" else 1
         mean, nodes, _ = t.protocol_round(
-            cfg, vectors, {n: 1 for n in vectors}, node_config=node_config, sites=sites
-        )
+            cfg, vectors, {n: 1 for n in vectors}, node_config=node_config, sites=sites, colluders=c,
+            fitins=fitins(c), global_state=state,
+        )  # fmt: skip
         seconds = time.perf_counter() - t0
     finally:
         grid_class.send_and_receive = original
@@ -93,6 +102,7 @@ def main() -> None:
     ap.add_argument("--sites", type=int, default=5)
     ap.add_argument("--values", type=int, default=100_000)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--first-round", action="store_true", help="fresh starts, an empty global state")
     args = ap.parse_args()
 
     from flwr.supercore.task_identity import TaskIdentity
@@ -116,11 +126,34 @@ def main() -> None:
     )
     federation = t.Federation(tmp / "keys", args.sites)
     vectors = t.clipped_vectors(args.sites, args.values, seed=0)
+    import copy
+
+    import torch
+
+    from fedllm.aggregation.base import GlobalState
+    from fedllm.factors import LoraFactors
+    from fedllm.flower.site import expected_start
+
+    width = max(1, args.values // 64)  # 32 x width + width x 32 values: as many as the vector
+    module = "model.layers.0.self_attn.q_proj"
+    state = GlobalState({module: LoraFactors(torch.randn(32, width), torch.randn(width, 32), 1.0)})
+
+    if args.first_round:
+        state = GlobalState()
+
+    def fitins(colluders: int) -> dict:  # each site its cut of the state, under the round's config
+        mine = copy.deepcopy(cfg)
+        mine.secagg.colluders = colluders
+        return {n: t.start_of(mine, k, 1, expected_start(mine, state, k, 1)) for k, n in enumerate(vectors)}
+
     results: dict[str, list[dict]] = {"flower": [], "fedllm": []}
     for rep in range(args.reps):  # alternating, so that a slow patch of the machine hits both
         for kind in ("flower", "fedllm"):
-            results[kind].append(one_round(kind, cfg, vectors, federation, tmp / f"state-{rep}"))
+            results[kind].append(
+                one_round(kind, cfg, vectors, federation, tmp / f"state-{rep}", state, fitins)
+            )
     out: dict = {"sites": args.sites, "values": args.values, "reps": args.reps}
+    out["first_round"] = args.first_round
     for kind, rows in results.items():
         out[kind] = {
             "message_rounds": rows[0]["rounds"],
