@@ -27,12 +27,23 @@ from fedllm.run.reader import CONFIG, GENERAL_REFERENCE, GENERATIONS, INFO, PART
 
 SMALL = (CONFIG, ROWS, SUMMARY, GENERATIONS, PARTITION, INFO, GENERAL_REFERENCE)
 TABLES = ("compare.json", "compare.md", "compare.csv", "compare.png")
+TUNING = ("tuning/tuning.json", "tuning/tuning.md", "tuning/drift.png")  # a tuned comparison's choice
+
+
+def runs_under(src: Path) -> list[Path]:
+    """Every run folder of a comparison: ``<variant>/seed-<s>`` and, tuned,
+    ``tuning/<variant>/<point>/seed-<s>`` (never the superseded ones, kept apart under ``.superseded``)."""
+    return sorted(
+        p for p in src.rglob("seed-*") if p.is_dir() and ".superseded" not in p.relative_to(src).parts
+    )
 
 
 def keep(src: Path, dest: Path) -> dict:
     kept, skipped = [], []
-    for summary in sorted(src.glob(f"*/seed-*/{SUMMARY}")):
-        run = summary.parent
+    for run in runs_under(src):
+        if not (run / SUMMARY).exists():
+            skipped.append(str(run.relative_to(src)))
+            continue
         rel = run.relative_to(src)
         for name in SMALL:
             if (run / name).is_file():
@@ -41,10 +52,7 @@ def keep(src: Path, dest: Path) -> dict:
         if log.is_file():
             atomic_write_bytes(dest / rel.parent / log.name, log.read_bytes())
         kept.append(str(rel))
-    for run in sorted(src.glob("*/seed-*")):
-        if run.is_dir() and not (run / SUMMARY).exists():
-            skipped.append(str(run.relative_to(src)))
-    for name in TABLES:
+    for name in (*TABLES, *TUNING):
         if (src / name).is_file():
             atomic_write_bytes(dest / name, (src / name).read_bytes())
     return {"kept": kept, "unfinished": skipped, "dest": str(dest)}

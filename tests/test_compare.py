@@ -269,8 +269,17 @@ def test_keep_runs_copies_finished_runs_without_their_checkpoints(tmp_path):
     (done / "summary.json").write_text('{"loss_after": 1.5}')
     (src / "fedit" / "seed-0.log").write_text("log\n")
     (src / "compare.png").write_bytes(b"\x89PNG")
+    tuned = src / "tuning" / "fedit" / "client.lr=0.001" / "seed-1000"  # a tuned comparison's grid run
+    tuned.mkdir(parents=True)
+    (tuned / "summary.json").write_text('{"loss_after": 1.4}')
+    (src / "tuning" / "tuning.json").write_text("{}")
+    old = src / ".superseded" / "fedit-seed-0-20261207" / "seed-0"  # a run of other code: not kept
+    old.mkdir(parents=True)
+    (old / "summary.json").write_text("{}")
     out = keep.keep(src, dest)
-    assert out["kept"] == ["fedit/seed-0"] and out["unfinished"] == ["fedit/seed-1"]
+    assert out["kept"] == ["fedit/seed-0", "tuning/fedit/client.lr=0.001/seed-1000"]
+    assert out["unfinished"] == ["fedit/seed-1"]
+    assert (dest / "tuning" / "tuning.json").exists() and not (dest / ".superseded").exists()
     kept = dest / "fedit" / "seed-0"
     assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"]
     assert (kept / "summary.json").read_bytes() == (done / "summary.json").read_bytes()

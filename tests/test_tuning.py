@@ -221,6 +221,37 @@ def test_tuning_runs_its_grid_on_validation_runs_extends_an_edge_and_records_wha
     assert again["seeds"] == [1000, 1001]
 
 
+def test_tuning_checks_every_kept_folder_of_its_grid_before_it_reads_a_score(tmp_path):
+    """Under halving a point that lost at the first seed is not planned at the second; a finished folder
+    left there (an earlier sitting's, of other code or settings) would be read by the choice unchecked. The
+    comparison's check sees every point of the grid at every seed before any score is read, and its refusal
+    stops the tuning."""
+    from fedllm.run.compare.runs import StaleRun
+
+    variants = [Variant("fedit", ["aggregation.name=fedit"])]
+    grid_of = grids(variants, ["client.lr=2.5e-4,5e-4,1e-3,2e-3"])
+    planted = tmp_path / "tuning" / "fedit" / "client.lr=0.00025" / "seed-1001"
+    fake_run(planted, "validation", 0.1)
+
+    def check(runs):
+        if any(r.run_dir == planted for r in runs):
+            raise StaleRun(f"{planted}: other settings")
+
+    def run_all(runs):
+        for r in runs:
+            if not (r.run_dir / "summary.json").exists():
+                fake_run(r.run_dir, "validation", toy_loss(r))
+
+    with pytest.raises(StaleRun, match="other settings"):
+        tuning.tune(None, variants, ["data.validation_size=8"], grid_of, [1000, 1001], tmp_path, run_all,
+                    halving=True, check=check)  # fmt: skip
+    planted.joinpath("summary.json").unlink()  # gone: the same tuning goes through, the check on every point
+    seen: list = []
+    record = tuning.tune(None, variants, ["data.validation_size=8"], grid_of, [1000, 1001], tmp_path, run_all,
+                         halving=True, check=lambda runs: seen.extend(r.run_dir for r in runs))  # fmt: skip
+    assert planted in seen and record["variants"]["fedit"]["chosen"] == {"client.lr": "0.004"}
+
+
 def test_tuning_is_refused_before_any_run_without_a_validation_split_or_on_the_tables_seeds(tmp_path):
     from fedllm.run.compare import compare
 
@@ -318,3 +349,6 @@ def test_a_table_of_some_tuned_rows_keeps_the_others_choices_on_record(tmp_path)
     assert "fedex" in (tmp_path / "tuning.md").read_text()
     other = write_tuning(tmp_path, rec(["fedit"], seeds=(7,)), "fedit")
     assert set(other["variants"]) == {"fedit"}
+    write_tuning(tmp_path, rec(["fedit", "fedex"]), "fedit")
+    elsewhere = write_tuning(tmp_path, {**rec(["fedit"]), "common": ["lora.ranks=[8]"]}, "fedit")
+    assert set(elsewhere["variants"]) == {"fedit"}  # chosen under other common overrides: not kept

@@ -132,7 +132,7 @@ def compare(
 
         record = tuning.tune(
             config, variants, extra, grid_of, tune_seeds, out_root, run_all, tune_metric, tune_extend,
-            tune_evaluation, tune_halving,
+            tune_evaluation, tune_halving, check=lambda runs: check_folders(runs, out_root, rerun),
         )  # fmt: skip
         record = write_tuning(out_root / "tuning", record, variants[0].name)
         if tune_only:
@@ -173,13 +173,14 @@ def compare(
 def write_tuning(folder: Path, record: dict[str, Any], baseline: str) -> dict[str, Any]:
     """The record with its matched-drift reading against ``baseline``, written as ``tuning.json``,
     ``tuning.md`` (:func:`format_tuning`) and ``drift.png`` in ``folder``, and returned. Variants an earlier
-    call recorded there under the same rule (metric, seeds, halving) and this one did not tune are kept: a
-    table that runs some of the tuned rows (those a design admits) leaves the others' choices on record."""
+    call recorded there under the same rule (metric, seeds, halving, the config and the common overrides)
+    and this one did not tune are kept: a table that runs some of the tuned rows (those a design admits)
+    leaves the others' choices on record."""
     from fedllm.files import atomic_write_text
 
     path = folder / "tuning.json"
     old = json.loads(path.read_text()) if path.is_file() else None
-    rule = ("metric", "seeds", "halving", "extend", "evaluation")
+    rule = ("metric", "seeds", "halving", "extend", "evaluation", "config", "common")
     if old is not None and all(old.get(k) == record.get(k) for k in rule):
         record = {**record, "variants": {**old["variants"], **record["variants"]}}
     record["matched_drift"] = matched_drift(record, baseline)

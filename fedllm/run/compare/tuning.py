@@ -319,11 +319,15 @@ def tune(
     extend: int = 1,
     evaluation: list[str] | None = None,
     halving: bool = False,
+    check: Callable[[list[Planned]], object] | None = None,
 ) -> dict[str, Any]:
     """Run every variant's grid on ``seeds`` (all of them, or by successive ``halving``: :func:`earned`;
     ``run_all(runs)`` checks and runs them: the comparison's own staleness, identity and execution),
     extend where a choice sits at an edge, and return the record (the comparison writes it to
-    ``OUT/tuning/``). Variants with an empty grid are not tuned."""
+    ``OUT/tuning/``). Variants with an empty grid are not tuned. ``check(runs)``: the comparison's check of
+    kept folders, run on every point of the grid at every seed before any score is read (a finished run
+    that halving does not plan now, an earlier sitting's of other code or settings, would otherwise be read
+    unchecked)."""
     better = BETTER.get(metric, -1)
     evaluation = [*TUNING_EVALUATION, *(evaluation or [])]
     tuned = [v for v in variants if grid_of.get(v.name)]
@@ -339,6 +343,10 @@ def tune(
         }  # fmt: skip
 
     while True:
+        if check is not None:
+            every = {v.name: {p.tag: list(seeds) for p in points[v.name]} for v in tuned}
+            check([r for v in tuned for r in tuning_runs(config, v, common, points[v.name], every[v.name],
+                                                            folder / v.name, evaluation)])  # fmt: skip
         planned = plans()
         runs: list[Planned] = []
         for v in tuned:
@@ -362,6 +370,8 @@ def tune(
     record = {
         "metric": metric,
         "better": better,
+        "config": config,
+        "common": list(common),
         "seeds": seeds,
         "halving": halving,
         "evaluation": evaluation,
