@@ -10,7 +10,7 @@ resolved config goes to ``OUT/config.yaml``. Prints the number of sites.
 
 ``--bound``: each site holds its node key (``OUT/site-K/node-key``) and the federation's registry
 (``OUT/registry.txt``); then, in a run with ``flower.secure_aggregation=true``, each site is pinned to it
-(``secure-aggregation=required``: it refuses a plain train message, so no server can have its update in
+(``secure-aggregation='required'``: it refuses a plain train message, so no server can have its update in
 the clear by asking for a plain round). An unbound site cannot be pinned (a pinned site needs the registry
 to check its neighbours' keys).
 """
@@ -53,7 +53,7 @@ def node_config(out: Path, k: int, bound: bool, secure: bool) -> str:
     if bound:
         parts += [f"sign-key='{site / 'node-key'}'", f"registry='{Path(out).resolve() / 'registry.txt'}'"]
         if secure:
-            parts.append("secure-aggregation=required")
+            parts.append("secure-aggregation='required'")  # Flower's node config wants a text quoted
     return " ".join(parts)
 
 

@@ -1088,9 +1088,11 @@ def test_a_site_trains_once_per_round_of_its_trajectory_across_runs_and_refuses_
     assert trained == [] and "privacy.noise_seed" in errors[0]
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    return Federation(tmp_path_factory.mktemp("federation"))
+@pytest.fixture
+def federation(tmp_path):
+    """A federation per test: its sites' state folders keep the statements they signed for each round (a
+    federation's round 1 signed in one test would refuse another test's round 1)."""
+    return Federation(tmp_path / "federation")
 
 
 def setup_message(node: int, sample: int, share: int, threshold: int):
@@ -1588,7 +1590,7 @@ def test_a_two_round_simulation_engine_run(tmp_path, builtin_base, dp):
 
 
 def test_a_site_pinned_to_secure_aggregation_refuses_a_plain_round(tmp_path):
-    """A site whose operator set ``secure-aggregation=required`` in its node config refuses a plain train
+    """A site whose operator set ``secure-aggregation='required'`` in its node config refuses a plain train
     message before reading it, so a server cannot ask it for its update in the clear."""
     from flwr.app import Context, RecordDict
 

@@ -25,6 +25,7 @@ from fedllm.secagg.bounds import quantization_error
 from tests.conftest import tiny_overrides
 from tests.flower_grid import Federation
 from tests.test_secagg import (
+    StateSites,
     bound,
     clipped_vectors,
     protocol_round,
@@ -40,9 +41,11 @@ TARGET = 100
 MODULE = "model.layers.0.self_attn.q_proj"
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    return Federation(tmp_path_factory.mktemp("federation"))
+@pytest.fixture
+def federation(tmp_path):
+    """A federation per test: its sites' state folders keep the statements they signed for each round (a
+    federation's round 1 signed in one test would refuse another test's round 1)."""
+    return Federation(tmp_path / "federation")
 
 
 def config(tmp_path, n: int = 4, *extra: str):
@@ -115,6 +118,75 @@ def test_a_server_that_sends_the_other_sites_another_round_cannot_isolate_one(
         _, masked, _ = server_view(grid, TARGET)
         assert masked is None  # not even the target's masked vector left it
         assert sum("did not sign the statement this site signed" in e for e in errors) == 4, errors
+
+
+@pytest.mark.parametrize("sites", ["previous", "fedllm"])
+def test_signatures_collected_in_restarted_setups_cannot_isolate_one(
+    tmp_path, monkeypatch, federation, sites
+):
+    """The same attack over three protocol instances of round 1 on the same sites (Flower's mod lets a server
+    restart from a new setup): in the first every site is sent ``client.lr=1e-30`` and signs that statement,
+    in the second every site the run's config and signs that one, each stopped before the collect stage
+    (nothing trained, nothing claimed); in the third the target gets the run's config and the others the
+    inert one, and the server relays to each side the signatures it collected on that side's statement. As
+    the sites were (one statement per protocol instance), every check passes and 4 x the unmasked mean is
+    the target's vector; fedllm's sites sign one statement per round of their federation, ever: the second
+    instance's signing is refused at every site, and the third sends nothing of the target."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    import fedllm.secagg.flower as sf
+
+    cfg, inert_cfg = config(tmp_path), config(tmp_path / "other", 4, "client.lr=1e-30")
+    vectors = clipped_vectors(4, 200, seed=12)
+    state = GlobalState({MODULE: LoraFactors(torch.ones(32, 16), torch.full((16, 32), 0.5), 1.0)})
+
+    def fitins(target_cfg, others_cfg):
+        return {
+            n: start_of(target_cfg if n == TARGET else others_cfg, k, 1, expected_start(cfg, state, k, 1))
+            for k, n in enumerate(vectors)
+        }
+
+    def trained(site, start):  # what the site's training makes of its rate
+        return site.cfg.client.lr / cfg.client.lr
+
+    if sites == "previous":
+        monkeypatch.setattr(sf, "pledge_statement", lambda *a, **k: None)
+    phase = {"now": 0}
+    collected: dict[int, dict[int, bytes]] = {1: {}, 2: {}}
+
+    def deviate(stage, node, c):
+        if stage == "collect_masked_vectors":
+            if phase["now"] in (1, 2):
+                raise RuntimeError("the server stops the instance before the collect stage")
+            side = collected[2] if node == TARGET else collected[1]  # each side its own statement's
+            c[agreement.SIGNERS], c[agreement.SIGNATURES] = list(side), list(side.values())
+
+    server_sends(monkeypatch, deviate)
+    errors = site_errors(monkeypatch)
+    states = StateSites(tmp_path / "sites", list(vectors))
+    for phase["now"], sent in ((1, fitins(inert_cfg, inert_cfg)), (2, fitins(cfg, cfg))):
+        _, _, grid = protocol_round(
+            cfg, vectors, {n: 1 for n in vectors}, deviating=True, node_config=bound(federation, vectors),
+            fitins=sent, scale=trained, global_state=state, sites=states,
+        )  # fmt: skip
+        for node, stage, content in grid.received:
+            if stage == agreement.STAGE:
+                signature = content.config_records[RECORD_KEY_CONFIGS].get(agreement.SIGNATURE, b"")
+                if signature:
+                    collected[phase["now"]][node] = bytes(signature)
+    phase["now"] = 3
+    mean, nodes, grid = protocol_round(
+        cfg, vectors, {n: 1 for n in vectors}, deviating=True, node_config=bound(federation, vectors),
+        fitins=fitins(cfg, inert_cfg), scale=trained, global_state=state, sites=states,
+    )  # fmt: skip
+    if sites == "previous":
+        assert len(collected[1]) == len(collected[2]) == 4
+        assert nodes == sorted(vectors)
+        assert np.abs(4 * mean - vectors[TARGET]).max() <= 4 * quantization_error(cfg) + 1e-6
+    else:
+        assert len(collected[1]) == 4 and collected[2] == {}  # no site signed a second statement for round 1
+        assert sum("other than the one this site signed" in e for e in errors) == 4 + 1, errors
+        assert TARGET not in nodes and server_view(grid, TARGET)[1] is None  # the target sent nothing
 
 
 def test_a_round_of_bound_sites_signs_one_statement_and_sums_as_a_plain_round(tmp_path, federation):
@@ -237,6 +309,7 @@ def test_a_second_run_with_an_inert_key_or_one_ulp_does_not_give_a_sites_update(
     vectors = clipped_vectors(4, 200, seed=5)
     if sites == "previous":
         monkeypatch.setattr(sf.agreement, "federation_of", lambda node_config, registry: "")
+        monkeypatch.setattr(sf, "pledge_statement", lambda *a, **k: None)  # (added after issue 88's review)
     errors = site_errors(monkeypatch)
     states = StateSites(tmp_path / "sites", list(vectors))
     first, nodes, _ = protocol_round(
@@ -258,8 +331,11 @@ def test_a_second_run_with_an_inert_key_or_one_ulp_does_not_give_a_sites_update(
         assert np.abs(got - vectors[TARGET]).max() <= 8 * quantization_error(cfg)
     else:
         assert second is None
-        refusals = [e for e in errors if "federation has had already" in e]
-        assert len(refusals) == 3 and not any("trained round" in e for e in refusals)
+        # refused at the statement (another config: another statement for round 1) or, were it the same
+        # statement, at the training (the round's claim); either way no refusal names a round of the site's
+        said = ("federation has had already", "other than the one this site signed")
+        refusals = [e for e in errors if any(w in e for w in said)]
+        assert len(refusals) == 3 and not any("trained round" in e for e in refusals), errors
 
 
 def test_a_new_federation_trains_from_round_one(tmp_path, monkeypatch, federation):
@@ -400,10 +476,32 @@ def test_a_pinned_sites_handshake_tells_no_histogram_and_no_length(tmp_path):
     assert pinned[0]["rank"] == 4
 
 
+def test_a_pinned_sites_count_of_natural_instructions_tasks_follows_no_server_setting(tmp_path):
+    """A site whose data is a Natural Instructions folder: a server sweeping ``data.heldout_tasks`` (one task
+    held out at a time) or ``data.examples_per_task`` reads each task's size from an unpinned site's
+    handshake count (a category histogram by another route); a pinned site counts its folder as it holds
+    it, whatever the sweep."""
+    from fedllm.flower.site import Site
+    from tests.test_natural_instructions import TASKS, write_tasks
+
+    folder = write_tasks(tmp_path / "ni")
+    weighted = ("federation.num_clients=2", "federation.weighting=examples")
+
+    def count(pinned: bool, *extra: str) -> int:
+        cfg = load_config(None, tiny_overrides(tmp_path / "run", *weighted, *extra))
+        where = tmp_path / f"site-{pinned}-{abs(hash(extra))}"
+        return int(Site(cfg, 0, where, data_path=str(folder), pinned=pinned).info()["num-examples"])
+
+    sweep = [f"data.heldout_tasks=[{name}]" for name in TASKS] + ["data.examples_per_task=2"]
+    unpinned = {count(False, x) for x in sweep}
+    assert len(unpinned) > 2  # each held-out task's size, read off the count
+    assert {count(True, x) for x in sweep} == {sum(TASKS.values())}
+
+
 # ------------------------------------------------------------------ the launcher
 def test_the_launchers_secure_sites_are_pinned_and_its_plain_ones_are_not(tmp_path):
     """scripts/flower_sites.py writes each site's node config for run_flower_local.sh: a bound site of a
-    secure run gets secure-aggregation=required (a server asking it for a plain round is refused); a plain
+    secure run gets secure-aggregation='required' (a server asking it for a plain round is refused); a plain
     run's sites, and an unbound (--insecure) secure run's, do not (a pin needs the registry)."""
     import importlib.util
     from pathlib import Path
@@ -411,6 +509,10 @@ def test_the_launchers_secure_sites_are_pinned_and_its_plain_ones_are_not(tmp_pa
     spec = importlib.util.spec_from_file_location("flower_sites", Path("scripts/flower_sites.py"))
     sites = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sites)
+    from flwr.common.config import parse_config_args
+
+    from fedllm.flower.node import pinned_secure
+
     for bound_, secure, pinned in ((True, True, True), (True, False, False), (False, True, False)):
         out = tmp_path / f"{bound_}-{secure}"
         argv = [str(out), "default", *(["--bound"] if bound_ else []), "federation.num_clients=3",
@@ -418,9 +520,10 @@ def test_the_launchers_secure_sites_are_pinned_and_its_plain_ones_are_not(tmp_pa
         argv += ["flower.secure_aggregation=true", "secagg.clip_norm=1"] if secure else []
         assert sites.main(argv) == 0
         for k in range(3):
-            text = (out / f"site-{k}" / "node-config").read_text()
-            assert f"client-id={k} " in text and ("secure-aggregation=required" in text) == pinned, text
-            assert ("registry=" in text) == bound_
+            text = (out / f"site-{k}" / "node-config").read_text().strip()
+            node = parse_config_args([text])  # as flower-supernode --node-config reads it
+            assert node["client-id"] == k and pinned_secure(node) == pinned, text
+            assert ("registry" in node) == bound_ and ("sign-key" in node) == bound_
 
 
 def test_a_site_logs_what_it_refused(tmp_path, monkeypatch, federation, caplog):

@@ -2,7 +2,7 @@
 
 A SuperNode is started per site with ``--node-config "client-id=K
 data-path=FILE state-dir=DIR [model-path=PATH] [sign-key=NODE_KEY]"`` (``sign-key``: the private key
-the SuperNode authenticates with, which signs every reply; ``secure-aggregation=required``: the site
+the SuperNode authenticates with, which signs every reply; ``secure-aggregation='required'``: the site
 refuses any plain train message, so that no server can have its update in the clear); on the Simulation
 Engine the
 node's ``partition-id`` is the client id and its data is rebuilt from the run's
@@ -73,7 +73,7 @@ def train(message: Message, context: Context) -> Message:
     if pinned_secure(context.node_config):
         # the site's own pin: a server that asks for a plain round would get its update in the clear
         raise RuntimeError(
-            "this site requires secure aggregation (node-config secure-aggregation=required): it refuses a "
+            "this site requires secure aggregation (node-config secure-aggregation='required'): it refuses a "
             "plain train message"
         )
     config_text, client_id = start_config(message.content)

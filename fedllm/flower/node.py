@@ -39,7 +39,8 @@ def signing_key(node_config: Any) -> Any:
 
 
 def pinned_secure(node_config: Any) -> bool:
-    """Whether the SuperNode's operator pinned it to secure aggregation (``secure-aggregation=required``)."""
+    """Whether the SuperNode's operator pinned it to secure aggregation (its node config's
+    ``secure-aggregation='required'``)."""
     return str(node_setting(node_config, "secure-aggregation", "")).lower() in ("required", "true", "1")
 
 

@@ -100,7 +100,7 @@ class Site:
                 f"client-id {client_id}: the run has clients 0..{cfg.federation.num_clients - 1}"
             )
         self.cfg, self.client_id, self.state_dir = cfg, client_id, Path(state_dir)
-        self.pinned = pinned  # the SuperNode's own secure-aggregation=required
+        self.pinned = pinned  # the SuperNode's own secure-aggregation='required'
         self.codecs = codecs(cfg)  # how the run's features change what travels (Feature.codec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if data_path:
@@ -114,7 +114,9 @@ class Site:
         self.runtime, self.client = assemble_site(cfg, client_id, examples, n_test, acc, base)
         train, test, rank = self.client.train, self.client.test, self.client.rank
         self.categories = _histogram(examples)
-        self.own_examples = len(examples)  # as its data holds them: no server setting (length, split) in it
+        # as its data holds them: no server setting (length, split, Natural Instructions' held-out tasks or
+        # per-task sample, which a sweep would turn into a per-task histogram) in a pinned site's count
+        self.own_examples = _own_count(data_path) if pinned and data_path else len(examples)
         resumed = self._load_state()
         dropped = len(examples) - len(train) - len(test)
         log.info(
@@ -250,6 +252,14 @@ def _site_examples(data_path: str, cfg):
     held = ni.select_tasks(folder, cfg.data.heldout_tasks) if folder and cfg.data.heldout_tasks else []
     per_task = cfg.data.examples_per_task if folder else 0
     return load_examples(str(data_path), seed=cfg.federation.seed, per_task=per_task, exclude_tasks=held)
+
+
+def _own_count(data_path: str) -> int:
+    """How many examples a site's data file (or Natural Instructions folder: every task, every example)
+    holds, read with no setting of the server's config."""
+    from data_prep.loaders import load_examples
+
+    return len(load_examples(str(data_path)))
 
 
 def _histogram(examples) -> dict[str, int]:

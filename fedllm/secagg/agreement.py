@@ -16,7 +16,10 @@ that with the keys they already hold (``fedllm/secagg/binding.py``):
   this package never imports), that its start is its part of that state (:func:`check_start`); then it
   signs, with its registered node key, the statement :func:`statement`: the run, the federation, the round
   and its plan token, a digest of the whole config (every field: the server sends all sites one config),
-  of the round's layout and of the full-rank state. A site signs one statement a round.
+  of the round's layout and of the full-rank state. A site signs one statement per round of its
+  federation, ever: it records the statement on its disk before it signs, so that a server that restarts
+  the protocol (or the run) holds no second statement of that round from it to relay to others
+  (``fedllm.secagg.flower.pledge_statement``).
 * **The check.** The collect message carries every site's statement signature. A site masks and sends its
   vector only when **every** neighbour of the round (with ``secagg.num_shares=1``: every site of the round)
   signed, with the key the federation's registry holds for it, the very statement the site signed, and the

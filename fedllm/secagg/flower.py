@@ -12,6 +12,7 @@ the protocol's messages only; its training step is the site's own, replying with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -680,6 +681,9 @@ def _agreement(msg, context, sites):
         )
         if "statement" in record and bytes(record["statement"]) != digest:
             raise guard.Refused("a second round statement this round: a site signs one")
+        federation = agreement.federation_of(context.node_config, registry_path)
+        pledges = site_folder(context) / f"client-{_own_client(context)}-{STATEMENTS}"
+        pledge_statement(pledges, federation, int(start.round), digest)
         record.update(statement=digest, fitins=agreement.fitins_digest(configs))
         _keep(context, record)
         key = signing_key(context.node_config)
@@ -718,6 +722,7 @@ def _consistency(msg, context):
 
 
 CLAIMS = "secagg-claims.json"  # beside a site's state folders: the rounds it trained under the protocol
+STATEMENTS = "secagg-statements.json"  # beside them too: the one statement it signed for each round
 # what in a config does not decide a site's update (a server may change it at will): whole sections, and
 # federation keys by a word of their name
 NOT_TRAINING = ("flower", "eval", "output", "secagg")
@@ -734,6 +739,57 @@ def training_digest(cfg) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def site_folder(context) -> Path:
+    """The folder beside a site's state folders (its SuperNode's ``state-dir``, else the Flower run's
+    temporary one, as :func:`fedllm.flower.site.site_for` places them): its once-a-round records."""
+    import tempfile
+
+    from fedllm.flower.node import node_setting
+
+    default = Path(tempfile.gettempdir()) / "fedllm-sites" / f"run-{int(context.run_id)}"
+    return Path(node_setting(context.node_config, "state-dir", default))
+
+
+@contextlib.contextmanager
+def _locked_record(path: Path):
+    """A site's JSON record file, read and then written atomically under an exclusive lock (two runs on one
+    SuperNode cannot both pass a check of it); written only if the body returns without raising."""
+    import fcntl
+
+    from fedllm.files import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = json.loads(path.read_text()) if path.exists() else {}
+        yield record
+        atomic_write_text(path, json.dumps(record, sort_keys=True))
+
+
+def pledge_statement(pledges: Path, federation: str, round_idx: int, digest: bytes) -> None:
+    """Record, before the site signs, that the statement it signs for ``round_idx`` of its ``federation`` is
+    ``digest``; refused if it signed another for that round already: in this protocol instance, in one the
+    server restarted from its setup (Flower's mod allows that), or in an earlier Flower run. Without it a
+    server could collect every site's signature on one statement in one instance and on another in a second
+    (aborting both before the collect stage, so nothing is trained or claimed), then in a third send the
+    target one round and the others another, and relay to each side the signatures it collected on its
+    statement: every check would pass on a sum of the target's update and updates that change nothing.
+    Signing one statement per round of its federation, ever, leaves a server one signature per site per
+    round, all on that site's one statement; the same statement again (a restart of the same round) is
+    signed again. The record is a file beside the site's state folders (:func:`site_folder`); the refusal
+    names no statement of the site's. Its price: a round whose run died after the sites signed is not
+    resumed in another Flower run (its run id is in the statement): the resumed run goes on with the next
+    round, as it does for a round the sites trained (:func:`claim_round`)."""
+    with _locked_record(pledges) as signed:
+        key = f"{federation}/{round_idx}"
+        if signed.get(key, digest.hex()) != digest.hex():
+            raise guard.Refused(
+                f"a round statement for round {round_idx} other than the one this site signed for that "
+                "round of its federation: a site signs one statement a round, across runs and restarts"
+            )
+        signed[key] = digest.hex()
+
+
 def claim_round(claims: Path, trajectory: str, round_idx: int) -> None:
     """Record, before the site trains, that it trains ``round_idx`` of ``trajectory`` under the protocol;
     refused if it trained that round, or a later one, already, in this Flower run or an earlier one. Two sums
@@ -746,14 +802,7 @@ def claim_round(claims: Path, trajectory: str, round_idx: int) -> None:
     SuperNode cannot both pass. A resumed secure run therefore continues from the round after the last one
     its sites trained; a new federation (a new ``federation`` node config, or a new registry) starts at
     round 1. The refusal names no round of the site's (the server learns nothing of its past from it)."""
-    import fcntl
-
-    from fedllm.files import atomic_write_text
-
-    claims.parent.mkdir(parents=True, exist_ok=True)
-    with open(claims.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = json.loads(claims.read_text()) if claims.exists() else {}
+    with _locked_record(claims) as done:
         last = int(done.get(trajectory, 0))
         if last >= round_idx:
             raise guard.Refused(
@@ -761,7 +810,6 @@ def claim_round(claims: Path, trajectory: str, round_idx: int) -> None:
                 "site trains each round once (two sums that differ by one site give that site's update)"
             )
         done[trajectory] = round_idx
-        atomic_write_text(claims, json.dumps(done, sort_keys=True))
 
 
 def admitted(msg, context, sites):

@@ -80,7 +80,7 @@ class SecAggOptions:
         "let the sites of a secure run send their own figures in the clear: each site's personalized "
         "evaluation (loss and accuracy per client id, in metrics.jsonl and summary.json) and, under uniform "
         "weighting, its example count (false: none of it leaves a site; a site pinned to "
-        "secure-aggregation=required never sends it)",
+        "secure-aggregation='required' never sends it)",
     )
     timeout_s: float = opt(
         0.0,
