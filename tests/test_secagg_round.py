@@ -9,6 +9,7 @@ vector) and once as they behave now (nothing of the target leaves)."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -292,7 +293,7 @@ def test_the_full_rank_state_round_trips_and_its_digest_sees_one_ulp():
 
 
 # ------------------------------------------------------------------ once per round per federation
-@pytest.mark.parametrize("sites", ["previous", "fedllm"])
+@pytest.mark.parametrize("sites", ["previous", "claim", "fedllm"])
 @pytest.mark.parametrize("change", ["client.fedprox.mu=0.02", "client.sgd_lr=0.10000000000000002"])
 def test_a_second_run_with_an_inert_key_or_one_ulp_does_not_give_a_sites_update(
     tmp_path, monkeypatch, federation, sites, change
@@ -301,15 +302,16 @@ def test_a_second_run_with_an_inert_key_or_one_ulp_does_not_give_a_sites_update(
     update (or one ulp of one that does), without the target: the others train round 1 again from the same
     start. Keyed by the config's digest, the once-per-round record let them (4 x S1 - 3 x S2 is the
     target's vector); keyed by the federation, fedllm's sites refuse run 2's training, and say nothing of
-    their past."""
+    their past. ``claim``: the statement's pledge off, so the federation-keyed claim alone must refuse."""
     from fedllm.secagg import flower as sf
     from tests.test_secagg import StateSites
 
     cfg = config(tmp_path)
     vectors = clipped_vectors(4, 200, seed=5)
+    if sites in ("previous", "claim"):
+        monkeypatch.setattr(sf, "pledge_statement", lambda *a, **k: None)  # (added after issue 88's review)
     if sites == "previous":
         monkeypatch.setattr(sf.agreement, "federation_of", lambda node_config, registry: "")
-        monkeypatch.setattr(sf, "pledge_statement", lambda *a, **k: None)  # (added after issue 88's review)
     errors = site_errors(monkeypatch)
     states = StateSites(tmp_path / "sites", list(vectors))
     first, nodes, _ = protocol_round(
@@ -333,7 +335,9 @@ def test_a_second_run_with_an_inert_key_or_one_ulp_does_not_give_a_sites_update(
         assert second is None
         # refused at the statement (another config: another statement for round 1) or, were it the same
         # statement, at the training (the round's claim); either way no refusal names a round of the site's
-        said = ("federation has had already", "other than the one this site signed")
+        said = ("federation has had already",) + (
+            ("other than the one this site signed",) if sites == "fedllm" else ()
+        )
         refusals = [e for e in errors if any(w in e for w in said)]
         assert len(refusals) == 3 and not any("trained round" in e for e in refusals), errors
 
@@ -567,3 +571,28 @@ def test_every_key_of_the_config_a_site_is_sent_is_in_its_statement(tmp_path):
     for change in ("privacy.noise_multiplier=0", "privacy.noise_seed=7", "client.lr=1e-30",
                    "privacy.clip_norm=2.0", "federation.seed=1", "client.fedprox.mu=0.02"):  # fmt: skip
         assert digest(change) != one, change
+
+
+def test_a_site_pledges_one_statement_per_round_of_its_federation(tmp_path):
+    """The record itself: the same statement again (a restart of the same round) is signed again; another for
+    that round of that federation is refused, in a later call as in a later Flower run (the file is the
+    record, not the process); another federation's round of the same number is its own; the refusal names no
+    statement of the site's."""
+    from fedllm.secagg import flower as sf
+
+    pledges = tmp_path / "client-0-secagg-statements.json"
+    one, other = bytes(32), bytes([1]) * 32
+    sf.pledge_statement(pledges, "fed-a", 1, one)
+    sf.pledge_statement(pledges, "fed-a", 1, one)
+    with pytest.raises(sf.guard.Refused, match="other than the one this site signed") as refused:
+        sf.pledge_statement(pledges, "fed-a", 1, other)
+    assert one.hex() not in str(refused.value) and other.hex() not in str(refused.value)
+    sf.pledge_statement(pledges, "fed-b", 1, other)
+    sf.pledge_statement(pledges, "fed-a", 2, other)
+    assert json.loads(pledges.read_text()) == {
+        "fed-a/1": one.hex(),
+        "fed-a/2": other.hex(),
+        "fed-b/1": other.hex(),
+    }
+    with pytest.raises(sf.guard.Refused):  # nothing about the file's handle survives between calls
+        sf.pledge_statement(pledges, "fed-b", 1, one)
