@@ -205,14 +205,7 @@ class SecureExchange:
                             group_id=group,
                         )
                     )
-                out: dict[int, bytes] = {}
-                for reply in grid.send_and_receive(messages, timeout=self.timeout):
-                    if not reply.has_error():
-                        configs = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
-                        signature = configs.get(agreement.SIGNATURE, b"")
-                        if isinstance(signature, bytes) and signature:
-                            out[int(reply.metadata.src_node_id)] = signature
-                return out
+                return collect_signatures(grid, messages, self.timeout, agreement.SIGNATURE)
 
             def unmask_stage(self, grid, context, state) -> bool:
                 if len(state.active_node_ids) < least:
@@ -253,14 +246,7 @@ class SecureExchange:
                     )
                     for n in survivors
                 ]
-                out: dict[int, bytes] = {}
-                for reply in grid.send_and_receive(messages, timeout=self.timeout):
-                    if not reply.has_error():
-                        configs = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
-                        signature = configs.get(binding.SURVIVORS_SIGNATURE, b"")
-                        if isinstance(signature, bytes) and signature:
-                            out[int(reply.metadata.src_node_id)] = signature
-                return out
+                return collect_signatures(grid, messages, self.timeout, binding.SURVIVORS_SIGNATURE)
 
         return QuorumWorkflow(**self.parameters(max_weight, timeout, sites))
 
@@ -737,6 +723,21 @@ def training_digest(cfg) -> str:
     fed = values.get("federation", {})
     values["federation"] = {k: v for k, v in fed.items() if not any(w in k for w in NOT_TRAINING_KEYS)}
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def collect_signatures(grid, messages, timeout: float, key: str) -> dict[int, bytes]:
+    """Each node's signature under ``key`` in its reply to ``messages`` (a reply with an error, or without
+    a signature, gives none: the protocol's checks count the missing)."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    out: dict[int, bytes] = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        if not reply.has_error():
+            configs = reply.content.config_records.get(RECORD_KEY_CONFIGS, {})
+            signature = configs.get(key, b"")
+            if isinstance(signature, bytes) and signature:
+                out[int(reply.metadata.src_node_id)] = signature
+    return out
 
 
 def site_folder(context) -> Path:
