@@ -549,3 +549,31 @@ def test_the_same_code_under_another_commit_is_the_same_identity_and_a_mixed_run
     assert differences(other_code, base)
     mixed = {**base, "mixed": ["source abc (111) -> def (222)"]}
     assert differences(mixed, base) and "resumed with other code" in differences(mixed, base)[0]
+
+
+def test_a_grid_over_the_data_checks_each_folder_against_its_own_datas_identity(tmp_path, monkeypatch):
+    """One variant's runs on two data files (a grid over ``data.dataset``) have two identities: each kept
+    folder is checked against the identity of its own data, so neither is taken for a run of other data,
+    and a folder made from other data than its config names is still run again."""
+    from fedllm import __version__
+    from fedllm.config import load_config, save_config
+    from fedllm.run.compare import runs as runs_mod
+    from fedllm.run.compare.variants import Planned
+
+    monkeypatch.setattr(runs_mod, "run_identity", lambda cfg: {"data": cfg.data.dataset})
+
+    def folder(name: str, dataset: str, made_from: str) -> Planned:
+        cfg = load_config(None, [f"data.dataset={dataset}", "model.mixed_precision=none"])
+        run_dir = tmp_path / "fedit" / name
+        run_dir.mkdir(parents=True)
+        save_config(cfg, run_dir / "config.yaml")
+        info = {"fedllm_version": __version__, "identity": {"data": made_from}}
+        (run_dir / "run_info.json").write_text(json.dumps(info))
+        return Planned("fedit", 0, run_dir, [], cfg)
+
+    a, b = folder("a", "builtin", "builtin"), folder("b", "builtin_skills", "builtin_skills")
+    wrong = folder("c", "builtin_skills", "builtin")  # its config says one file, it was made from another
+    runs_mod.check_folders([a, b, wrong], tmp_path)
+    assert a.run_dir.exists() and b.run_dir.exists() and not wrong.run_dir.exists()
+    moved = [p.name for p in (tmp_path / ".superseded").iterdir()]
+    assert len(moved) == 1 and moved[0].startswith("fedit-c-")

@@ -125,6 +125,16 @@ def libraries() -> dict[str, str]:
     return out
 
 
+def identity_inputs(cfg: Any) -> tuple[Any, ...]:
+    """The config keys :func:`run_identity` reads (the base, its built-in pretraining, the data, the
+    benchmark, the precision): two configs equal here have one identity, so a caller computes it once for
+    them, and a grid over any of these keys gets one identity per point, not its first point's."""
+    from fedllm.model.precision import resolve
+
+    m = cfg.model
+    return (m.name, m.builtin_pretrain_steps, cfg.data.dataset, cfg.eval.benchmark, m.dtype, resolve(cfg))
+
+
 def run_identity(cfg: Any, model_path: str | None = None) -> dict[str, Any]:
     """What decides a run of ``cfg`` besides its config (the module docstring); ``model_path``: the base's
     resolved folder where the caller has it (else resolved here, converting a GGUF once)."""

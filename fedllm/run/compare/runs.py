@@ -24,7 +24,7 @@ from typing import Any
 from fedllm import __version__
 from fedllm.run.compare.metrics import run_metrics
 from fedllm.run.compare.variants import Planned, numbers_config
-from fedllm.run.identity import differences, run_identity
+from fedllm.run.identity import differences, identity_inputs, run_identity
 from fedllm.run.reader import RunFolder
 
 
@@ -82,7 +82,7 @@ def check_folders(runs: list[Planned], out_root: Path, rerun: bool = False) -> N
     """Every folder checked before the first run starts: a run of other settings stops the comparison
     (:class:`StaleRun`, or removed with ``rerun``); one made by other code or data is superseded."""
     stale: list[str] = []
-    identities: dict[str, dict[str, Any]] = {}
+    identities: dict[tuple[Any, ...], dict[str, Any]] = {}
     for run in runs:
         why = stale_reason(run.run_dir, run.cfg)
         if why is not None:
@@ -92,9 +92,10 @@ def check_folders(runs: list[Planned], out_root: Path, rerun: bool = False) -> N
                 shutil.rmtree(run.run_dir)
                 run.run_dir.with_name(run.run_dir.name + ".log").unlink(missing_ok=True)
         elif RunFolder(run.run_dir).is_run():
-            if run.name not in identities:
-                identities[run.name] = run_identity(run.cfg)
-            differ = differences(RunFolder(run.run_dir).identity(), identities[run.name])
+            key = identity_inputs(run.cfg)  # one identity per base, data, benchmark and precision
+            if key not in identities:
+                identities[key] = run_identity(run.cfg)
+            differ = differences(RunFolder(run.run_dir).identity(), identities[key])
             if differ:
                 moved = supersede(out_root, run.run_dir)
                 print(f"{run.label}: made by other code or data ({'; '.join(differ)}): running it again (the "
