@@ -596,3 +596,21 @@ def test_a_site_pledges_one_statement_per_round_of_its_federation(tmp_path):
     }
     with pytest.raises(sf.guard.Refused):  # nothing about the file's handle survives between calls
         sf.pledge_statement(pledges, "fed-b", 1, one)
+
+
+@pytest.mark.parametrize("damage", ['{"fed-a/1": "00', "[]", "\udcff", '{"fed-a": "x", "fed-a/1": 1}'])
+def test_a_site_whose_record_does_not_read_refuses_rather_than_forgets(tmp_path, damage):
+    """A pledge or claim record damaged outside fedllm (cut short, another JSON value, bytes that are not
+    UTF-8, values of the wrong type) refuses the round instead of starting an empty record (which would let
+    the site sign a second statement, or train a round again); the damaged file is left as it was."""
+    from fedllm.secagg import flower as sf
+
+    for record in (tmp_path / "client-0-secagg-statements.json", tmp_path / "client-0-secagg-claims.json"):
+        record.write_bytes(damage.encode("utf-8", "surrogateescape"))
+        before = record.read_bytes()
+        with pytest.raises(sf.guard.Refused, match=f"record {record.name} does not read"):
+            if "statements" in record.name:
+                sf.pledge_statement(record, "fed-a", 1, bytes(32))
+            else:
+                sf.claim_round(record, "fed-a", 1)
+        assert record.read_bytes() == before

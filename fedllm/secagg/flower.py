@@ -754,7 +754,10 @@ def site_folder(context) -> Path:
 @contextlib.contextmanager
 def _locked_record(path: Path):
     """A site's JSON record file, read and then written atomically under an exclusive lock (two runs on one
-    SuperNode cannot both pass a check of it); written only if the body returns without raising."""
+    SuperNode cannot both pass a check of it); written only if the body returns without raising. A record
+    that does not read (damaged outside fedllm: its writes are atomic) refuses every secure round until the
+    site's operator restores it: read as empty, it would forget the rounds the site trained and the
+    statements it signed, which is what the record protects."""
     import fcntl
 
     from fedllm.files import atomic_write_text
@@ -762,9 +765,29 @@ def _locked_record(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        record = json.loads(path.read_text()) if path.exists() else {}
+        try:  # JSONDecodeError and UnicodeDecodeError are ValueErrors; nesting past Python's stack limit
+            record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        except (ValueError, RecursionError) as e:
+            record = e
+        if not isinstance(record, dict):
+            log.error(
+                "secure aggregation: %s does not read as a JSON object (%s): restore it from a backup "
+                "(deleting it would let this site sign or train a round twice)",
+                path,
+                record,
+            )
+            raise unreadable(path)
         yield record
         atomic_write_text(path, json.dumps(record, sort_keys=True))
+
+
+def unreadable(path: Path) -> guard.Refused:
+    """The refusal of a site whose record ``path`` does not read (the file's name only: it names the site,
+    which the server knows)."""
+    return guard.Refused(
+        f"this site's record {path.name} does not read: it refuses secure rounds until its operator restores "
+        "the file"
+    )
 
 
 def pledge_statement(pledges: Path, federation: str, round_idx: int, digest: bytes) -> None:
@@ -783,6 +806,8 @@ def pledge_statement(pledges: Path, federation: str, round_idx: int, digest: byt
     round, as it does for a round the sites trained (:func:`claim_round`)."""
     with _locked_record(pledges) as signed:
         key = f"{federation}/{round_idx}"
+        if not isinstance(signed.get(key, ""), str):  # damaged outside fedllm
+            raise unreadable(pledges)
         if signed.get(key, digest.hex()) != digest.hex():
             raise guard.Refused(
                 f"a round statement for round {round_idx} other than the one this site signed for that "
@@ -804,7 +829,9 @@ def claim_round(claims: Path, trajectory: str, round_idx: int) -> None:
     its sites trained; a new federation (a new ``federation`` node config, or a new registry) starts at
     round 1. The refusal names no round of the site's (the server learns nothing of its past from it)."""
     with _locked_record(claims) as done:
-        last = int(done.get(trajectory, 0))
+        last = done.get(trajectory, 0)
+        if not isinstance(last, int):  # damaged outside fedllm
+            raise unreadable(claims)
         if last >= round_idx:
             raise guard.Refused(
                 f"a secure training for round {round_idx} that this site's federation has had already: a "
