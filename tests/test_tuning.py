@@ -352,3 +352,6 @@ def test_a_table_of_some_tuned_rows_keeps_the_others_choices_on_record(tmp_path)
     write_tuning(tmp_path, rec(["fedit", "fedex"]), "fedit")
     elsewhere = write_tuning(tmp_path, {**rec(["fedit"]), "common": ["lora.ranks=[8]"]}, "fedit")
     assert set(elsewhere["variants"]) == {"fedit"}  # chosen under other common overrides: not kept
+    write_tuning(tmp_path, rec(["fedit", "fedex"]), "fedit")
+    other_config = write_tuning(tmp_path, {**rec(["fedit"]), "config": "configs/other.yaml"}, "fedit")
+    assert set(other_config["variants"]) == {"fedit"}  # chosen from another config file: not kept
