@@ -74,6 +74,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg.output.dir = str(run_dir)
     # 'auto' settled as the run will (precision, the clip of a one-job run): so a run compares equal
     settled(cfg)
+    if args.whole_process and cfg.model.quantization == "none":  # 1.5 s of start-up (the function says)
+        from fedllm.model.modeling import lora_without_bitsandbytes
+
+        lora_without_bitsandbytes()
 
     # Only the main process decides (and locks); the others follow its decision.
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator() reads the launch
@@ -609,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
+    # the process is this command's alone (the console script, python -m fedllm.cli), not a caller's that
+    # passes argv (a test, a notebook): only then may a command settle process-wide choices
+    args.whole_process = argv is None
     setup_logging(args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with friendly_errors():

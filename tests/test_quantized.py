@@ -241,3 +241,47 @@ def test_residual_survives_resume(tmp_path, kernel, builtin_base):
     assert again.start_round == 2 and RESIDUAL in again.runtime.model.peft_config
     install_global(again)
     assert heldout_of(again, again.eval_data)[0] == pytest.approx(loss, rel=1e-5)
+
+
+PROBE = """
+import sys, torch
+from fedllm.model.modeling import ModelError, lora_without_bitsandbytes, quantization_config
+passed_over = {skip} and lora_without_bitsandbytes()
+from peft import LoraConfig, get_peft_model
+get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(r=2, target_modules=["0"]))
+try:
+    quantization_config("4bit", torch.float32)
+    refused = False
+except ModelError as e:
+    refused = "process of its own" in str(e)
+print(passed_over, "bitsandbytes" in sys.modules, refused)
+"""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_float_bases_process_builds_lora_without_importing_bitsandbytes(skip):
+    """peft imports bitsandbytes (1.5 s of start-up: its backend imports torch's inductor) on its first LoRA
+    layer wherever it is installed; a process that passes over it builds the same layers without importing
+    it, and then refuses a quantized base rather than give it no LoRA layers. Without the call (the control)
+    the same LoRA layer imports it, so the first arm shows the call doing it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PROBE.format(skip=skip)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == (["True", "False", "True"] if skip else ["False", "True", "False"])
+
+
+def test_the_command_line_run_of_a_float_base_passes_over_bitsandbytes(tmp_path):
+    """``fedllm run`` as a program (the console script, ``python -m fedllm.cli``, what ``fedllm compare``
+    starts) on a float base sets it; a quantized run would not (``model.quantization`` decides)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    over = tiny_overrides(run, "federation.rounds=1", "eval.benchmark=none", "eval.personalized=false")
+    cli = [sys.executable, "-m", "fedllm.cli", "--log-level", "DEBUG"]
+    argv = [*cli, "run", "--output-dir", str(run), *over]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "peft passes over bitsandbytes in this process" in out.stderr

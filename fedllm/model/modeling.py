@@ -99,6 +99,11 @@ def quantization_config(mode: str, compute_dtype: torch.dtype, quant_type: str =
         return None
     import importlib.util
 
+    if _PEFT_WITHOUT_BNB:
+        raise ModelError(
+            f"model.quantization = {mode}: this process set peft to pass over bitsandbytes (a float base's "
+            "run, lora_without_bitsandbytes); load a quantized base in a process of its own"
+        )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelError(f"model.quantization = {mode} needs bitsandbytes: pip install 'fedllm[quant]'")
     from transformers import BitsAndBytesConfig
@@ -111,6 +116,42 @@ def quantization_config(mode: str, compute_dtype: torch.dtype, quant_type: str =
             bnb_4bit_compute_dtype=compute_dtype,
         )
     return BitsAndBytesConfig(load_in_8bit=True)
+
+
+_PEFT_WITHOUT_BNB = (
+    False  # set by lora_without_bitsandbytes: this process cannot put LoRA on a quantized base
+)
+
+
+def lora_without_bitsandbytes() -> bool:
+    """Have peft pass over bitsandbytes' layers for the rest of this process; True where it now does.
+
+    peft asks once whether bitsandbytes is installed (a cached answer) and, where it is, imports it when it
+    builds its first LoRA layer, whatever the base; bitsandbytes' default backend then imports torch's
+    inductor: 1.5 s of fedllm's 15 s start-up on a 2-core CPU (py-spy over the peer benchmark's job,
+    docs/peers.md), for layers a float base never uses. Here peft's question is answered while bitsandbytes
+    is hidden (``sys.modules[name] = None``: ``find_spec`` then says "not installed"), and nothing else in
+    the process sees it hidden. For a process that loads a float base only (the command line's ``fedllm
+    run`` with ``model.quantization = none``): a quantized base in it could not get LoRA layers, so
+    :func:`quantization_config` refuses one. Nothing is changed where peft has answered already or
+    bitsandbytes is imported already (nothing left to save)."""
+    import sys
+
+    from peft import import_utils
+
+    global _PEFT_WITHOUT_BNB
+    asked = getattr(import_utils.is_bnb_available, "cache_info", None)  # a peft that stops caching: as is
+    if asked is None or asked().currsize or "bitsandbytes" in sys.modules:
+        return _PEFT_WITHOUT_BNB
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    try:
+        import_utils.is_bnb_available()
+        import_utils.is_bnb_4bit_available()
+    finally:
+        del sys.modules["bitsandbytes"]
+    _PEFT_WITHOUT_BNB = True
+    log.debug("peft passes over bitsandbytes in this process (the base is not quantized)")
+    return True
 
 
 def load_base(model_cfg, device: torch.device | str = "cpu"):
