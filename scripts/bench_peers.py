@@ -7,6 +7,7 @@ predictions).
     python scripts/bench_peers.py prepare --peers PEERS --out OUT --seeds 0 1 2
     python scripts/bench_peers.py run --peers PEERS --out OUT --seeds 0 1 2
     python scripts/bench_peers.py run --peers PEERS --out OUT --seeds 0 --settings defaults   # 1 round each
+        [--peer flowertune]   # one peer only (a default round is an hour or more a peer on 2 CPU cores)
     python scripts/bench_peers.py report --out OUT
 
 ``prepare`` writes each seed's job (every client's chats and the held-out chats, from fedllm's partition of
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 HERE = Path(__file__).resolve().parent
 DEFAULTS_ROUNDS = 1  # a peer at its defaults: one round (~16x the aligned step's tokens; docs/peers.md)
+DEFAULTS_STEPS = 10  # both peers' default local steps (OpenFedLLM's --max_steps, FlowerTune's max-steps)
 
 
 class Job(TypedDict):
@@ -338,13 +340,13 @@ def peer_rounds(events: list[dict[str, Any]]) -> tuple[list[float], float | None
     return rounds, (first - t0 if t0 is not None and first is not None else None)
 
 
-def client_times(run_dir: Path, framework: str) -> list[tuple[float, float]]:
-    """Each client's (time a step, time beside its steps) in a run's folder: a peer's from its events (a step:
-    from its first step's end to its last, over the remaining steps; beside: the client's time less that many
-    steps), fedllm's from its log's per-client line (its time over its steps; nothing measurable beside)."""
+def client_times(run_dir: Path, framework: str, steps: int = JOB["steps"]) -> list[tuple[float, float]]:
+    """Each client's (time a step, time beside its ``steps`` steps) in a run's folder: a peer's from its
+    events (a step: from its first step's end to its last, over the remaining steps; beside: the client's
+    time less that many steps), fedllm's from its log's per-client line (its time over its steps; nothing
+    measurable beside)."""
     import re
 
-    steps = JOB["steps"]
     if framework == "fedllm":
         log = (run_dir / "fedllm.log").read_text()
         return [(float(s) / steps, 0.0) for s in re.findall(r"of steps\), ([\d.]+) s", log)]
@@ -449,6 +451,8 @@ def run(args: argparse.Namespace) -> None:
     if args.settings == "defaults":
         seed = args.seeds[0]
         for name, fn in (("openfedllm", run_openfedllm), ("flowertune", run_flowertune)):
+            if name not in args.peer:
+                continue
             where = out / "runs" / f"{name}-defaults-seed-{seed}"
             where.mkdir(parents=True, exist_ok=True)
             got = fn(seed, out / "data" / f"seed-{seed}", where, peers, model, args.threads, True)
@@ -555,6 +559,9 @@ def report(args: argparse.Namespace) -> None:
     at_defaults = {  # one round each at the peer's own settings: its time, not a loss to compare
         r["framework"]: {"round_s": r["rounds_s"], "peak_rss_mb": r["peak_rss_mb"], "wall_s": r["wall_s"],
                          "peak_pss_mb": r.get("peak_pss_mb"),
+                         "client_step_s": [round(c[0], 2) for c in client_times(
+                             out / "runs" / f"{r['framework']}-defaults-seed-{r['seed']}", r["framework"],
+                             DEFAULTS_STEPS)],
                          "heldout_loss_after_round_1": r["heldout_loss"]}
         for r in runs if r["settings"] == "defaults" and r["rc"] == 0
     }  # fmt: skip
@@ -569,7 +576,8 @@ def report(args: argparse.Namespace) -> None:
               f"held-out loss {t['heldout_loss_mean']}")  # fmt: skip
     print(f"a peer's round over fedllm's: {ratios}")
     for name, d in at_defaults.items():
-        print(f"{name:<11} at its defaults: round {d['round_s']} s, peak {d['peak_rss_mb']:.0f} MB")
+        print(f"{name:<11} at its defaults: round {d['round_s']} s, a step inside a client "
+              f"{d['client_step_s']} s, peak {d['peak_rss_mb']:.0f} MB")  # fmt: skip
     result = {
         "job": JOB,
         "commits": COMMITS,
@@ -645,7 +653,20 @@ def main() -> None:
             default="aligned",
             help="the aligned job, or each peer once at its own defaults for one round",
         )
+        if name == "run":
+            s.add_argument(
+                "--peer",
+                nargs="+",
+                choices=("openfedllm", "flowertune"),
+                default=None,
+                help="with --settings defaults: the peers to run (default both; an hour or more each on a "
+                "2-core CPU, so a sitting may run one)",
+            )
     args = ap.parse_args()
+    if getattr(args, "peer", None) and args.settings != "defaults":
+        ap.error("--peer: only with --settings defaults (the aligned job runs all three, alternating)")
+    if args.command == "run" and not args.peer:
+        args.peer = ["openfedllm", "flowertune"]
     {"prepare": prepare, "run": run, "report": report}[args.command](args)
 
 
