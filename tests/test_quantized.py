@@ -27,7 +27,7 @@ from fedllm.model.modeling import (
     select_cpu_4bit_kernel,
 )
 from fedllm.simulation import Simulation
-from tests.conftest import heldout_of, install_global, switch_in, tiny_overrides
+from tests.conftest import TEST_PRETRAIN_STEPS, heldout_of, install_global, switch_in, tiny_overrides
 
 pytest.importorskip("bitsandbytes")
 from bitsandbytes.functional import has_avx512bf16
@@ -269,19 +269,73 @@ def test_a_float_bases_process_builds_lora_without_importing_bitsandbytes(skip):
 
     out = subprocess.run([sys.executable, "-c", PROBE.format(skip=skip)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == (["True", "False", "True"] if skip else ["False", "True", "False"])
+    last = out.stdout.strip().splitlines()[-1].split()
+    assert last == (["True", "False", "True"] if skip else ["False", "True", "False"])
 
 
-def test_the_command_line_run_of_a_float_base_passes_over_bitsandbytes(tmp_path):
+CLI_PROBE = """
+import runpy, sys
+sys.argv = ["fedllm", "--log-level", "DEBUG", "run", *{argv!r}]
+try:
+    runpy.run_module("fedllm.cli", run_name="__main__")
+except SystemExit as e:
+    assert not e.code, e.code
+print("bitsandbytes imported:", "bitsandbytes" in sys.modules)
+"""
+
+
+def test_the_command_line_run_of_a_float_base_never_imports_bitsandbytes(tmp_path, builtin_base):
     """``fedllm run`` as a program (the console script, ``python -m fedllm.cli``, what ``fedllm compare``
-    starts) on a float base sets it; a quantized run would not (``model.quantization`` decides)."""
+    starts) on a float base: its whole run, LoRA layers, rounds and save, without bitsandbytes."""
     import subprocess
     import sys
 
     run = tmp_path / "run"
     over = tiny_overrides(run, "federation.rounds=1", "eval.benchmark=none", "eval.personalized=false")
-    cli = [sys.executable, "-m", "fedllm.cli", "--log-level", "DEBUG"]
-    argv = [*cli, "run", "--output-dir", str(run), *over]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    code = CLI_PROBE.format(argv=["--output-dir", str(run), *over])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "peft passes over bitsandbytes in this process" in out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "bitsandbytes imported: False"
+
+
+def test_a_caller_that_passes_argv_keeps_its_process_as_it_is(tmp_path, monkeypatch):
+    """``main(argv)`` from a test or a notebook settles nothing process-wide: peft there keeps seeing
+    bitsandbytes (a later quantized base in that process must still get its LoRA layers)."""
+    from fedllm import cli, simulation
+    from fedllm.model import modeling
+
+    class Reached(Exception):
+        pass
+
+    def never() -> bool:
+        raise AssertionError("a caller's process was changed")
+
+    def stop(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(modeling, "lora_without_bitsandbytes", never)
+    monkeypatch.setattr(simulation, "Simulation", stop)  # the run itself is not needed
+    with pytest.raises(Reached):
+        cli.main(["run", "--output-dir", str(tmp_path / "run"), *tiny_overrides(tmp_path / "run")])
+
+
+def test_a_checkpoint_stored_quantized_is_refused_where_peft_passes_over_bitsandbytes(builtin_base):
+    """A checkpoint whose config.json quantizes it with bitsandbytes, loaded with model.quantization = none
+    in such a process, would get plain LoRA layers on bitsandbytes' modules: refused, naming the setting."""
+    import subprocess
+    import sys
+
+    code = f"""
+from fedllm.config import load_config
+from fedllm.model import modeling
+assert modeling.lora_without_bitsandbytes()
+modeling.is_quantized = lambda model: True  # what a bitsandbytes-quantized checkpoint loads as
+try:
+    modeling.load_base(load_config(None, ["model.builtin_pretrain_steps={TEST_PRETRAIN_STEPS}"]).model)
+except modeling.ModelError as e:
+    print("refused:", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "is stored quantized by bitsandbytes" in out.stdout and "model.quantization" in out.stdout

@@ -133,8 +133,8 @@ def lora_without_bitsandbytes() -> bool:
     is hidden (``sys.modules[name] = None``: ``find_spec`` then says "not installed"), and nothing else in
     the process sees it hidden. For a process that loads a float base only (the command line's ``fedllm
     run`` with ``model.quantization = none``): a quantized base in it could not get LoRA layers, so
-    :func:`quantization_config` refuses one. Nothing is changed where peft has answered already or
-    bitsandbytes is imported already (nothing left to save)."""
+    :func:`quantization_config` refuses one, and :func:`load_base` a checkpoint stored quantized. Nothing
+    is changed where peft has answered already or bitsandbytes is imported already (nothing left to save)."""
     import sys
 
     from peft import import_utils
@@ -184,6 +184,12 @@ def load_base(model_cfg, device: torch.device | str = "cpu"):
     except OSError as e:
         hint = " (HF_HUB_OFFLINE=1: download it first or pass a local path)" if _offline() else ""
         raise ModelError(f"model.name: cannot load {model_cfg.name!r}{hint}: {e}") from None
+    if _PEFT_WITHOUT_BNB and is_quantized(model):  # a checkpoint stored quantized: peft needs bitsandbytes
+        raise ModelError(
+            f"model.name: {model_cfg.name!r} is stored quantized by bitsandbytes (its config.json's "
+            "quantization_config), and this process set peft to pass over bitsandbytes (model.quantization = "
+            "none): set model.quantization to the checkpoint's 4bit or 8bit"
+        )
     if qconfig is None:
         model.to(device)
     elif model_cfg.quantization == "4bit" and torch.device(device).type == "cpu":
