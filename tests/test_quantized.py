@@ -306,7 +306,7 @@ def test_a_caller_that_passes_argv_keeps_its_process_as_it_is(tmp_path, monkeypa
     from fedllm.model import modeling
 
     class Reached(Exception):
-        pass
+        """The run was reached: the process-wide choice, if any, was made before it."""
 
     def never() -> bool:
         raise AssertionError("a caller's process was changed")
